@@ -1,0 +1,63 @@
+"""The single-process API: an arena-backed model whose loss and gradients come from the streamed templates.
+
+    m = megatrain.from_pretrained("tiny")                  # or an HF directory
+    loss, grads = m.loss_and_grads(input_ids, labels=None)  # grads: HF name -> tensor
+    m.save_pretrained("out")
+
+It runs the same Executor the Ray engine schedules, in this process, with no optimizer attached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatrain.engine.executor import Executor
+from megatrain.memory.store import ParameterStore
+from megatrain.model.layout import ModelLayout
+
+
+class Model:
+    def __init__(self, store: ParameterStore, device: str = "cpu", precision: str = "fp32",
+                 loss_chunk_tokens: int = 4096):
+        self.store = store
+        self.config = store.config
+        self.layout: ModelLayout = store.layout
+        self.executor = Executor(self.config, self.layout, store.arena.params, store.arena.grads, device,
+                                 precision, loss_chunk_tokens)
+        if self.executor.device.type == "cuda":
+            store.arena.register_cuda()
+
+    def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean next-token loss and its gradient for every parameter, by HF name.
+
+        Labels follow transformers: same shape as input_ids, shifted inside, -100 ignored; None means
+        input_ids. The gradients are views of the arena, valid until the next call.
+        """
+        out = self.executor.run(input_ids, labels)
+        return torch.tensor(out.loss), self.layout.hf_views(self.store.arena.grads)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """HF name -> fp32 weight (views of the arena)."""
+        return self.layout.hf_views(self.store.arena.params)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        return self.store.save_pretrained(directory)
+
+    def close(self) -> None:
+        self.executor.close()
+        self.store.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def from_pretrained(path_or_preset: str | Path, device: str = "cpu", precision: str = "fp32", seed: int = 0,
+                    loss_chunk_tokens: int = 4096) -> Model:
+    """Loads an HF directory (or builds a preset with HF's init) into a new shared-memory arena."""
+    return Model(ParameterStore(path_or_preset, seed=seed), device, precision, loss_chunk_tokens)

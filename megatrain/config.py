@@ -1,0 +1,354 @@
+"""Configs: the model shape (Llama family), named presets, and HF config.json conversion.
+
+Every config is a dataclass; `validate()` turns a bad value into one sentence (ConfigError) that says
+what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class MegatrainError(Exception):
+    """An error a user can fix: the message is one sentence saying what is wrong and what to do."""
+
+
+class ConfigError(MegatrainError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), TinyLlama, SmolLM…"""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int | None = None  # None: multi-head attention (kv heads = heads)
+    intermediate_size: int | None = None  # None: Llama's 8/3 * hidden rounded up to a multiple of 256
+    head_dim: int | None = None  # None: hidden / heads (Mistral-style configs may set it explicitly)
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None, or {"rope_type": "llama3" | "linear", ...}
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k and v projections
+    o_bias: bool = False  # Llama's attention_bias=True also puts one on o_proj
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    model_type: str = "llama"  # which HF architecture to write back: llama | mistral | qwen2
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}.")
+        if self.head_dim is None:
+            raise ConfigError(
+                f"model config: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                "choose a head count that divides the hidden size or set head_dim explicitly."
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads} "
+                "(grouped-query attention shares each kv head among an equal number of query heads)."
+            )
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive.")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ConfigError(
+                    f"model config: rope scaling type {kind!r} is not supported; megatrain supports "
+                    "default, linear and llama3 (remove rope_scaling or convert the checkpoint)."
+                )
+        if self.model_type not in ("llama", "mistral", "qwen2"):
+            raise ConfigError(f"model config: model_type must be llama, mistral or qwen2, got {self.model_type!r}.")
+
+    # Sizes derived from the shape: used by the layout, the memory plan and FLOP accounting.
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        return attn + 3 * h * f + 2 * h
+
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_embeddings else embed
+        return embed + self.num_layers * self.layer_params() + self.hidden_size + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6N plus attention scores (PaLM appendix B accounting)."""
+        return 6 * self.num_params() + 12 * self.num_layers * self.hidden_size * seq_len
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelConfig:
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} or pass an HF directory.")
+        return cls(**PRESETS[key])
+
+    # ---- HF config.json ----
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
+        """Reads an HF config.json (a path, a model directory, or the parsed dict)."""
+        if isinstance(source, dict):
+            hf = source
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ConfigError(f"no HF config at {path}; pass a model directory that holds config.json.")
+            try:
+                hf = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{path} is not valid JSON ({e}); re-export the checkpoint's config.json.") from None
+            if not isinstance(hf, dict):
+                raise ConfigError(f"{path} must hold a JSON object; re-export the checkpoint's config.json.")
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ConfigError(
+                f"model_type {model_type!r} is not a Llama-family architecture megatrain trains; "
+                "supported: llama, mistral, qwen2."
+            )
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias=True is not supported; megatrain trains Llama-family MLPs without bias.")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+        if missing:
+            raise ConfigError(f"HF config lacks {', '.join(missing)}; it does not describe a Llama-family model.")
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or None
+        if rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        try:
+            return cls(
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=hf["num_attention_heads"],
+                num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                intermediate_size=hf.get("intermediate_size"),
+                head_dim=hf.get("head_dim"),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                rope_scaling=rope_scaling,
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+                max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                initializer_range=hf.get("initializer_range", 0.02),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=eos,
+                model_type=model_type,
+            )
+        except TypeError as e:
+            raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        if self.model_type == "qwen2" and self.o_bias:
+            raise ConfigError("qwen2 has no o_proj bias; save this model as model_type='llama'.")
+        if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
+            raise ConfigError("q/k/v bias without o_proj bias is Qwen2's layout; set model_type='qwen2'.")
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update(self.rope_scaling)
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+        hf: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_dropout": 0.0,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+            "use_cache": True,
+        }
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.qkv_bias
+            hf["mlp_bias"] = False
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            hf["eos_token_id"] = self.eos_token_id
+        return hf
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Named shapes. tiny is for tests and the laptop default; the rest follow public models of that size.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=260, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=176, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257),
+    "125m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048),
+    # TinyLlama-1.1B
+    "1b": dict(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
+               intermediate_size=5632, max_position_embeddings=2048),
+    # the 2.8B peer shape measured in shared/device/README.md
+    "2.8b": dict(vocab_size=32000, hidden_size=3072, num_layers=26, num_heads=24, num_kv_heads=8,
+                 intermediate_size=8192),
+    # Llama-3.2-3B
+    "3b": dict(vocab_size=128256, hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8,
+               intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True),
+    # Llama-2-7B (6.7B)
+    "7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008),
+    # Llama-3.1-8B shape with Llama-2's vocab stretched to ~9B: the fp32 + AdamW size target on 125 GiB
+    "9b": dict(vocab_size=32000, hidden_size=4096, num_layers=44, num_heads=32, num_kv_heads=8,
+               intermediate_size=14336, rope_theta=500000.0),
+    # Qwen2.5-14B
+    "14b": dict(vocab_size=152064, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+                intermediate_size=13824, rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
+                model_type="qwen2"),
+    # Qwen2.5-32B
+    "32b": dict(vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+                intermediate_size=27648, rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
+                model_type="qwen2"),
+    # Llama-3-70B
+    "70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                intermediate_size=28672, rope_theta=500000.0),
+}
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with HF Trainer's defaults for clipping and schedule (linear warmup, cosine decay)."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0  # None or 0 turns clipping off
+    warmup_steps: int = 0
+    total_steps: int | None = None  # None: constant LR after warmup
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        self.validate()
+
+    def validate(self) -> None:
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optimizer: lr must be a non-negative number, got {self.lr!r}.")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer: weight_decay must be >= 0, got {self.weight_decay}.")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer: betas must be two numbers in [0, 1), got {self.betas}.")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer: eps must be positive, got {self.eps}.")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError("optimizer: max_grad_norm must be positive (or 0/None to turn clipping off).")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer: warmup_steps must be >= 0, got {self.warmup_steps}.")
+        if self.total_steps is not None and self.total_steps < max(1, self.warmup_steps):
+            raise ConfigError(
+                f"optimizer: total_steps ({self.total_steps}) must be at least warmup_steps ({self.warmup_steps}) "
+                "and positive; raise total_steps or pass None for a constant LR after warmup."
+            )
+
+    @property
+    def clipping(self) -> bool:
+        return bool(self.max_grad_norm)
+
+    def lr_at(self, step: int) -> float:
+        """LR of the update with 0-based index `step`: HF's get_cosine_schedule_with_warmup."""
+        if step < self.warmup_steps:
+            return self.lr * step / max(1, self.warmup_steps)
+        if self.total_steps is None:
+            return self.lr
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        cosine = max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs: where compute happens, how many optimizer workers, how long sequences are chunked."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "tf32"  # fp32 (strict) | tf32 | bf16 (bf16 compute, fp32 masters)
+    optimizer_workers: int = 2
+    threads_per_worker: int | None = None  # None: cores / workers
+    loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
+        if self.optimizer_workers < 1:
+            raise ConfigError(f"optimizer_workers must be at least 1, got {self.optimizer_workers}.")
+        if self.loss_chunk_tokens < 1:
+            raise ConfigError("loss_chunk_tokens must be positive.")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")
+
+
+def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Builds a config dataclass from a dict, naming unknown keys instead of raising a TypeError."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(known))}.")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}.") from None
+
+
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "MegatrainError",
+    "ModelConfig",
+    "OptimConfig",
+    "PRESETS",
+    "dataclass_from_dict",
+]

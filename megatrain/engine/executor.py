@@ -1,0 +1,348 @@
+"""The layer-streaming schedule: forward, head, backward with recompute, two rotating weight buffers.
+
+    forward   for each layer l: H2D weights(l+1) into the free buffer while compute runs layer l;
+              keep the layer input x[l] as a checkpoint
+    head      final norm + lm_head + cross-entropy, forward and backward at once, in token chunks
+    backward  for each layer l from the top: H2D weights(l-1) while compute reruns layer l from x[l]
+              and takes gradients; D2H stream copies dW[l] into the arena; `grads_landed(unit)` fires once
+              they are there
+
+The embedding never crosses PCIe whole: the rows a batch uses are gathered on the host and only their
+gradient rows come back. On the CPU path the "buffers" are views of the arena and every copy is a plain
+copy, so tests exercise the same schedule without a GPU.
+
+This file knows nothing of Ray or of the optimizer: it is told when a unit's weights may be read
+(`wait_weights`) and tells when a unit's gradients have landed (`grads_landed`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain.config import ConfigError, MegatrainError, ModelConfig
+from megatrain.engine.streams import Streams
+from megatrain.model import ops
+from megatrain.model.layout import ModelLayout, Unit
+from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_loss_and_grads, recompute_grads
+from megatrain.telemetry import Recorder
+
+UnitCallback = Callable[[Unit], None]
+
+
+def _noop(unit: Unit) -> None:
+    pass
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu' or 'auto'.")
+    return device
+
+
+def set_matmul_precision(precision: str) -> None:
+    """tf32 for "tf32" and "bf16" (whose fp32 parts may use it), strict fp32 IEEE matmuls for "fp32"."""
+    allow = precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    tokens: int  # tokens that carried a label
+    unit_grad_norms_sq: list[float] = field(default_factory=list)  # per unit, in layout order
+
+    @property
+    def grad_norm(self) -> float:
+        return sum(self.unit_grad_norms_sq) ** 0.5
+
+
+class WeightSlots:
+    """Two device buffers that decoder layers rotate through; a unit stays resident until evicted, so the
+    top two layers of the forward are reused by the backward without a second copy."""
+
+    def __init__(self, numel: int, params: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
+        self.params, self.streams, self.dtype, self.rec = params, streams, dtype, rec
+        self.copy_needed = streams.cuda or dtype != torch.float32
+        n = 2 if self.copy_needed else 0
+        dev = streams.device
+        self.staging = [torch.empty(numel, device=dev) for _ in range(n if streams.cuda else 0)]
+        self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
+        self.resident: list[int | None] = [None] * n
+        self.ready: list[torch.cuda.Event | None] = [None] * n
+        self.free: list[torch.cuda.Event | None] = [None] * n
+
+    def fetch(self, unit: Unit, keep: Unit | None) -> None:
+        """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
+        if not self.copy_needed or unit.index in self.resident:
+            return
+        slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
+        src = unit.range_of(self.params)
+        s = self.streams
+        with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * 4):
+            s.wait(s.h2d, self.free[slot])
+            if s.cuda:
+                self.staging[slot][: unit.numel].copy_(src, non_blocking=True)
+                if self.dtype != torch.float32:
+                    self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel])
+                else:
+                    self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel], non_blocking=True)
+            else:
+                self.buffers[slot][: unit.numel].copy_(src)
+        self.ready[slot] = s.record(s.h2d)
+        self.resident[slot] = unit.index
+
+    def acquire(self, unit: Unit) -> tuple[int, dict[str, torch.Tensor]]:
+        """Makes the compute stream wait for `unit`'s weights and binds them."""
+        if not self.copy_needed:
+            return -1, unit.bind(unit.range_of(self.params))
+        slot = self.resident.index(unit.index)
+        self.streams.wait(self.streams.compute, self.ready[slot])
+        return slot, unit.bind(self.buffers[slot][: unit.numel])
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.free[slot] = self.streams.record(self.streams.compute)
+
+    def invalidate(self) -> None:
+        """Forgets what is resident: the optimizer may have rewritten the arena since."""
+        self.resident = [None] * len(self.resident)
+
+
+class Executor:
+    """Runs one forward+backward of a batch over a model whose fp32 weights live in `params` (host)."""
+
+    def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
+                 device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
+                 recorder: Recorder | None = None):
+        self.config, self.layout, self.params, self.grads = config, layout, params, grads
+        self.device = resolve_device(device)
+        self.precision = precision
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.rec = recorder or Recorder(enabled=False)
+        if self.device.type == "cuda":
+            set_matmul_precision(precision)
+        self.streams = Streams(self.device)
+        self.template = DecoderLayer(config)
+        self.slots = WeightSlots(layout.max_layer_numel(), params, self.streams, self.dtype, self.rec)
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
+        self._landed: queue.Queue[tuple[torch.cuda.Event | None, Unit, UnitCallback] | None] = queue.Queue()
+        self._landed_error: BaseException | None = None
+        self._notifier: threading.Thread | None = None
+
+    # ---- helpers ----
+    def _rope_for(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq not in self._rope:
+            self._rope[seq] = ops.rope_cos_sin(self.config, seq, self.device, self.dtype)
+        return self._rope[seq]
+
+    def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """H2D of a small host tensor (token ids, gathered rows) on the h2d stream, ordered before compute."""
+        s = self.streams
+        if not s.cuda:
+            return t.to(dtype) if dtype is not None else t
+        with s.on(s.h2d):
+            out = (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+        s.wait(s.compute, s.record(s.h2d))
+        return out.to(dtype) if dtype is not None else out
+
+    def _d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], unit: Unit, callback: UnitCallback) -> None:
+        """Copies (device grad -> host arena view) pairs on the d2h stream; `callback(unit)` once landed."""
+        s = self.streams
+        nbytes = sum(g.numel() * 4 for g, _ in pairs)
+        s.wait(s.d2h, s.record(s.compute))
+        with s.on(s.d2h), self.rec.span("d2h", "grads", unit.index, s.d2h, nbytes):
+            for g, dst in pairs:
+                g = g.float() if g.dtype != torch.float32 else g
+                if s.cuda:
+                    g.record_stream(s.d2h)
+                dst.copy_(g, non_blocking=s.cuda)
+        if not s.cuda:
+            callback(unit)
+            return
+        self._ensure_notifier()
+        self._landed.put((s.record(s.d2h), unit, callback))
+
+    def _ensure_notifier(self) -> None:
+        if self._notifier is None or not self._notifier.is_alive():
+            self._notifier = threading.Thread(target=self._notify_loop, name="grads-landed", daemon=True)
+            self._notifier.start()
+
+    def _notify_loop(self) -> None:
+        while (item := self._landed.get()) is not None:
+            event, unit, callback = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                callback(unit)
+            except BaseException as e:  # surfaced by the step that queued it
+                self._landed_error = e
+            finally:
+                self._landed.task_done()
+
+    def _drain_notifications(self) -> None:
+        if self._notifier is not None:
+            self._landed.join()
+        if self._landed_error is not None:
+            err, self._landed_error = self._landed_error, None
+            raise err
+
+    def close(self) -> None:
+        if self._notifier is not None and self._notifier.is_alive():
+            self._landed.put(None)
+            self._notifier.join(timeout=5)
+
+    # ---- the step ----
+    def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+            raise MegatrainError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}.")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise MegatrainError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise MegatrainError(f"token id {hi if hi >= self.config.vocab_size else lo} is outside the model's "
+                                 f"vocabulary [0, {self.config.vocab_size}); check the tokenizer matches the model.")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise MegatrainError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
+                                     f"got {tuple(labels.shape)}.")
+            bad = (labels != ops.IGNORE_INDEX) & ((labels < 0) | (labels >= self.config.vocab_size))
+            if bool(bad.any()):
+                raise MegatrainError(f"label {int(labels[bad][0])} is outside the vocabulary [0, "
+                                     f"{self.config.vocab_size}) and is not -100 (ignored).")
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+            wait_weights: UnitCallback = _noop, grads_landed: UnitCallback = _noop,
+            loss_ready: Callable[[float], bool] | None = None) -> StepOutput:
+        """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
+
+        wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
+        grads_landed(unit) is called once its gradients are in the arena; loss_ready(loss), if given, is
+        asked before the backward whether to go on (False: skip, e.g. a non-finite loss).
+        """
+        input_ids = torch.as_tensor(input_ids).long()
+        labels = None if labels is None else torch.as_tensor(labels).long()
+        self.check_batch(input_ids, labels)
+        s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
+        targets = ops.shift_labels(input_ids, labels)
+        rope = self._rope_for(input_ids.shape[1])
+        self.slots.invalidate()
+
+        # embedding: gather on the host only the rows this batch uses
+        wait_weights(embed_unit)
+        with self.rec.span("host", "embed", embed_unit.index):
+            rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
+            table = embed_unit.bind(embed_unit.range_of(self.params))["embed_tokens.weight"]
+            rows = self._to_device(table.index_select(0, rows_idx), self.dtype)
+            row_of_token = self._to_device(row_of_token)
+        with self.rec.span("compute", "embed", embed_unit.index, s.compute):
+            x = embed(rows, row_of_token)
+
+        # forward: x[l] kept as the checkpoint of layer l
+        checkpoints = []
+        wait_weights(layers[0])
+        self.slots.fetch(layers[0], keep=None)
+        for i, unit in enumerate(layers):
+            slot, w = self.slots.acquire(unit)
+            checkpoints.append(x)
+            with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
+                x = self.template(x, w, rope)
+            self.slots.release(slot)
+            if i + 1 < len(layers):
+                wait_weights(layers[i + 1])
+                self.slots.fetch(layers[i + 1], keep=unit)
+
+        # head: forward and backward at once
+        wait_weights(head_unit)
+        head_w = head_unit.bind(self._head_weights(head_unit))
+        lm_head = head_w.get("lm_head.weight")
+        if lm_head is None:  # tied: the embedding table is the output projection
+            wait_weights(embed_unit)
+            lm_head = self._to_device(table, self.dtype)
+        with self.rec.span("compute", "head", head_unit.index, s.compute):
+            loss, grad_x, grad_norm_w, grad_lm = head_loss_and_grads(
+                x, head_w["norm.weight"], lm_head, targets, self.config.rms_norm_eps, self.loss_chunk_tokens)
+        n_tokens = int((targets != ops.IGNORE_INDEX).sum())
+        del x
+        if loss_ready is not None and not loss_ready(float(loss)):
+            return StepOutput(float(loss), n_tokens)
+
+        norms: dict[int, torch.Tensor] = {}
+        head_grads = [(grad_norm_w, head_unit.bind(head_unit.range_of(self.grads))["norm.weight"])]
+        if not self.config.tie_embeddings:
+            head_grads.append((grad_lm, head_unit.bind(head_unit.range_of(self.grads))["lm_head.weight"]))
+        norms[head_unit.index] = sum(self._norm_sq(g) for g, _ in head_grads)
+        self._d2h(head_grads, head_unit, grads_landed)
+
+        # backward: recompute each layer from its checkpoint with its weights bound again
+        grad = grad_x
+        last = len(layers) - 1
+        self.slots.fetch(layers[last], keep=None)
+        for i in range(last, -1, -1):
+            unit = layers[i]
+            slot, w = self.slots.acquire(unit)
+            with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
+                grad, wgrads = recompute_grads(self.template, checkpoints[i], w, grad, rope)
+            checkpoints[i] = None  # type: ignore[call-overload]
+            self.slots.release(slot)
+            if i > 0:
+                self.slots.fetch(layers[i - 1], keep=unit)
+            norms[unit.index] = sum(self._norm_sq(g) for g in wgrads.values())
+            dst = unit.bind(unit.range_of(self.grads))
+            self._d2h([(g, dst[name]) for name, g in wgrads.items()], unit, grads_landed)
+
+        # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
+        with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
+            grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
+        embed_grad = embed_unit.bind(embed_unit.range_of(self.grads))["embed_tokens.weight"]
+        if self.config.tie_embeddings:
+            full = grad_lm.float()
+            full.index_add_(0, self._to_device(rows_idx), grad_rows)
+            norms[embed_unit.index] = self._norm_sq(full)
+            self._d2h([(full, embed_grad)], embed_unit, grads_landed)
+        else:
+            norms[embed_unit.index] = self._norm_sq(grad_rows)
+            self._d2h_embed_rows(grad_rows, rows_idx, embed_grad, embed_unit, grads_landed)
+
+        self._drain_notifications()
+        with self.rec.span("host", "sync"):
+            norm_values = torch.stack([norms[u.index] for u in self.layout.units]).cpu().tolist()
+            loss_value = float(loss)
+        return StepOutput(loss_value, n_tokens, norm_values)
+
+    def _head_weights(self, head_unit: Unit) -> torch.Tensor:
+        src = head_unit.range_of(self.params)
+        if not self.streams.cuda and self.dtype == torch.float32:
+            return src
+        with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * 4):
+            return self._to_device(src, self.dtype)
+
+    def _d2h_embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
+                        unit: Unit, callback: UnitCallback) -> None:
+        """Writes the gradient rows into the (otherwise zero) embedding gradient in the arena."""
+        host_rows = torch.empty(grad_rows.shape, dtype=torch.float32, pin_memory=self.streams.cuda)
+
+        def scatter(unit: Unit) -> None:
+            if self._embed_rows_written is None:
+                embed_grad.zero_()
+            else:
+                embed_grad.index_fill_(0, self._embed_rows_written, 0.0)
+            embed_grad.index_copy_(0, rows_idx, host_rows)
+            self._embed_rows_written = rows_idx
+            callback(unit)
+
+        self._d2h([(grad_rows, host_rows)], unit, scatter)
+
+    @staticmethod
+    def _norm_sq(g: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(g, dtype=torch.float64).square()

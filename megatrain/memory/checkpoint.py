@@ -1,0 +1,275 @@
+"""Checkpoints: HF model directories in and out, and resumable training checkpoints.
+
+Only safetensors and JSON are ever read: no pickles. Tensors are written straight from the arena with a
+small safetensors writer (the format is an 8-byte header length, a JSON header, raw little-endian bytes),
+so saving a 100 GB model needs no second copy of it in memory.
+
+Every directory is written atomically: into `<dir>.tmp-<pid>`, then renamed over. Training checkpoints
+end with a manifest (sizes and CRC32 of every file), written last; a checkpoint whose manifest is missing
+or disagrees with the files is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from megatrain.config import ConfigError, MegatrainError, ModelConfig
+from megatrain.model.layout import ModelLayout
+
+SHARD_BYTES = 4 * 2**30
+MANIFEST = "manifest.json"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+# Buffers some exporters include that are not parameters (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(MegatrainError):
+    pass
+
+
+# ---- safetensors writing ----
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+                      ) -> None:
+    items = [(name, t.detach().contiguous().cpu()) for name, t in tensors]
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, t in items:
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    return shards
+
+
+def write_sharded(directory: Path, stem: str, tensors: list[tuple[str, torch.Tensor]], limit: int = SHARD_BYTES) -> None:
+    """HF's layout: `<stem>.safetensors`, or numbered shards plus `<stem>.safetensors.index.json`."""
+    shards = _shards(tensors, limit)
+    if len(shards) == 1:
+        write_safetensors(directory / f"{stem}.safetensors", shards[0])
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(directory / fname, shard)
+        for name, t in shard:
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ---- safetensors reading ----
+
+def weight_files(directory: Path, stem: str) -> list[Path]:
+    single, index = directory / f"{stem}.safetensors", directory / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is not a valid safetensors index; re-export the checkpoint.") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{directory} is missing shard(s) {', '.join(missing)} listed in {index.name}; "
+                                  "copy the complete checkpoint.")
+        return files
+    if single.is_file():
+        return [single]
+    pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
+    hint = (f" (found {', '.join(pickles)}: megatrain never loads pickles; convert them to safetensors first)"
+            if pickles else "")
+    raise CheckpointError(f"no {stem}.safetensors or {stem}.safetensors.index.json in {directory}{hint}.")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it may be truncated or "
+                                  "corrupt, so copy it again.") from None
+
+
+def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "") -> None:
+    """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes."""
+    slots = layout.slots_by_hf_name()
+    seen: set[str] = set()
+    tied = layout.config.tie_embeddings
+    for name, t in iter_safetensors(files):
+        if prefix and not name.startswith(prefix):
+            continue
+        hf_name = name[len(prefix):]
+        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            continue  # tied checkpoints may carry lm_head too: it is the embedding
+        if hf_name not in slots:
+            raise CheckpointError(f"{where or files[0].parent} has tensor {hf_name!r} that a "
+                                  f"{layout.config.model_type} model of this config does not have; "
+                                  "check that config.json matches the weights.")
+        unit, slot = slots[hf_name]
+        if tuple(t.shape) != slot.shape:
+            raise CheckpointError(f"{where or files[0].parent}: tensor {hf_name} has shape {tuple(t.shape)} but the "
+                                  f"config implies {slot.shape}; check that config.json matches the weights.")
+        if not (t.is_floating_point()):
+            raise CheckpointError(f"{where or files[0].parent}: tensor {hf_name} has dtype {t.dtype}, "
+                                  "not a floating-point type; the file is not a model checkpoint.")
+        start = unit.offset + slot.offset
+        flat[start : start + slot.numel].view(slot.shape).copy_(t)
+        seen.add(hf_name)
+    missing = sorted(set(slots) - seen)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{where or files[0].parent} lacks tensor(s) {', '.join(missing[:3])}{more}; "
+                              "the checkpoint is incomplete or its config.json describes another model.")
+
+
+# ---- HF directories ----
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory; pass an HF model directory or a preset name.")
+    return ModelConfig.from_hf(directory)
+
+
+def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) -> None:
+    load_into(layout, params, weight_files(directory, "model"), where=str(directory))
+
+
+def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    return [(prefix + name, t) for name, t in layout.hf_views(flat).items()]
+
+
+def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
+            shard_bytes: int = SHARD_BYTES) -> Path:
+    """Writes an HF directory (config.json, safetensors weights, copies of extra_files) atomically."""
+    with atomic_directory(Path(directory)) as tmp:
+        (tmp / "config.json").write_text(json.dumps(layout.config.to_hf(), indent=2))
+        generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
+                                         ("eos_token_id", layout.config.eos_token_id)) if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        write_sharded(tmp, "model", hf_tensors(layout, params), shard_bytes)
+        for f in extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
+    return Path(directory)
+
+
+class atomic_directory:
+    """`with atomic_directory(path) as tmp:` write into tmp; on success tmp replaces path, else it is removed."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        _fsync_dir(self.tmp)
+        old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+        if self.path.exists():
+            os.replace(self.path, old)
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- manifests ----
+
+def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_manifest(directory: Path) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"format": "megatrain-checkpoint-v1", "files": files}, indent=2))
+
+
+def verify_manifest(directory: Path) -> None:
+    """Raises CheckpointError unless every file the manifest lists is present with its size and CRC."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}, so it was not completely written; "
+                              "resume from an earlier checkpoint.")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{manifest} is corrupt; resume from an earlier checkpoint.") from None
+    for name, meta in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory} lacks {name}, which its manifest lists; "
+                                  "resume from an earlier checkpoint.")
+        if path.stat().st_size != meta["bytes"] or file_crc32(path) != meta["crc32"]:
+            raise CheckpointError(f"checkpoint file {path} does not match its manifest (size or checksum), so it was "
+                                  "truncated or modified; resume from an earlier checkpoint.")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON ({e}).") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{what} {path} must hold a JSON object.")
+    return value
+
+
+def check_config_matches(directory: Path, config: ModelConfig) -> None:
+    saved = ModelConfig.from_hf(directory)
+    if saved.to_dict() != config.to_dict():
+        diff = [k for k, v in saved.to_dict().items() if config.to_dict().get(k) != v]
+        raise ConfigError(f"checkpoint {directory} is of a different model (differs in {', '.join(diff)}); "
+                          "resume with the model it was trained with.")

@@ -1,0 +1,147 @@
+"""The memory plan: bytes per tier before anything is allocated, and a clear refusal when it won't fit.
+
+Host: the arena (fp32 params, grads, Adam m and v: 16 B/param) plus the resident size of the processes
+(Ray, parameter store, optimizer workers, data loader, executor). GPU: two weight buffers and two
+gradient buffers sized for the largest decoder layer, the head, the layer-input checkpoints, one layer's
+recompute working set, and one chunk of logits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrain.config import MegatrainError, ModelConfig
+from megatrain.model.layout import ModelLayout
+
+GiB = 2**30
+# Resident memory of each process besides the arena, measured with torch imported (CPU build ~0.35 GiB;
+# the executor with a CUDA context ~1.5 GiB); Ray's own daemons ~1 GiB; its object store is kept small.
+PROCESS_OVERHEAD = {"ray": 1.0 * GiB, "object_store": 1.0 * GiB, "store": 0.4 * GiB, "data": 0.4 * GiB,
+                    "worker": 0.4 * GiB, "executor_cpu": 0.6 * GiB, "executor_cuda": 1.5 * GiB}
+CUDA_CONTEXT = 0.6 * GiB
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_available() -> int:
+    return _meminfo("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def shm_available(directory: str | Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    params: int
+    arena_numel: int
+    arena_bytes: int
+    process_bytes: int
+    gpu_weights: int
+    gpu_grads: int
+    gpu_activations: int
+    gpu_loss: int
+    on_gpu: bool
+    host_free: int
+    shm_free: int
+    gpu_free: int | None
+
+    @property
+    def host_total(self) -> int:
+        return self.arena_bytes + self.process_bytes
+
+    @property
+    def gpu_total(self) -> int:
+        return int(CUDA_CONTEXT) + self.gpu_weights + self.gpu_grads + self.gpu_activations + self.gpu_loss
+
+    def host_problem(self) -> str | None:
+        if self.arena_bytes > self.shm_free:
+            return (f"the {self.model} model needs a {self.arena_bytes / GiB:.1f} GiB arena (16 B per parameter for "
+                    f"{self.params / 1e9:.2f} G parameters) but /dev/shm has {self.shm_free / GiB:.1f} GiB free; "
+                    "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), or pick a smaller model.")
+        if self.host_total > self.host_free:
+            return (f"the {self.model} model needs {self.host_total / GiB:.1f} GiB of host memory "
+                    f"({self.arena_bytes / GiB:.1f} GiB arena + {self.process_bytes / GiB:.1f} GiB for processes) but "
+                    f"only {self.host_free / GiB:.1f} GiB is available; pick a smaller model or a machine with more memory.")
+        return None
+
+    def gpu_problem(self) -> str | None:
+        if self.on_gpu and self.gpu_free is not None and self.gpu_total > self.gpu_free:
+            return (f"training {self.model} needs about {self.gpu_total / GiB:.1f} GiB of GPU memory but "
+                    f"{self.gpu_free / GiB:.1f} GiB is free; lower the batch size or sequence length.")
+        return None
+
+    def check_host(self) -> None:
+        if problem := self.host_problem():
+            raise MegatrainError(problem)
+
+    def check(self) -> None:
+        problem = self.host_problem() or self.gpu_problem()
+        if problem:
+            raise MegatrainError(problem)
+
+    def report(self) -> str:
+        def row(name: str, n: int) -> str:
+            return f"  {name:<34}{n / GiB:>10.2f} GiB"
+        lines = [f"memory plan for {self.model} ({self.params / 1e9:.3f} G params)", "host:"]
+        lines += [row("arena (params+grads+Adam m,v fp32)", self.arena_bytes), row("processes (Ray, actors)", self.process_bytes),
+                  row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
+        lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
+        lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row("gradient buffers", self.gpu_grads),
+                  row("activations (checkpoints + 1 layer)", self.gpu_activations), row("loss chunk", self.gpu_loss),
+                  row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
+        if self.gpu_free is not None:
+            lines.append(row("free", self.gpu_free))
+        problem = self.host_problem() or self.gpu_problem()
+        lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
+        return "\n".join(lines)
+
+
+def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
+                optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
+                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None) -> MemoryPlan:
+    layout = ModelLayout.build(config)
+    act_bytes = 2 if precision == "bf16" else 4
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    tokens = batch * seq
+    layer = layout.max_layer_numel()
+    head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
+    embed_rows = min(v, tokens) * h * 4
+    # bf16 mode keeps a cast copy of each layer beside the fp32 buffer it arrived in
+    weights = 2 * layer * 4 + (2 * layer * 2 if precision == "bf16" else 0) + head * 4 + embed_rows
+    grads = 2 * layer * 4 + head * 4 + embed_rows
+    checkpoints = (config.num_layers + 1) * tokens * h * act_bytes
+    # one layer's recompute: normed input, q/k/v, attention out, residual, mlp gate/up/act, and their grads
+    working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes
+    chunk = min(tokens, loss_chunk_tokens)
+    loss = 3 * chunk * v * 4 + 2 * tokens * h * 4
+    processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "store", "data"))
+    processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
+    processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
+    if not on_gpu:  # the CPU path computes in host memory
+        processes += weights + grads + checkpoints + working + loss
+    if on_gpu and gpu_free is None:
+        try:
+            import torch
+
+            gpu_free = torch.cuda.mem_get_info()[0]
+        except Exception:  # no usable GPU here: the plan still reports sizes
+            gpu_free = None
+    shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
+    return MemoryPlan(
+        model=name, params=config.num_params(), arena_numel=layout.numel, arena_bytes=layout.numel * 16,
+        process_bytes=int(processes), gpu_weights=weights, gpu_grads=grads, gpu_activations=checkpoints + working,
+        gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
+    )

@@ -1,0 +1,118 @@
+"""The parameter store: owns the arena's lifetime, the layout, weight init, and checkpoints.
+
+Plain class; `actors/parameter_store.py` is its Ray shell. Checkpoints are HF-named safetensors (so
+`model.safetensors` of a training checkpoint is also a loadable HF model) plus the Adam moments, the
+trainer's state as JSON, and a manifest written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain.config import ConfigError, ModelConfig
+from megatrain.memory import checkpoint as ckpt
+from megatrain.memory.arena import Arena, ArenaHandle
+from megatrain.memory.plan import plan_memory
+from megatrain.model.layout import ModelLayout
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | None, str]:
+    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config."""
+    if isinstance(model, ModelConfig):
+        return model, None, "model"
+    path = Path(model)
+    if path.is_dir():
+        return ckpt.read_hf_config(path), path, path.name
+    if path.suffix or "/" in str(model) or path.exists():
+        raise ConfigError(f"model {str(model)!r} is neither an HF model directory nor a preset name; "
+                          "pass a directory holding config.json and safetensors weights, or a preset like 'tiny'.")
+    return ModelConfig.from_name(str(model)), None, str(model)
+
+
+def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
+    """HF Llama init: matrices ~ N(0, initializer_range), norms 1, biases 0; one generator per unit so
+    each unit's values do not depend on the others."""
+    std = layout.config.initializer_range
+    for unit in layout.units:
+        gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
+        for name, t in unit.bind(unit.range_of(params)).items():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif name.endswith(".bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, std, generator=gen)
+
+
+class ParameterStore:
+    def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
+                 run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True):
+        self.config, self.source_dir, self.name = resolve_model(model)
+        self.layout = ModelLayout.build(self.config)
+        self.num_workers = num_workers
+        if check_memory:
+            plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers).check_host()
+        versions = ("versions", "int64", len(self.layout.units) * num_workers)
+        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,))
+        self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
+        if self.source_dir is not None:
+            ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
+        else:
+            init_weights(self.layout, self.arena.params, seed)
+
+    @property
+    def handle(self) -> ArenaHandle:
+        return self.arena.handle
+
+    def set_version(self, updates_applied: int) -> None:
+        self.versions.fill_(updates_applied)
+
+    def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
+        return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [])
+
+    def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
+        """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""
+        directory = Path(directory)
+        with ckpt.atomic_directory(directory) as tmp:
+            (tmp / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+            ckpt.write_sharded(tmp, "model", ckpt.hf_tensors(self.layout, self.arena.params))
+            moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
+                       + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
+            ckpt.write_sharded(tmp, "optimizer", moments)
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            ckpt.write_manifest(tmp)
+        return directory
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Verifies and loads a training checkpoint into the arena; returns its trainer state."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ckpt.CheckpointError(f"checkpoint {directory} does not exist; check the path.")
+        ckpt.verify_manifest(directory)
+        ckpt.check_config_matches(directory, self.config)
+        state = ckpt.read_json(directory / "trainer_state.json", "trainer state")
+        ckpt.load_into(self.layout, self.arena.params, ckpt.weight_files(directory, "model"), where=str(directory))
+        opt_files = ckpt.weight_files(directory, "optimizer")
+        ckpt.load_into(self.layout, self.arena.exp_avg, opt_files, prefix="exp_avg.", where=str(directory))
+        ckpt.load_into(self.layout, self.arena.exp_avg_sq, opt_files, prefix="exp_avg_sq.", where=str(directory))
+        self.arena.grads.zero_()
+        self.set_version(int(state.get("updates_applied", 0)))
+        return state
+
+    def close(self) -> None:
+        if getattr(self, "arena", None) is not None:
+            self.arena.destroy()
+            self.arena = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the next start removes what is left
+            pass

@@ -1,0 +1,133 @@
+"""The flat, layer-contiguous layout of a model's fp32 state.
+
+The model is cut into *units*, the things that stream: the embedding, each decoder layer, and the head
+(final norm, plus lm_head unless embeddings are tied). Each unit is one contiguous range of a flat fp32
+buffer, so a layer crosses PCIe in one copy and its gradient comes back in one copy. Inside a unit every
+tensor has an offset and a shape and keeps its HF name, so checkpoints read and write HF files directly.
+
+Offsets are multiples of ALIGN elements: units start on 4 KiB pages and optimizer shards can be cut on
+boundaries where torch's fused AdamW gives bit-identical results however the range is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain.config import ModelConfig
+
+ALIGN = 1024  # elements (4 KiB of fp32): unit, tensor and shard boundaries are multiples of this
+
+
+def _round_up(n: int, multiple: int = ALIGN) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str  # name inside the unit, e.g. "self_attn.q_proj.weight"
+    hf_name: str  # full HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
+    offset: int  # elements from the unit's start
+    shape: tuple[int, ...]
+    decay: bool  # weight decay applies (matrices) or not (norms, biases)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    kind: str  # "embed" | "layer" | "head"
+    offset: int  # elements from the arena's start
+    numel: int  # padded size of the range
+    slots: tuple[TensorSlot, ...]
+    layer: int | None = None  # decoder layer number for kind == "layer"
+
+    def bind(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of this unit's tensors in `flat`, a buffer holding exactly this unit's range."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def range_of(self, arena_flat: torch.Tensor) -> torch.Tensor:
+        return arena_flat[self.offset : self.offset + self.numel]
+
+
+@dataclass
+class ModelLayout:
+    config: ModelConfig
+    units: list[Unit] = field(default_factory=list)
+    numel: int = 0
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> ModelLayout:
+        layout = cls(config)
+        h, v = config.hidden_size, config.vocab_size
+        layout._add("embed", [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)])
+        for i in range(config.num_layers):
+            layout._add("layer", _layer_tensors(config, i), layer=i)
+        head = [("norm.weight", "model.norm.weight", (h,), False)]
+        if not config.tie_embeddings:
+            head.append(("lm_head.weight", "lm_head.weight", (v, h), True))
+        layout._add("head", head)
+        return layout
+
+    def _add(self, kind: str, tensors: list[tuple[str, str, tuple[int, ...], bool]], layer: int | None = None) -> None:
+        slots, offset = [], 0
+        for name, hf_name, shape, decay in tensors:
+            slot = TensorSlot(name, hf_name, offset, shape, decay)
+            slots.append(slot)
+            offset = _round_up(offset + slot.numel)
+        unit = Unit(len(self.units), kind, self.numel, offset, tuple(slots), layer)
+        self.units.append(unit)
+        self.numel += unit.numel
+
+    @property
+    def embed(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def head(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def layers(self) -> list[Unit]:
+        return self.units[1:-1]
+
+    def max_layer_numel(self) -> int:
+        return max((u.numel for u in self.layers), default=0)
+
+    def slots_by_hf_name(self) -> dict[str, tuple[Unit, TensorSlot]]:
+        return {s.hf_name: (u, s) for u in self.units for s in u.slots}
+
+    def hf_views(self, arena_flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF name -> view into a full-model flat buffer (params, grads, or an optimizer state)."""
+        return {s.hf_name: arena_flat[u.offset + s.offset : u.offset + s.offset + s.numel].view(s.shape)
+                for u in self.units for s in u.slots}
+
+
+def _layer_tensors(config: ModelConfig, i: int) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    tensors = [
+        ("input_layernorm.weight", (h,), False),
+        ("self_attn.q_proj.weight", (q, h), True),
+        ("self_attn.k_proj.weight", (kv, h), True),
+        ("self_attn.v_proj.weight", (kv, h), True),
+        ("self_attn.o_proj.weight", (h, q), True),
+    ]
+    if config.qkv_bias:
+        tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
+                    ("self_attn.v_proj.bias", (kv,), False)]
+    if config.o_bias:
+        tensors.append(("self_attn.o_proj.bias", (h,), False))
+    tensors += [
+        ("post_attention_layernorm.weight", (h,), False),
+        ("mlp.gate_proj.weight", (f, h), True),
+        ("mlp.up_proj.weight", (f, h), True),
+        ("mlp.down_proj.weight", (h, f), True),
+    ]
+    return [(name, f"model.layers.{i}.{name}", shape, decay) for name, shape, decay in tensors]

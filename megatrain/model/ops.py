@@ -1,0 +1,93 @@
+"""Pure tensor functions of a Llama-family decoder. No state, no modules, no knowledge of streams.
+
+Numerics follow HF transformers' Llama so fp32 results match it to rounding: RMSNorm in fp32 then cast
+back, rotary cos/sin computed in fp32, attention by SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.config import ModelConfig
+
+IGNORE_INDEX = -100
+# enable_gqa arrived in torch 2.5; older versions get the kv heads repeated
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":  # Llama 3.1's frequency-dependent stretch
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq, head_dim] for positions 0..seq-1."""
+    positions = torch.arange(seq_len, device=device, dtype=torch.float)
+    freqs = positions[:, None] * rope_inv_freq(config).to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def shift_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Targets aligned with positions, as transformers does: position t predicts labels[t + 1]."""
+    source = input_ids if labels is None else labels
+    shifted = torch.full_like(source, IGNORE_INDEX)
+    shifted[:, :-1] = source[:, 1:]
+    return shifted
+
+
+def cross_entropy_sum(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy of one chunk: hidden [n, h], targets [n] (IGNORE_INDEX skipped)."""
+    logits = F.linear(hidden, lm_head).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")

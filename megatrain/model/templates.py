@@ -1,0 +1,102 @@
+"""Stateless layer templates: the model as pure functions of (activations, weights).
+
+A template holds only the shape config. Weights arrive per call as a dict of views into whatever flat
+buffer the unit was just copied into (a GPU weight buffer, or the arena itself on the CPU path), so one
+template serves every layer and no autograd graph outlives a call.
+
+Backward never uses torch.utils.checkpoint (it recomputes with whatever weights a module holds at
+backward time and raises CheckpointError when they were swapped, DeepSpeed PR 8148). Instead
+`recompute_grads` binds the weights again as fresh leaves, reruns the forward from the saved input under
+enable_grad, and asks torch.autograd.grad for the input and weight gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.config import MegatrainError, ModelConfig
+from megatrain.model import ops
+
+Weights = dict[str, torch.Tensor]
+
+
+class DecoderLayer:
+    """x -> x + attn(norm(x)) -> x + mlp(norm(x)); one instance serves every layer."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        h = ops.rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
+        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        attn = ops.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, c.q_size)
+        x = x + F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        h = ops.rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)
+        return x + ops.swiglu(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+
+
+def embed(rows: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup from the gathered rows a batch uses: rows [u, h], row_index [b, t] into rows."""
+    return F.embedding(row_index, rows)
+
+
+def embed_backward(grad_x: torch.Tensor, row_index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Gradient of the gathered rows: scatter-add of the token gradients, [u, h]."""
+    grad_rows = grad_x.new_zeros(num_rows, grad_x.shape[-1])
+    return grad_rows.index_add_(0, row_index.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]))
+
+
+def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Weights, grad_out: torch.Tensor,
+                    *args: object) -> tuple[torch.Tensor, Weights]:
+    """Reruns fn(x, weights, *args) with grad and returns (dL/dx, {name: dL/dw})."""
+    x = x.detach().requires_grad_(True)
+    leaves = {name: w.detach().requires_grad_(True) for name, w in weights.items()}
+    with torch.enable_grad():
+        y = fn(x, leaves, *args)
+    grads = torch.autograd.grad(y, [x, *leaves.values()], grad_out)
+    return grads[0], dict(zip(leaves, grads[1:]))
+
+
+def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,
+                        eps: float, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
+
+    Never holds more than [chunk_tokens, vocab] logits. Returns (loss, dL/dx, dL/d norm, dL/d lm_head);
+    the loss is the mean over targets that are not IGNORE_INDEX, as transformers computes it.
+    """
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_t = targets.reshape(-1).to(flat_x.device)
+    n_valid = int((flat_t != ops.IGNORE_INDEX).sum())
+    if n_valid == 0:
+        raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
+    loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
+    grad_x = torch.zeros_like(flat_x)
+    grad_norm = torch.zeros_like(norm_weight)
+    grad_head = torch.zeros_like(lm_head)
+    norm_leaf = norm_weight.detach().requires_grad_(True)
+    head_leaf = lm_head.detach().requires_grad_(True)
+    for start in range(0, flat_x.shape[0], chunk_tokens):
+        t = flat_t[start : start + chunk_tokens]
+        if not bool((t != ops.IGNORE_INDEX).any()):
+            continue  # nothing to learn here (prompt or padding): its gradient is zero
+        xc = flat_x[start : start + chunk_tokens].detach().requires_grad_(True)
+        with torch.enable_grad():
+            chunk_loss = ops.cross_entropy_sum(ops.rms_norm(xc, norm_leaf, eps), head_leaf, t)
+            gx, gn, gh = torch.autograd.grad(chunk_loss / n_valid, [xc, norm_leaf, head_leaf])
+        loss += chunk_loss.detach()
+        grad_x[start : start + chunk_tokens] = gx
+        grad_norm += gn
+        grad_head += gh
+    return loss / n_valid, grad_x.view_as(x), grad_norm, grad_head

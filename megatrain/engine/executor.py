@@ -32,9 +32,10 @@ from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_
 from megatrain.telemetry import Recorder
 
 UnitCallback = Callable[[Unit], None]
+LandedCallback = Callable[[Unit, float], None]  # (unit, squared norm of its gradient)
 
 
-def _noop(unit: Unit) -> None:
+def _noop(unit: Unit, *args: object) -> None:
     pass
 
 
@@ -136,7 +137,7 @@ class Executor:
         self.slots = WeightSlots(layout.max_layer_numel(), params, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
-        self._landed: queue.Queue[tuple[torch.cuda.Event | None, Unit, UnitCallback] | None] = queue.Queue()
+        self._landed: queue.Queue[tuple[torch.cuda.Event, Unit, torch.Tensor, LandedCallback] | None] = queue.Queue()
         self._landed_error: BaseException | None = None
         self._notifier: threading.Thread | None = None
 
@@ -156,8 +157,9 @@ class Executor:
         s.wait(s.compute, s.record(s.h2d))
         return out.to(dtype) if dtype is not None else out
 
-    def _d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], unit: Unit, callback: UnitCallback) -> None:
-        """Copies (device grad -> host arena view) pairs on the d2h stream; `callback(unit)` once landed."""
+    def _d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], unit: Unit, norm_sq: torch.Tensor,
+             callback: LandedCallback) -> None:
+        """Copies (device grad -> host arena view) pairs on the d2h stream; `callback(unit, norm²)` once landed."""
         s = self.streams
         nbytes = sum(g.numel() * 4 for g, _ in pairs)
         s.wait(s.d2h, s.record(s.compute))
@@ -168,10 +170,10 @@ class Executor:
                     g.record_stream(s.d2h)
                 dst.copy_(g, non_blocking=s.cuda)
         if not s.cuda:
-            callback(unit)
+            callback(unit, float(norm_sq))
             return
         self._ensure_notifier()
-        self._landed.put((s.record(s.d2h), unit, callback))
+        self._landed.put((s.record(s.d2h), unit, norm_sq, callback))
 
     def _ensure_notifier(self) -> None:
         if self._notifier is None or not self._notifier.is_alive():
@@ -180,11 +182,10 @@ class Executor:
 
     def _notify_loop(self) -> None:
         while (item := self._landed.get()) is not None:
-            event, unit, callback = item
+            event, unit, norm_sq, callback = item
             try:
-                if event is not None:
-                    event.synchronize()
-                callback(unit)
+                event.synchronize()
+                callback(unit, float(norm_sq))  # computed before the copy began, so already done
             except BaseException as e:  # surfaced by the step that queued it
                 self._landed_error = e
             finally:
@@ -222,12 +223,12 @@ class Executor:
                                      f"{self.config.vocab_size}) and is not -100 (ignored).")
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-            wait_weights: UnitCallback = _noop, grads_landed: UnitCallback = _noop,
+            wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
-        grads_landed(unit) is called once its gradients are in the arena; loss_ready(loss), if given, is
+        grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
         asked before the backward whether to go on (False: skip, e.g. a non-finite loss).
         """
         input_ids = torch.as_tensor(input_ids).long()
@@ -282,7 +283,7 @@ class Executor:
         if not self.config.tie_embeddings:
             head_grads.append((grad_lm, head_unit.bind(head_unit.range_of(self.grads))["lm_head.weight"]))
         norms[head_unit.index] = sum(self._norm_sq(g) for g, _ in head_grads)
-        self._d2h(head_grads, head_unit, grads_landed)
+        self._d2h(head_grads, head_unit, norms[head_unit.index], grads_landed)
 
         # backward: recompute each layer from its checkpoint with its weights bound again
         grad = grad_x
@@ -299,7 +300,7 @@ class Executor:
                 self.slots.fetch(layers[i - 1], keep=unit)
             norms[unit.index] = sum(self._norm_sq(g) for g in wgrads.values())
             dst = unit.bind(unit.range_of(self.grads))
-            self._d2h([(g, dst[name]) for name, g in wgrads.items()], unit, grads_landed)
+            self._d2h([(g, dst[name]) for name, g in wgrads.items()], unit, norms[unit.index], grads_landed)
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
         with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
@@ -309,10 +310,10 @@ class Executor:
             full = grad_lm.float()
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
             norms[embed_unit.index] = self._norm_sq(full)
-            self._d2h([(full, embed_grad)], embed_unit, grads_landed)
+            self._d2h([(full, embed_grad)], embed_unit, norms[embed_unit.index], grads_landed)
         else:
             norms[embed_unit.index] = self._norm_sq(grad_rows)
-            self._d2h_embed_rows(grad_rows, rows_idx, embed_grad, embed_unit, grads_landed)
+            self._d2h_embed_rows(grad_rows, rows_idx, embed_grad, embed_unit, norms[embed_unit.index], grads_landed)
 
         self._drain_notifications()
         with self.rec.span("host", "sync"):
@@ -328,20 +329,20 @@ class Executor:
             return self._to_device(src, self.dtype)
 
     def _d2h_embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
-                        unit: Unit, callback: UnitCallback) -> None:
+                        unit: Unit, norm_sq: torch.Tensor, callback: LandedCallback) -> None:
         """Writes the gradient rows into the (otherwise zero) embedding gradient in the arena."""
         host_rows = torch.empty(grad_rows.shape, dtype=torch.float32, pin_memory=self.streams.cuda)
 
-        def scatter(unit: Unit) -> None:
+        def scatter(unit: Unit, norm_sq: float) -> None:
             if self._embed_rows_written is None:
                 embed_grad.zero_()
             else:
                 embed_grad.index_fill_(0, self._embed_rows_written, 0.0)
             embed_grad.index_copy_(0, rows_idx, host_rows)
             self._embed_rows_written = rows_idx
-            callback(unit)
+            callback(unit, norm_sq)
 
-        self._d2h([(grad_rows, host_rows)], unit, scatter)
+        self._d2h([(grad_rows, host_rows)], unit, norm_sq, scatter)
 
     @staticmethod
     def _norm_sq(g: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Thin Ray actor shells over megatrain's plain classes; the only place besides pipelines/ that imports ray."""

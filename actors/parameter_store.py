@@ -1,0 +1,45 @@
+"""Ray shell of the parameter store: owns the arena for the run and unlinks it on the way out."""
+
+from __future__ import annotations
+
+import atexit
+import signal
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from megatrain.config import ModelConfig
+from megatrain.memory.arena import ArenaHandle
+from megatrain.memory.store import ParameterStore
+
+
+@ray.remote(num_cpus=0)
+class ParameterStoreActor:
+    def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
+                 run_id: str | None = None):
+        self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq, run_id=run_id)
+        # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
+        atexit.register(self.store.close)
+        signal.signal(signal.SIGTERM, lambda *_: (self.store.close(), exit(0)))
+
+    def handle(self) -> ArenaHandle:
+        return self.store.handle
+
+    def config(self) -> ModelConfig:
+        return self.store.config
+
+    def set_version(self, updates_applied: int) -> None:
+        self.store.set_version(updates_applied)
+
+    def save_checkpoint(self, directory: str, state: dict[str, Any]) -> str:
+        return str(self.store.save_checkpoint(directory, state))
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        return self.store.load_checkpoint(directory)
+
+    def save_pretrained(self, directory: str, extra_files: list[str] | None = None) -> str:
+        return str(self.store.save_pretrained(directory, [Path(f) for f in extra_files or []]))
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,458 @@
+"""Sources of documents, the eval split, and a resumable, shuffled, multi-epoch document stream.
+
+A document is text (`str`), a chat (`list` of `{"role", "content"}` dicts, the `messages` format) or
+pre-tokenized ids (`list[int]`). Sources:
+
+- synthetic: the default, no files. Seeded, learnable documents (see `synthetic_document`).
+- text (.txt .text .md, or any file with format="text"): documents are paragraphs separated by blank lines
+  (text_split="paragraph"), or whole files (text_split="file").
+- jsonl (.jsonl .ndjson .json): one JSON object per line; the document is its `messages_field` (a chat) or its
+  `text_field` (text or token ids); blank lines are skipped.
+- parquet (.parquet .pq) and arrow (.arrow .feather .ipc .arrows, Arrow IPC file or stream format): one
+  column (`column`, else `text_field`, else `messages_field`) of strings, token-id lists or message lists.
+A folder is read as all its files of one format, in sorted path order.
+
+Every source is cut into shards that can be read on their own, so nothing is ever read whole: a Parquet row
+group, an Arrow record batch, about `shard_bytes` of a text/JSONL file cut at a line (text: a blank line),
+a whole file with text_split="file", or 100 synthetic documents. The shard index is built when the source is
+opened (one pass over text/JSONL files, metadata only for Parquet/Arrow).
+
+Shuffling is two-level: the shard order is permuted per epoch, then the documents inside each shard. A
+position is therefore (epoch, shard slot, document slot): three integers from which a stream resumes
+exactly, re-reading one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from megatrain.data.tokenizers import DataError, Message
+
+if TYPE_CHECKING:
+    from megatrain.data.loader import DataConfig
+
+Document = Union[str, list[Message], list[int]]  # noqa: UP007 (a runtime alias: keep py3.10-safe syntax)
+
+EXTENSIONS = {
+    "text": (".txt", ".text", ".md"),
+    "jsonl": (".jsonl", ".ndjson", ".json"),
+    "parquet": (".parquet", ".pq"),
+    "arrow": (".arrow", ".feather", ".ipc", ".arrows"),
+}
+FORMATS = ("synthetic", *EXTENSIONS)
+_EVAL_SEED = 0x5EED  # the eval split ignores the shuffle seed: changing the seed never leaks eval into train
+
+
+@dataclass(frozen=True)
+class Doc:
+    value: Document
+    where: str  # for error messages, e.g. "data.jsonl line 7"
+
+
+class Source:
+    """A list of shards; `read_shard(i)` returns the shard's documents in storage order."""
+
+    name: str
+    num_shards: int
+
+    def read_shard(self, index: int) -> list[Doc]:
+        raise NotImplementedError
+
+
+# ---- synthetic ----
+
+_LETTERS = "abcdefghijklmnop"
+
+
+def synthetic_document(rng: np.random.Generator) -> str:
+    """One learnable document: half are a short random word repeated ("kcb kcb kcb ..."), half count up
+    from a random number ("417 418 419 ..."). Letter and digit statistics are learned in a few steps, then
+    copying and counting drive the loss far below the unigram level."""
+    reps = int(rng.integers(8, 40))
+    if rng.random() < 0.5:
+        word = "".join(_LETTERS[i] for i in rng.integers(0, len(_LETTERS), size=int(rng.integers(3, 7))))
+        return " ".join([word] * reps)
+    start = int(rng.integers(0, 1000))
+    return " ".join(str(start + i) for i in range(reps))
+
+
+class SyntheticSource(Source):
+    docs_per_shard = 100
+
+    def __init__(self, num_docs: int, seed: int):
+        self.name, self.num_docs, self.seed = "synthetic", num_docs, seed
+        self.num_shards = -(-num_docs // self.docs_per_shard)
+
+    def read_shard(self, index: int) -> list[Doc]:
+        rng = np.random.default_rng([self.seed, index])
+        first = index * self.docs_per_shard
+        n = min(self.docs_per_shard, self.num_docs - first)
+        return [Doc(synthetic_document(rng), f"synthetic document {first + i}") for i in range(n)]
+
+
+# ---- text and JSON Lines: shards are byte ranges cut at line boundaries ----
+
+def _line_shards(path: Path, shard_bytes: int, at_blank_line: bool) -> list[tuple[int, int, int]]:
+    """(start byte, end byte, first line number) of each shard: cut after about shard_bytes, at a line end
+    (at_blank_line: after a blank line, so paragraphs never straddle shards)."""
+    shards, start, first_line, pos = [], 0, 1, 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            pos += len(line)
+            if pos - start >= shard_bytes and (not at_blank_line or not line.strip()):
+                shards.append((start, pos, first_line))
+                start, first_line = pos, n + 1
+    if pos > start:
+        shards.append((start, pos, first_line))
+    return shards
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+class TextSource(Source):
+    def __init__(self, files: list[Path], shard_bytes: int, split: str):
+        self.name, self.files, self.split = str(files[0].parent if len(files) > 1 else files[0]), files, split
+        if split == "file":
+            self.index = [(f, 0, f.stat().st_size, 1) for f in files]
+        else:
+            self.index = [(f, *s) for f in files for s in _line_shards(f, shard_bytes, at_blank_line=True)]
+        self.num_shards = len(self.index)
+
+    def read_shard(self, index: int) -> list[Doc]:
+        path, start, end, first_line = self.index[index]
+        text = _read_range(path, start, end).decode("utf-8", errors="replace")
+        if self.split == "file":
+            return [Doc(text, str(path))] if text.strip() else []
+        docs, last, line = [], 0, first_line
+        for m in [*_BLANK_LINE.finditer(text), None]:
+            end_char = m.start() if m else len(text)
+            para = text[last:end_char].strip("\r\n")
+            if para.strip():
+                first_char = text.index(para, last)
+                docs.append(Doc(para, f"{path} line {line + text.count(chr(10), last, first_char)}"))
+            if m:
+                line += text.count("\n", last, m.end())
+                last = m.end()
+        return docs
+
+
+class JsonlSource(Source):
+    def __init__(self, files: list[Path], shard_bytes: int, text_field: str, messages_field: str,
+                 prefer_text: bool):
+        for f in files:
+            with open(f, "rb") as fh:
+                if fh.read(4096).lstrip().startswith(b"["):
+                    raise DataError(f"{f} holds a JSON array, not JSON Lines; write one JSON object per line "
+                                    "(e.g. jq -c '.[]').")
+        self.name, self.files = str(files[0].parent if len(files) > 1 else files[0]), files
+        self.fields = (text_field, messages_field) if prefer_text else (messages_field, text_field)
+        self.index = [(f, *s) for f in files for s in _line_shards(f, shard_bytes, at_blank_line=False)]
+        self.num_shards = len(self.index)
+
+    def read_shard(self, index: int) -> list[Doc]:
+        path, start, end, first_line = self.index[index]
+        docs = []
+        for j, raw in enumerate(_read_range(path, start, end).split(b"\n")):
+            if not raw.strip():
+                continue
+            where = f"{path} line {first_line + j}"
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                raise DataError(f"{where} is not valid JSON ({detail}); fix or remove that line.") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where} holds a JSON {type(record).__name__}, not an object; "
+                                "write one JSON object per line.")
+            key = next((k for k in self.fields if k in record), None)
+            if key is None:
+                raise DataError(f"{where} has no {self.fields[0]!r} or {self.fields[1]!r} field (its fields are: "
+                                f"{', '.join(record) or 'none'}); set text_field or messages_field to the one "
+                                "holding the documents.")
+            value = as_document(record[key], where, key)
+            if value is not None:
+                docs.append(Doc(value, where))
+        return docs
+
+
+# ---- Parquet and Arrow IPC: shards are row groups / record batches, one column read at a time ----
+
+def _pick_column(names: list[str], path: Path, column: str | None, text_field: str, messages_field: str) -> str:
+    if column is not None:
+        if column not in names:
+            raise DataError(f"{path} has no column {column!r} (its columns are: {', '.join(names)}); "
+                            "set column to one of them.")
+        return column
+    for name in (text_field, messages_field):
+        if name in names:
+            return name
+    raise DataError(f"{path} has no {text_field!r} or {messages_field!r} column (its columns are: "
+                    f"{', '.join(names)}); set column to the one holding the documents.")
+
+
+def _column_docs(values: list[Any], path: Path, column: str, first_row: int) -> list[Doc]:
+    docs = []
+    for i, v in enumerate(values):
+        where = f"{path} row {first_row + i}"
+        value = as_document(v, where, column)
+        if value is not None:
+            docs.append(Doc(value, where))
+    return docs
+
+
+class ParquetSource(Source):
+    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str):
+        import pyarrow.parquet as pq
+
+        self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
+        for f in files:
+            try:
+                meta = pq.ParquetFile(f).metadata
+            except Exception as e:
+                raise DataError(f"{f} is not a readable Parquet file ({e}); re-export it or remove it.") from None
+            names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
+            self.columns[f] = _pick_column(list(dict.fromkeys(names)), f, column, text_field, messages_field)
+            first = 0
+            for g in range(meta.num_row_groups):
+                self.index.append((f, g, first))
+                first += meta.row_group(g).num_rows
+        self.num_shards = len(self.index)
+
+    def read_shard(self, index: int) -> list[Doc]:
+        import pyarrow.parquet as pq
+
+        path, group, first_row = self.index[index]
+        column, docs = self.columns[path], []
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=[column]):
+            docs += _column_docs(batch.column(0).to_pylist(), path, column, first_row + len(docs))
+        return docs
+
+
+def _open_arrow(path: Path) -> tuple[Any, bool]:
+    """An Arrow IPC reader (file format: random access; stream format: sequential) and whether it is a file."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path))), True
+    except pa.ArrowInvalid:
+        pass
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path))), False
+    except pa.ArrowInvalid as e:
+        raise DataError(f"{path} is not an Arrow IPC file or stream ({e}); re-export it or remove it.") from None
+
+
+class ArrowSource(Source):
+    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str):
+        self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
+        for f in files:
+            reader, is_file = _open_arrow(f)
+            self.columns[f] = _pick_column(reader.schema.names, f, column, text_field, messages_field)
+            # the stream format has no footer: count its batches (and rows) by reading them one at a time
+            sizes = ([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)] if is_file
+                     else [b.num_rows for b in reader])
+            first = 0
+            for b, n in enumerate(sizes):
+                self.index.append((f, b, first))
+                first += n
+        self.num_shards = len(self.index)
+
+    def read_shard(self, index: int) -> list[Doc]:
+        path, b, first_row = self.index[index]
+        reader, is_file = _open_arrow(path)
+        if is_file:
+            batch = reader.get_batch(b)
+        else:
+            for i, batch in enumerate(reader):  # noqa: B007 (stop at the b-th batch)
+                if i == b:
+                    break
+        column = self.columns[path]
+        return _column_docs(batch.column(column).to_pylist(), path, column, first_row)
+
+
+# ---- documents ----
+
+def as_document(value: Any, where: str, field: str) -> Document | None:
+    """Checks one stored value: text, token ids or a chat; None (skipped) for null and empty values."""
+    if value is None or (isinstance(value, (str, list)) and not value):
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            return [int(v) for v in value]
+        if all(isinstance(v, dict) for v in value):
+            for j, m in enumerate(value):
+                if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise DataError(f"{where}: {field} entry {j} lacks a string 'role' and 'content' (its keys "
+                                    f"are: {', '.join(m) or 'none'}); give every message both.")
+            return value
+    raise DataError(f"{where}: {field!r} holds a {type(value).__name__}, not text, token ids or a list of "
+                    "messages; point text_field, messages_field or column at the documents.")
+
+
+# ---- opening a source ----
+
+def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
+    if path.is_file():
+        if fmt is None:
+            fmt = next((k for k, exts in EXTENSIONS.items() if path.name.lower().endswith(exts)), None)
+            if fmt is None:
+                raise DataError(f"cannot tell the format of {path} from its extension; set format to one of "
+                                f"{', '.join(EXTENSIONS)}.")
+        files = [path]
+    else:
+        candidates = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(path).parts))
+        by_format = {k: [p for p in candidates if p.name.lower().endswith(exts)] for k, exts in EXTENSIONS.items()}
+        if fmt is None:
+            found = [k for k, ps in by_format.items() if ps]
+            if len(found) > 1:
+                raise DataError(f"folder {path} holds {' and '.join(found)} files; set format to the one to read.")
+            if not found:
+                raise DataError(f"folder {path} holds no data files (looked for "
+                                f"{' '.join(e for exts in EXTENSIONS.values() for e in exts)}); point source at a "
+                                "folder with data or set format.")
+            fmt = found[0]
+        files = by_format[fmt] or candidates  # an explicit format reads files of any extension if none match
+        if not files:
+            raise DataError(f"folder {path} is empty; point source at a folder with data files.")
+    files = [f for f in files if f.stat().st_size > 0]
+    if not files:
+        raise DataError(f"{path} is empty; point source at a file or folder with data.")
+    return fmt, files
+
+
+def open_source(cfg: DataConfig) -> tuple[str, Source]:
+    """The format (detected or cfg.format) and the source it names."""
+    if cfg.source == "synthetic" or cfg.format == "synthetic":
+        return "synthetic", SyntheticSource(cfg.synthetic_docs, cfg.seed)
+    path = Path(cfg.source)
+    if not path.exists():
+        raise DataError(f"data source {path} does not exist; pass an existing file or folder, or "
+                        "source='synthetic'.")
+    fmt, files = _data_files(path, cfg.format)
+    if fmt == "text":
+        return fmt, TextSource(files, cfg.shard_bytes, cfg.text_split)
+    if fmt == "jsonl":
+        return fmt, JsonlSource(files, cfg.shard_bytes, cfg.text_field, cfg.messages_field, cfg.sft is False)
+    if fmt == "parquet":
+        return fmt, ParquetSource(files, cfg.column, cfg.text_field, cfg.messages_field)
+    return fmt, ArrowSource(files, cfg.column, cfg.text_field, cfg.messages_field)
+
+
+# ---- eval split and the document stream ----
+
+class EvalSplit:
+    """Which documents are held out: `count` = the first documents in storage order; `fraction` = each
+    document independently with that probability, from a fixed seed (not the shuffle seed)."""
+
+    def __init__(self, source: Source, fraction: float = 0.0, count: int = 0):
+        self.source, self.fraction, self.count = source, fraction, count
+        self._docs: list[Doc] | None = None
+        self._held: dict[int, int] = {}  # count mode: shard -> how many of its first documents are held out
+        if count:
+            docs: list[Doc] = []
+            more = False
+            for s in range(source.num_shards):
+                shard = source.read_shard(s)
+                take = min(len(shard), count - len(docs))
+                if take:
+                    self._held[s] = take
+                    docs += shard[:take]
+                if len(shard) > take:
+                    more = True
+                if len(docs) == count and more:
+                    break
+            if not more:
+                raise DataError(f"eval_count={count} holds out all {len(docs)} documents of {source.name}, "
+                                "leaving none to train on; lower eval_count.")
+            self._docs = docs
+
+    def is_eval(self, shard: int, n: int) -> np.ndarray:
+        """A bool mask over the n documents of a shard: True = held out."""
+        if self.fraction:
+            return np.random.default_rng([_EVAL_SEED, shard]).random(n) < self.fraction
+        mask = np.zeros(n, dtype=bool)
+        mask[: self._held.get(shard, 0)] = True
+        return mask
+
+    def docs(self) -> list[Doc]:
+        """The held-out documents in storage order (read once, then kept)."""
+        if self._docs is None:
+            self._docs = []
+            if self.fraction:
+                for s in range(self.source.num_shards):
+                    shard = self.source.read_shard(s)
+                    self._docs += [d for d, held in zip(shard, self.is_eval(s, len(shard))) if held]
+        return self._docs
+
+
+class DocumentStream:
+    """Training documents, shuffled per epoch, for `epochs` epochs (None: forever), from an exact position."""
+
+    def __init__(self, source: Source, split: EvalSplit, seed: int = 0, shuffle: bool = True,
+                 epochs: int | None = None):
+        self.source, self.split, self.seed, self.shuffle, self.epochs = source, split, seed, shuffle, epochs
+        self.epoch = self.shard = self.doc = 0
+        self._cache: tuple[tuple[int, int], list[Doc]] | None = None
+        self._since_yield = 0  # shards passed without a document: a whole epoch of them means no data
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "doc": self.doc}
+
+    def seek(self, position: dict[str, int]) -> None:
+        self.epoch, self.shard, self.doc = (int(position[k]) for k in ("epoch", "shard", "doc"))
+
+    def _shard_docs(self) -> list[Doc]:
+        key = (self.epoch, self.shard)
+        if self._cache is None or self._cache[0] != key:
+            order = np.arange(self.source.num_shards)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
+            sid = int(order[self.shard])
+            docs = self.source.read_shard(sid)
+            keep = np.flatnonzero(~self.split.is_eval(sid, len(docs)))
+            if self.shuffle:
+                keep = np.random.default_rng([self.seed, self.epoch, sid]).permutation(keep)
+            self._cache = (key, [docs[i] for i in keep])
+        return self._cache[1]
+
+    def __iter__(self) -> DocumentStream:
+        return self
+
+    def __next__(self) -> Doc:
+        while True:
+            if self.epochs is not None and self.epoch >= self.epochs:
+                raise StopIteration
+            docs = self._shard_docs()
+            if self.doc < len(docs):
+                self.doc += 1
+                self._since_yield = 0
+                return docs[self.doc - 1]
+            self._since_yield += 1
+            if self._since_yield > self.source.num_shards:
+                raise DataError(f"{self.source.name} has no training documents left after the eval split; "
+                                "lower eval_fraction or eval_count, or add data.")
+            self.shard, self.doc = self.shard + 1, 0
+            if self.shard == self.source.num_shards:
+                self.epoch, self.shard = self.epoch + 1, 0
+
+
+__all__ = [
+    "ArrowSource", "Doc", "Document", "DocumentStream", "EvalSplit", "FORMATS", "JsonlSource", "ParquetSource",
+    "Source", "SyntheticSource", "TextSource", "as_document", "open_source", "synthetic_document",
+]

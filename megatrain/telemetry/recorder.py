@@ -1,0 +1,320 @@
+"""Per-layer spans and the stall accounting of one training step.
+
+A `Recorder` collects `Span`s: intervals on named lanes. Device lanes ("h2d", "compute", "d2h") hold the
+work of the three CUDA streams; "host" holds host-side work; "wait" holds the times the host sat blocked
+(name = the cause); "optimizer/<worker>" holds updates that CPU optimizer workers report from their own
+processes. All times are seconds on `time.monotonic()`, which on Linux is CLOCK_MONOTONIC, one clock for
+every process on the machine, so spans from the optimizer workers line up with the executor's.
+
+On a GPU the device lanes are timed with CUDA events recorded on the stream that does the work. Reading
+an event's time needs the event to have completed, so nothing is read inside the step: `end_step` waits
+once for the spanned streams and converts every event to the host clock against an anchor event recorded
+at that moment (host time of an event = host time of the anchor - elapsed_time(event, anchor)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+DEVICE_LANES = ("h2d", "compute", "d2h")
+WAIT_LANE = "wait"
+WAIT_CAUSES = ("weights", "optimizer", "data")
+STEP_LANE = "step"  # one span per step: its window, so a trace alone knows where steps begin and end
+
+
+def optimizer_lane(worker: int) -> str:
+    return f"optimizer/{worker}"
+
+
+@dataclass(slots=True)
+class Span:
+    lane: str
+    name: str
+    step: int
+    start: float  # seconds, time.monotonic() base
+    end: float
+    layer: int | None = None
+    nbytes: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class StepStats:
+    """Where one step's time went: compute + wait_weights + wait_optimizer + wait_data + other == step_time
+    (see `account` for how idle time is attributed)."""
+
+    step: int
+    step_time: float  # seconds, begin_step -> end_step
+    compute: float  # union of the compute lane's spans
+    wait_weights: float  # compute idle while weights were on their way in (or the host waited for them)
+    wait_optimizer: float  # compute idle while the host waited for the optimizer to finish a layer
+    wait_data: float  # compute idle while the host waited for a batch
+    other: float  # compute idle for none of the above: host overhead, launch latency, gradient copies
+    h2d_bytes: int
+    d2h_bytes: int
+    h2d_gbps: float  # bytes over the time the h2d lane was busy (10^9 B/s)
+    d2h_gbps: float
+    overlap: float  # fraction of transfer time (h2d or d2h busy) hidden under compute
+    stall_fraction: float  # 1 - compute / step_time
+    start: float = 0.0  # monotonic seconds of begin_step, to find the step in a trace
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepStats:
+        names = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "start"]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- stall accounting ----
+
+# Flags a span can raise while it runs; a span may raise several (an h2d copy is both a weights cause
+# and a transfer).
+_COMPUTE, _DATA, _OPTIMIZER, _WEIGHTS, _TRANSFER, _H2D, _D2H = range(7)
+
+
+def _flags(span: Span) -> tuple[int, ...]:
+    if span.lane == "compute":
+        return (_COMPUTE,)
+    if span.lane == "h2d":
+        return (_WEIGHTS, _TRANSFER, _H2D)
+    if span.lane == "d2h":
+        return (_TRANSFER, _D2H)
+    if span.lane == WAIT_LANE:
+        return {"data": (_DATA,), "optimizer": (_OPTIMIZER,), "weights": (_WEIGHTS,)}.get(span.name, ())
+    return ()  # host work, optimizer updates, step markers: context, not causes
+
+
+def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepStats:
+    """Splits the window [start, end] into compute and the causes of the compute lane's gaps.
+
+    The rule, applied to every instant of the window that the compute lane is idle (in this order):
+      1. "data"      if the host is waiting for a batch (a wait span named "data") at that instant;
+      2. "optimizer" else if the host is waiting for the optimizer (a wait span named "optimizer");
+      3. "weights"   else if an h2d copy is running, or the host waits for weights (wait "weights"):
+                     the compute stream is waiting for the next layer's weights;
+      4. "other"     else: host overhead, kernel-launch latency, gradient copies on the CPU path.
+    Instants rather than whole gaps, so a 10 µs wait for a batch that was already there does not claim
+    the 15 ms weight copy that follows it in the same gap. Spans are clipped to the window; "other" is
+    computed as the remainder, so the parts add up to step_time exactly.
+    """
+    spans = list(spans)
+    events: list[tuple[float, int, int]] = []  # (time, flag, +1 at a start / -1 at an end)
+    h2d_bytes = d2h_bytes = 0
+    for s in spans:
+        a, b = max(s.start, start), min(s.end, end)
+        if b <= a:
+            continue
+        for flag in _flags(s):
+            events += [(a, flag, 1), (b, flag, -1)]
+        if s.lane == "h2d":
+            h2d_bytes += s.nbytes
+        elif s.lane == "d2h":
+            d2h_bytes += s.nbytes
+    events.sort(key=lambda e: e[0])
+
+    active = [0] * 7
+    total = [0.0] * 7  # time attributed to compute/data/optimizer/weights; busy time of the transfer flags
+    hidden = 0.0  # transfer time under compute
+    t_prev = start
+    for t, flag, delta in events + [(end, -1, 0)]:
+        dt = t - t_prev
+        if dt > 0:
+            for cause in (_COMPUTE, _DATA, _OPTIMIZER, _WEIGHTS):
+                if active[cause]:
+                    total[cause] += dt
+                    break
+            for busy in (_TRANSFER, _H2D, _D2H):
+                if active[busy]:
+                    total[busy] += dt
+            if active[_COMPUTE] and active[_TRANSFER]:
+                hidden += dt
+            t_prev = t
+        if flag >= 0:
+            active[flag] += delta
+
+    step_time = end - start
+    compute, data, optimizer, weights = total[_COMPUTE], total[_DATA], total[_OPTIMIZER], total[_WEIGHTS]
+    return StepStats(
+        step=step, step_time=step_time, compute=compute, wait_weights=weights, wait_optimizer=optimizer,
+        wait_data=data, other=step_time - (compute + weights + optimizer + data),
+        h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+        h2d_gbps=h2d_bytes / total[_H2D] / 1e9 if total[_H2D] > 0 else 0.0,
+        d2h_gbps=d2h_bytes / total[_D2H] / 1e9 if total[_D2H] > 0 else 0.0,
+        overlap=hidden / total[_TRANSFER] if total[_TRANSFER] > 0 else 0.0,
+        stall_fraction=1.0 - compute / step_time if step_time > 0 else 0.0,
+        start=start,
+    )
+
+
+# ---- the recorder ----
+
+class _HostSpan:
+    """Times a block on the host clock; a class rather than @contextmanager: it runs per layer."""
+
+    __slots__ = ("rec", "span")
+
+    def __init__(self, rec: Recorder, span: Span):
+        self.rec, self.span = rec, span
+
+    def __enter__(self) -> Span:
+        self.span.start = time.monotonic()
+        return self.span
+
+    def __exit__(self, *exc: object) -> None:
+        self.span.end = time.monotonic()
+        self.rec._pending.append(self.span)
+
+
+class _DeviceSpan:
+    """Records a start and an end CUDA event on `stream` around the block; read in end_step."""
+
+    __slots__ = ("rec", "span", "stream", "start")
+
+    def __init__(self, rec: Recorder, span: Span, stream: torch.cuda.Stream):
+        self.rec, self.span, self.stream = rec, span, stream
+
+    def __enter__(self) -> Span:
+        self.start = self.rec._event()
+        self.start.record(self.stream)
+        return self.span
+
+    def __exit__(self, *exc: object) -> None:
+        end = self.rec._event()
+        end.record(self.stream)
+        self.rec._device_pending.append((self.span, self.start, end, self.stream))
+
+
+_NULL = contextlib.nullcontext()  # what a disabled recorder hands out: no allocation, no clock read
+
+
+class Recorder:
+    """Collects one process's spans step by step and does the stall accounting at each end_step.
+
+    Put stream.wait_event(...) calls *before* a device span, not inside it: a span measures from when its
+    stream reaches the start event, so a wait inside is counted as the work's own time.
+    keep_steps bounds memory on long runs: spans of steps older than the last keep_steps are dropped at
+    end_step (None keeps everything).
+    """
+
+    def __init__(self, enabled: bool = True, keep_steps: int | None = 32):
+        self.enabled = enabled
+        self.keep_steps = keep_steps
+        self.spans: list[Span] = []
+        self.step = -1
+        self._t0: float | None = None
+        self._device: torch.device = torch.device("cpu")
+        self._begin_event: torch.cuda.Event | None = None
+        self._pending: list[Span] = []
+        self._device_pending: list[tuple[Span, torch.cuda.Event, torch.cuda.Event, torch.cuda.Stream]] = []
+        self._free_events: list[torch.cuda.Event] = []
+
+    def _event(self) -> torch.cuda.Event:
+        return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+
+    def begin_step(self, step: int, device: torch.device | str = "cpu") -> None:
+        self.step = step
+        self._device = torch.device(device)
+        self._t0 = time.monotonic()
+        if self.enabled and self._device.type == "cuda":
+            self._begin_event = self._event()
+            self._begin_event.record(torch.cuda.current_stream(self._device))
+
+    def span(self, lane: str, name: str, layer: int | None = None, stream: torch.cuda.Stream | None = None,
+             nbytes: int = 0) -> contextlib.AbstractContextManager:
+        """Times the block as work `name` on `lane`: on `stream`'s timeline if it is a CUDA stream, else
+        on the host clock (the CPU path, where the block does the work before it returns)."""
+        if not self.enabled:
+            return _NULL
+        s = Span(lane, name, self.step, 0.0, 0.0, layer, nbytes)
+        if stream is not None and isinstance(stream, torch.cuda.Stream):
+            return _DeviceSpan(self, s, stream)
+        return _HostSpan(self, s)
+
+    def wait(self, cause: str, layer: int | None = None) -> contextlib.AbstractContextManager:
+        """Times the host blocked on `cause` ("weights", "optimizer" or "data")."""
+        if cause not in WAIT_CAUSES:
+            raise ValueError(f"wait cause must be one of {WAIT_CAUSES}, got {cause!r}")
+        if not self.enabled:
+            return _NULL
+        return _HostSpan(self, Span(WAIT_LANE, cause, self.step, 0.0, 0.0, layer))
+
+    def add_span(self, span: Span) -> None:
+        """A span measured elsewhere (an optimizer worker's update); kept for the trace only."""
+        if self.enabled:
+            self.spans.append(span)
+
+    def end_step(self) -> StepStats:
+        if self._t0 is None:
+            raise RuntimeError("end_step() called without begin_step()")
+        if not self.enabled:  # the step time is still worth having; everything else is unknown
+            start, self._t0 = self._t0, None
+            t = time.monotonic() - start
+            return StepStats(self.step, t, 0.0, 0.0, 0.0, 0.0, t, 0, 0, 0.0, 0.0, 0.0, 1.0, start)
+        if self._device.type == "cuda" or self._device_pending:
+            end = self._resolve_device_spans()
+        else:
+            end = time.monotonic()
+        start, self._t0 = self._t0, None
+        step_spans, self._pending = self._pending, []
+        stats = account(step_spans, self.step, start, end)
+        step_spans.append(Span(STEP_LANE, "step", self.step, start, end))
+        self.spans.extend(step_spans)
+        if self.keep_steps is not None:
+            oldest = self.step - self.keep_steps + 1
+            if self.spans and self.spans[0].step < oldest:
+                self.spans = [s for s in self.spans if s.step >= oldest]
+        return stats
+
+    def _resolve_device_spans(self) -> float:
+        """Waits (once) for the spanned streams and puts every pending event on the host clock.
+
+        An anchor event on the current stream, made to follow the last work of every spanned stream, is the
+        only thing the host waits for; once it has completed the device is at most the wake-up latency
+        (microseconds) behind the host clock, and every event's time is read relative to it.
+        """
+        device = self._device if self._device.type == "cuda" else torch.device("cuda")
+        current = torch.cuda.current_stream(device)
+        tails_of: list[torch.cuda.Stream] = []  # streams other than the current one that carry spans
+        tails: list[torch.cuda.Event] = []
+        for _, _, _, stream in self._device_pending:
+            if stream != current and not any(stream == t for t in tails_of):
+                tails_of.append(stream)
+                tails.append(self._event())
+                tails[-1].record(stream)
+                current.wait_event(tails[-1])
+        anchor = self._event()
+        anchor.record(current)
+        anchor.synchronize()
+        t_anchor = time.monotonic()
+        self._free_events += tails
+
+        def host_time(ev: torch.cuda.Event) -> float:
+            return t_anchor - ev.elapsed_time(anchor) / 1e3
+
+        # The device cannot run the step's first event before the host asked for it; if the anchor reads
+        # it earlier, the device clock drifted from the host's over the step: shift the step's spans.
+        shift = 0.0
+        if self._begin_event is not None:
+            shift = max(0.0, self._t0 - host_time(self._begin_event))
+            self._free_events.append(self._begin_event)
+            self._begin_event = None
+        for span, ev_start, ev_end, _ in self._device_pending:
+            span.start, span.end = host_time(ev_start) + shift, host_time(ev_end) + shift
+            self._pending.append(span)
+            self._free_events += [ev_start, ev_end]
+        self._device_pending = []
+        self._free_events.append(anchor)
+        return t_anchor

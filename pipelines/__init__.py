@@ -1,0 +1,1 @@
+"""Driver pipelines: the Ray engine and the training loops built on it."""

@@ -21,6 +21,13 @@ from megatrain.telemetry import Recorder
 POLL_SECONDS = 0.0005
 
 
+def _batch_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # arrays from the object store are read-only views: copy the (small) token ids
+    input_ids = torch.from_numpy(np.array(batch["input_ids"], dtype=np.int64))
+    labels = batch.get("labels")
+    return input_ids, None if labels is None else torch.from_numpy(np.array(labels, dtype=np.int64))
+
+
 @ray.remote(num_cpus=0)
 class GPUExecutor:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
@@ -28,7 +35,8 @@ class GPUExecutor:
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
-                                 engine.precision, engine.loss_chunk_tokens, Recorder(enabled=trace))
+                                 engine.precision, engine.loss_chunk_tokens, Recorder())
+        self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
             self.arena.register_cuda()
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
@@ -75,16 +83,29 @@ class GPUExecutor:
         def loss_ready(loss: float) -> bool:
             return bool(np.isfinite(loss))
 
-        input_ids = torch.from_numpy(np.array(batch["input_ids"], dtype=np.int64))
-        labels = batch.get("labels")
-        labels = None if labels is None else torch.from_numpy(np.array(labels, dtype=np.int64))
+        input_ids, labels = _batch_tensors(batch)
         out = self.executor.run(input_ids, labels, wait_weights, grads_landed, loss_ready)
-        stats = rec.end_step() if rec.enabled else None
+        stats = rec.end_step()
         self.pending = issued
         return {"loss": out.loss, "tokens": out.tokens, "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units,
-                "stats": stats.to_dict() if stats is not None else None,
-                "spans": [s for s in rec.spans] if rec.enabled else []}
+                "stats": stats.to_dict(),
+                "spans": [s for s in rec.spans if s.step == step] if self.trace else []}
+
+    def evaluate(self, batch: dict[str, np.ndarray], expected_version: int, pending: list[ray.ObjectRef]
+                 ) -> dict[str, Any]:
+        """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
+        self.pending = list(pending)
+        row_min = lambda unit: int(self.versions[unit.index].min())  # noqa: E731
+
+        def wait_weights(unit: Unit) -> None:
+            while row_min(unit) < expected_version:
+                time.sleep(POLL_SECONDS)
+                self._raise_failed_updates()
+
+        input_ids, labels = _batch_tensors(batch)
+        out = self.executor.run(input_ids, labels, wait_weights, loss_ready=lambda loss: False)
+        return {"loss": out.loss, "tokens": out.tokens}
 
     def _raise_failed_updates(self) -> None:
         if not self.pending:

@@ -173,7 +173,7 @@ class ModelConfig:
                 eos_token_id=eos,
                 model_type=model_type,
             )
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
 
     def to_hf(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -70,12 +70,7 @@ def format_table(steps: list[StepStats]) -> str:
     if len(steps) > TABLE_ROWS:
         lines.insert(1, f"{'...':>6} ({len(steps) - TABLE_ROWS} earlier steps not shown)")
     body = steps[1:] if len(steps) > 1 else steps  # the first step warms up (allocations, compilation)
-    n = len(body)
-    mean = StepStats(
-        -1, *(sum(getattr(s, f) for s in body) / n for f in (
-            "step_time", "compute", "wait_weights", "wait_optimizer", "wait_data", "other")),
-        h2d_bytes=0, d2h_bytes=0, **{f: sum(getattr(s, f) for s in body) / n for f in (
-            "h2d_gbps", "d2h_gbps", "overlap", "stall_fraction")})
+    mean = StepStats(**{f.name: sum(getattr(s, f.name) for s in body) / len(body) for f in fields(StepStats)})
     lines.append(row("mean", mean) + ("  (without the first step)" if len(steps) > 1 else ""))
     return "\n".join(lines)
 
@@ -192,15 +187,15 @@ def _load(run_dir: Path) -> tuple[list[StepStats], list[Span]]:
     try:
         steps = read_steps(steps_path)
     except (OSError, ValueError) as e:
-        raise ReportError(f"{steps_path} is corrupt ({e}).") from e
+        raise ReportError(f"The step log {steps_path} is corrupt ({e}).") from e
     if not steps:
-        raise ReportError(f"{steps_path} holds no finished step yet.")
+        raise ReportError(f"The step log {steps_path} holds no finished step yet.")
     if not trace_path.is_file():
         raise ReportError(f"No {TRACE_FILE} in {run_dir}, so there is no timeline to draw.")
     try:
         spans = read_chrome_trace(trace_path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ReportError(f"{trace_path} is not a valid Chrome trace ({e!r}).") from e
+        raise ReportError(f"The trace {trace_path} is not a valid Chrome trace ({e!r}).") from e
     return steps, spans
 
 
@@ -210,7 +205,7 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
     steps, spans = _load(run_dir)
     windows = {s.step: (s.start, s.end) for s in spans if s.lane == STEP_LANE}
     if not windows:
-        raise ReportError(f"{run_dir / TRACE_FILE} holds no step markers, so no step can be drawn.")
+        raise ReportError(f"The trace {run_dir / TRACE_FILE} holds no step markers, so no step can be drawn.")
     if step is None:
         finished = [s.step for s in steps if s.step in windows]
         step = finished[-1] if finished else max(windows)

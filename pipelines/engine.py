@@ -150,6 +150,11 @@ class Engine:
         self._count_nonfinite(finite, out["loss"], grad_norm)
         return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"], out["spans"])
 
+    def evaluate(self, batch: Any) -> tuple[float, int]:
+        """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""
+        out = ray.get(self.executor.evaluate.remote(batch, self.updates_applied, self._pending))
+        return out["loss"], out["tokens"]
+
     def _count_nonfinite(self, finite: bool, loss: float, grad_norm: float) -> None:
         if finite:
             self.nonfinite_in_row = 0

@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from megatrain.data.tokenizers import DataError, Message
 if TYPE_CHECKING:
     from megatrain.data.loader import DataConfig
 
-Document = Union[str, list[Message], list[int]]  # noqa: UP007 (a runtime alias: keep py3.10-safe syntax)
+Document = str | list[Message] | list[int]
 
 EXTENSIONS = {
     "text": (".txt", ".text", ".md"),
@@ -136,13 +136,13 @@ class TextSource(Source):
         text = _read_range(path, start, end).decode("utf-8", errors="replace")
         if self.split == "file":
             return [Doc(text, str(path))] if text.strip() else []
-        docs, last, line = [], 0, first_line
+        docs, last, line = [], 0, first_line  # `line` is the line number of text[last]
         for m in [*_BLANK_LINE.finditer(text), None]:
-            end_char = m.start() if m else len(text)
-            para = text[last:end_char].strip("\r\n")
+            segment = text[last : m.start() if m else len(text)]
+            para = segment.strip("\r\n")
             if para.strip():
-                first_char = text.index(para, last)
-                docs.append(Doc(para, f"{path} line {line + text.count(chr(10), last, first_char)}"))
+                skipped = segment[: len(segment) - len(segment.lstrip("\r\n"))]
+                docs.append(Doc(para, f"{path} line {line + skipped.count(chr(10))}"))
             if m:
                 line += text.count("\n", last, m.end())
                 last = m.end()
@@ -220,11 +220,11 @@ class ParquetSource(Source):
         self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
         for f in files:
             try:
-                meta = pq.ParquetFile(f).metadata
+                pf = pq.ParquetFile(f)
             except Exception as e:
                 raise DataError(f"{f} is not a readable Parquet file ({e}); re-export it or remove it.") from None
-            names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
-            self.columns[f] = _pick_column(list(dict.fromkeys(names)), f, column, text_field, messages_field)
+            meta = pf.metadata
+            self.columns[f] = _pick_column(pf.schema_arrow.names, f, column, text_field, messages_field)
             first = 0
             for g in range(meta.num_row_groups):
                 self.index.append((f, g, first))
@@ -235,9 +235,10 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         path, group, first_row = self.index[index]
-        column, docs = self.columns[path], []
+        column, docs, row = self.columns[path], [], first_row
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=[column]):
-            docs += _column_docs(batch.column(0).to_pylist(), path, column, first_row + len(docs))
+            docs += _column_docs(batch.column(0).to_pylist(), path, column, row)
+            row += batch.num_rows
         return docs
 
 
@@ -317,6 +318,8 @@ def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
     else:
         candidates = sorted(p for p in path.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(path).parts))
+        if not candidates:
+            raise DataError(f"folder {path} is empty; point source at a folder with data files.")
         by_format = {k: [p for p in candidates if p.name.lower().endswith(exts)] for k, exts in EXTENSIONS.items()}
         if fmt is None:
             found = [k for k, ps in by_format.items() if ps]
@@ -328,8 +331,6 @@ def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
                                 "folder with data or set format.")
             fmt = found[0]
         files = by_format[fmt] or candidates  # an explicit format reads files of any extension if none match
-        if not files:
-            raise DataError(f"folder {path} is empty; point source at a folder with data files.")
     files = [f for f in files if f.stat().st_size > 0]
     if not files:
         raise DataError(f"{path} is empty; point source at a file or folder with data.")
@@ -409,13 +410,14 @@ class DocumentStream:
         self.source, self.split, self.seed, self.shuffle, self.epochs = source, split, seed, shuffle, epochs
         self.epoch = self.shard = self.doc = 0
         self._cache: tuple[tuple[int, int], list[Doc]] | None = None
-        self._since_yield = 0  # shards passed without a document: a whole epoch of them means no data
+        self._empty_epoch = False  # True while an epoch read from its start has yielded nothing yet
 
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "shard": self.shard, "doc": self.doc}
 
     def seek(self, position: dict[str, int]) -> None:
         self.epoch, self.shard, self.doc = (int(position[k]) for k in ("epoch", "shard", "doc"))
+        self._empty_epoch = False
 
     def _shard_docs(self) -> list[Doc]:
         key = (self.epoch, self.shard)
@@ -438,17 +440,18 @@ class DocumentStream:
         while True:
             if self.epochs is not None and self.epoch >= self.epochs:
                 raise StopIteration
+            if self.shard == 0 and self.doc == 0:
+                self._empty_epoch = True
             docs = self._shard_docs()
             if self.doc < len(docs):
                 self.doc += 1
-                self._since_yield = 0
+                self._empty_epoch = False
                 return docs[self.doc - 1]
-            self._since_yield += 1
-            if self._since_yield > self.source.num_shards:
-                raise DataError(f"{self.source.name} has no training documents left after the eval split; "
-                                "lower eval_fraction or eval_count, or add data.")
             self.shard, self.doc = self.shard + 1, 0
             if self.shard == self.source.num_shards:
+                if self._empty_epoch:
+                    raise DataError(f"{self.source.name} has no training documents left after the eval split; "
+                                    "lower eval_fraction or eval_count, or add data.")
                 self.epoch, self.shard = self.epoch + 1, 0
 
 

@@ -1,0 +1,105 @@
+"""Ray shell of the data loader: a BatchLoader in its own process with a background thread that keeps
+`prefetch` batches ready, so tokenization and packing overlap the GPU step.
+
+Exact resume through the prefetch: each prefetched batch travels with the loader position right after it,
+and `state_dict()` returns the position of the last batch *handed out*, never of batches still queued.
+`load_state_dict()` stops the thread, drops the queue, moves the loader and starts again.
+Batches arrive as numpy arrays from the object store: read-only on the receiving side.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from megatrain.config import dataclass_from_dict
+from megatrain.data import BatchLoader, DataConfig
+
+
+@dataclass
+class _End:
+    error: BaseException | None = None  # None: the data ran out (StopIteration)
+
+
+class PrefetchLoader:
+    """The plain (Ray-free) prefetching wrapper; DataLoaderActor below is this class as a Ray actor."""
+
+    def __init__(self, config: DataConfig | dict[str, Any], prefetch: int = 4):
+        cfg = config if isinstance(config, DataConfig) else dataclass_from_dict(DataConfig, config, "data config")
+        self.loader = BatchLoader(cfg)
+        self.prefetch = max(1, prefetch)
+        self._state = self.loader.state_dict()  # position after the last batch handed out
+        self._start()
+
+    def _start(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True)
+        self._thread.start()
+
+    def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item: Any = (self.loader.next_batch(), self.loader.state_dict())
+            except StopIteration:
+                item = _End()
+            except Exception as e:  # handed to the caller of next_batch, which raises it
+                item = _End(e)
+            while not stop.is_set():  # a blocking put could never be stopped while the queue is full
+                try:
+                    q.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    pass
+            if isinstance(item, _End):
+                return
+
+    def _halt(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """{"input_ids", "labels"}: int64 [batch, seq]. Raises StopIteration after the last epoch (through Ray:
+        a RayTaskError that is also a StopIteration)."""
+        item = self._queue.get()
+        if isinstance(item, _End):
+            self._queue.put(item)  # the producer has stopped: answer the same way next time
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        batch, self._state = item
+        return batch
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        """All batches of the held-out split (the training position is untouched)."""
+        return list(self.loader.eval_batches())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._halt()
+        try:
+            self.loader.load_state_dict(state)
+            self._state = self.loader.state_dict()
+        except Exception:
+            self.loader.load_state_dict(self._state)  # the producer ran ahead: go back to what was handed out
+            raise
+        finally:
+            self._start()
+
+    def close(self) -> None:
+        self._halt()
+
+
+@ray.remote(num_cpus=0)  # mostly waiting; give it .options(num_cpus=n) when tokenization is heavy
+class DataLoaderActor(PrefetchLoader):
+    pass
+
+
+__all__ = ["DataLoaderActor", "PrefetchLoader"]

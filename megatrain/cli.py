@@ -1,0 +1,175 @@
+"""`megatrain train | finetune | plan | cleanup | report`.
+
+Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
+Ctrl-C stops the run, removes its shared memory and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from megatrain.config import MegatrainError
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The user's error inside Ray's wrappers (RayTaskError.cause, possibly nested)."""
+    seen = 0
+    while seen < 8 and getattr(e, "cause", None) is not None and not isinstance(e, MegatrainError):
+        e = e.cause  # type: ignore[assignment]
+        seen += 1
+    return e
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config (top-level keys plus a [data] table); flags override it")
+    p.add_argument("--model", help="preset name (tiny, 125m, 1b, 2.8b, 3b, 7b, 9b, 14b, 32b, 70b) or HF directory")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--out", dest="out_dir", help="run directory (checkpoints, logs, final model)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--max-grad-norm", type=float, help="0 turns clipping off")
+    p.add_argument("--optimizer-workers", type=int)
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
+    p.add_argument("--device", help="auto | cpu | cuda")
+    p.add_argument("--batch-size", dest="data.batch_size", type=int)
+    p.add_argument("--seq-len", dest="data.seq_len", type=int)
+    p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest good checkpoint")
+    p.add_argument("--address", help="'auto' joins the cluster of `ray start --head`")
+    p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
+
+
+def _overrides(args: argparse.Namespace, skip: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipelines.train import TrainConfig, run
+
+    overrides = _overrides(args, ("command", "config", "func", "verbose", "data_path"))
+    if args.data_path:
+        overrides["data.source"] = args.data_path
+    summary = run(TrainConfig.load(args.config, overrides))
+    _print_summary(summary)
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from pipelines.finetune import finetune
+
+    summary = finetune(args.model, args.data_path, args.out_dir, config=args.config,
+                       overrides=_overrides(args, ("command", "config", "func", "verbose", "model", "data_path",
+                                                   "out_dir")))
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    first, last = summary.get("first_loss"), summary.get("last_loss")
+    if first is not None:
+        print(f"trained {summary['steps']} steps: loss {first:.4f} -> {last:.4f}"
+              + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else ""))
+    for step, loss in summary.get("evals", []):
+        print(f"  eval loss at step {step}: {loss:.4f}")
+    if summary.get("final"):
+        print(f"model written to {summary['final']} (loads with transformers)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatrain.memory.plan import plan_memory
+    from megatrain.memory.store import resolve_model
+
+    config, _, name = resolve_model(args.model)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda())
+    plan = plan_memory(config, args.batch, args.seq, name=name, precision=args.precision,
+                       optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
+                       gpu_free=int(args.gpu_gib * 2**30) if args.gpu_gib else None)
+    print(plan.report())
+    return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from megatrain.memory.arena import list_segments, remove_stale_segments
+
+    removed = remove_stale_segments(everything=args.all)
+    for path in removed:
+        print(f"removed {path}")
+    left = list_segments()
+    print(f"removed {len(removed)} segment(s); {len(left)} belong to running processes"
+          + (" (use --all to remove them too)" if left else ""))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from megatrain.telemetry import main_report
+
+    return main_report(args.run_dir, args.step)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatrain", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="pretrain (default: tiny model on synthetic data)")
+    _add_train_flags(p)
+    p.add_argument("--data", dest="data_path", help="text/jsonl/parquet/arrow file or folder (default synthetic)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("finetune", help="supervised fine-tuning of an HF checkpoint on chat/text data")
+    _add_train_flags(p)
+    p.add_argument("--data", dest="data_path", required=True)
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("plan", help="memory needed per tier, and whether it fits here")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--precision", default="tf32", choices=("fp32", "tf32", "bf16"))
+    p.add_argument("--optimizer-workers", type=int, default=8)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
+    p.add_argument("--all", action="store_true", help="also remove segments of live runs")
+    p.set_defaults(func=cmd_cleanup)
+
+    p = sub.add_parser("report", help="stall table per step and a PNG timeline of a run")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int)
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: shared memory released", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - turned into one sentence unless --verbose
+        cause = _unwrap(e)
+        if isinstance(cause, MegatrainError) and not args.verbose:
+            print(f"megatrain: error: {cause}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

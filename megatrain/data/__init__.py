@@ -1,0 +1,17 @@
+"""Data: tokenizers, document sources, packing with loss masks, and a resumable batch loader.
+
+    from megatrain.data import BatchLoader, DataConfig
+    loader = BatchLoader(DataConfig(source="synthetic", batch_size=8, seq_len=256, vocab_size=260))
+    batch = loader.next_batch()  # {"input_ids": int64 [8, 256], "labels": int64 [8, 256]}, labels unshifted
+"""
+
+from megatrain.data.loader import BatchLoader, DataConfig
+from megatrain.data.packing import IGNORE, RowPacker, Sample, make_sample
+from megatrain.data.sources import Doc, Document, DocumentStream, EvalSplit, Source, open_source, synthetic_document
+from megatrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "IGNORE", "BatchLoader", "ByteTokenizer", "DataConfig", "DataError", "Doc", "Document", "DocumentStream",
+    "EvalSplit", "HFTokenizer", "RowPacker", "Sample", "Source", "Tokenizer", "load_tokenizer", "make_sample",
+    "open_source", "synthetic_document",
+]

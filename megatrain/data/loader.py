@@ -1,0 +1,192 @@
+"""The data config and the batch loader: documents -> tokens -> [batch, seq] int64 numpy batches.
+
+    loader = BatchLoader(DataConfig(source="data.jsonl", tokenizer="path/to/model", seq_len=1024))
+    batch = loader.next_batch()          # {"input_ids": int64 [B, S], "labels": int64 [B, S]}
+    state = loader.state_dict()          # a small JSON-able dict; load_state_dict(state) resumes exactly
+    for batch in loader.eval_batches():  # the held-out documents, same packing, one pass
+        ...
+
+No Ray here: actors/data_loader.py wraps this class with a prefetch queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from megatrain.config import ConfigError
+from megatrain.data.packing import RowPacker, Sample, make_sample
+from megatrain.data.sources import FORMATS, Doc, DocumentStream, EvalSplit, open_source
+from megatrain.data.tokenizers import DataError, Tokenizer, load_tokenizer
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic", or a file or folder
+    format: str | None = None  # None: from the file extension; synthetic | text | jsonl | parquet | arrow
+    text_field: str = "text"  # JSONL field / Parquet-Arrow column holding text (or token-id lists)
+    messages_field: str = "messages"  # JSONL field / column holding chats: [{"role", "content"}, ...]
+    column: str | None = None  # Parquet/Arrow: the column to read (None: text_field, else messages_field)
+    text_split: str = "paragraph"  # text files: "paragraph" (blank-line separated) or "file" (one document each)
+    tokenizer: str = "byte"  # "byte", or a model directory / tokenizer.json path
+    chat_template: str | None = None  # overrides the tokenizer's: a Jinja string or a .jinja file
+    batch_size: int = 8
+    seq_len: int = 256
+    seed: int = 0  # shuffle order (and the synthetic data's content)
+    shuffle: bool = True
+    epochs: int | None = None  # None: forever
+    eval_fraction: float = 0.0  # hold out this fraction of documents...
+    eval_count: int = 0  # ...or this many (the first in storage order); not both
+    pack: bool = True  # True: concatenate and cut; False: one document per row, padded
+    truncation: bool = True  # pack=False: cut long documents to seq_len (False: refuse them)
+    sft: bool | None = None  # train on assistant turns only; None: on when the data holds chats
+    vocab_size: int | None = None  # the model's embedding rows: tokenizer and ids are checked against it
+    synthetic_docs: int = 10_000  # size of the synthetic data set
+    shard_bytes: int = 1 << 20  # text/JSONL: bytes per shard (the unit of shuffling and of re-reading on resume)
+
+    def __post_init__(self) -> None:
+        self.source = str(self.source)
+        self.tokenizer = str(self.tokenizer)
+        for name in ("batch_size", "seq_len", "synthetic_docs", "shard_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"data config: {name} must be a positive integer, got {value!r}.")
+        if self.seq_len < 2:
+            raise ConfigError(f"data config: seq_len must be at least 2 to have a next token, got {self.seq_len}.")
+        if self.format is not None and self.format not in FORMATS:
+            raise ConfigError(f"data config: format must be one of {', '.join(FORMATS)} (or None to detect it "
+                              f"from the extension), got {self.format!r}.")
+        if self.text_split not in ("paragraph", "file"):
+            raise ConfigError(f"data config: text_split must be 'paragraph' or 'file', got {self.text_split!r}.")
+        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
+            raise ConfigError(f"data config: epochs must be a positive integer or None (forever), got {self.epochs!r}.")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data config: eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+        if not isinstance(self.eval_count, int) or self.eval_count < 0:
+            raise ConfigError(f"data config: eval_count must be a non-negative integer, got {self.eval_count!r}.")
+        if self.eval_fraction and self.eval_count:
+            raise ConfigError("data config: set eval_fraction or eval_count, not both.")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"data config: seed must be a non-negative integer, got {self.seed!r}.")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise ConfigError(f"data config: vocab_size must be a positive integer or None, got {self.vocab_size!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BatchLoader:
+    """Training batches from a DataConfig, resumable at any batch boundary.
+
+    `tokenizer` overrides cfg.tokenizer with any object implementing the Tokenizer interface.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer, cfg.chat_template)
+        tok = self.tokenizer
+        if cfg.vocab_size is not None and tok.vocab_size > cfg.vocab_size:
+            raise DataError(f"the tokenizer ({tok!r}) has {tok.vocab_size} tokens but the model's embedding has "
+                            f"{cfg.vocab_size} rows (vocab_size); use the model's own tokenizer or a model with "
+                            "a larger vocabulary.")
+        self.vocab_limit = cfg.vocab_size if cfg.vocab_size is not None else tok.vocab_size
+        self.format, self.source = open_source(cfg)
+        first = self._first_doc()
+        is_chat = isinstance(first.value, list) and isinstance(first.value[0], dict)
+        self.sft = is_chat if cfg.sft is None else cfg.sft
+        self.split = EvalSplit(self.source, cfg.eval_fraction, cfg.eval_count)
+        self.stream = DocumentStream(self.source, self.split, cfg.seed, cfg.shuffle, cfg.epochs)
+        self.packer = RowPacker(cfg.batch_size, cfg.seq_len, tok.pad_id, cfg.pack, cfg.truncation)
+        self.batches = 0  # handed out since the start of the data
+        self._sample_position = self.stream.position()  # stream position before the latest sample
+
+    def _first_doc(self) -> Doc:
+        for s in range(self.source.num_shards):
+            docs = self.source.read_shard(s)
+            if docs:
+                return docs[0]
+        raise DataError(f"{self.source.name} holds no documents; check its contents and the field or column "
+                        "names (text_field, messages_field, column).")
+
+    def _next_sample(self, docs: Iterator[Doc]) -> Sample:
+        while True:  # skips documents without tokens; raises StopIteration at the end
+            sample = make_sample(next(docs), self.tokenizer, self.sft, self.vocab_limit)
+            if sample is not None:
+                return sample
+
+    def _next_train_sample(self) -> Sample:
+        self._sample_position = self.stream.position()
+        return self._next_sample(self.stream)
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """{"input_ids", "labels"}: int64 [batch_size, seq_len]. Raises StopIteration after the last epoch."""
+        batch = self.packer.batch(self._next_train_sample)
+        if batch is None:
+            raise StopIteration
+        self.batches += 1
+        return batch
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next_batch()
+
+    def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """One pass over the held-out documents in storage order, packed like training batches."""
+        docs = iter(self.split.docs())
+        packer = RowPacker(self.cfg.batch_size, self.cfg.seq_len, self.tokenizer.pad_id, self.cfg.pack,
+                           self.cfg.truncation)
+        while (batch := packer.batch(lambda: self._next_sample(docs))) is not None:
+            yield batch
+
+    # ---- exact position ----
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same batches (not the path: data may move)."""
+        c = self.cfg
+        return {"format": self.format, "num_shards": self.source.num_shards, "tokenizer": f"{type(self.tokenizer).__name__}:{self.tokenizer.vocab_size}",
+                "batch_size": c.batch_size, "seq_len": c.seq_len, "seed": c.seed, "shuffle": c.shuffle,
+                "pack": c.pack, "sft": self.sft, "eval_fraction": c.eval_fraction, "eval_count": c.eval_count}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out: a plain JSON-able dict."""
+        pending = self.packer.pending is not None
+        return {
+            "version": STATE_VERSION,
+            # while a sample is half consumed, resume from just before it and skip `offset` of its tokens
+            "position": dict(self._sample_position if pending else self.stream.position()),
+            "offset": self.packer.offset if pending else 0,
+            "batches": self.batches,
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"the saved data position has version {state.get('version')!r}, not {STATE_VERSION}; "
+                            "start the data from the beginning.")
+        mine = self._fingerprint()
+        for key, saved in state["fingerprint"].items():
+            if mine.get(key) != saved:
+                raise DataError(f"the saved data position was made with {key}={saved!r} but this loader has "
+                                f"{key}={mine.get(key)!r}; resume with the same data config, or start the data "
+                                "from the beginning.")
+        self.stream.seek(state["position"])
+        self.packer.pending, self.packer.offset = None, 0
+        self._sample_position = self.stream.position()
+        if state["offset"]:
+            try:
+                self.packer.pending = self._next_train_sample()
+            except StopIteration:
+                raise DataError("the saved data position points past the end of the data; the data changed "
+                                "since it was saved, so start the data from the beginning.") from None
+            self.packer.offset = int(state["offset"])
+        self.batches = int(state["batches"])
+
+
+__all__ = ["BatchLoader", "DataConfig"]

@@ -1,0 +1,278 @@
+"""The training run behind `megatrain train` and `megatrain finetune`: config, loop, checkpoints, logs.
+
+    cfg = TrainConfig.load("examples/configs/tiny.toml", overrides={"steps": 50})
+    summary = run(cfg)
+
+A run directory holds checkpoints/step-NNNNNNNN/ (the last `keep_checkpoints`), steps.jsonl (one line of
+loss and stall accounting per step), trace.json with --trace, and final/ (an HF model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.data_loader import DataLoaderActor
+from megatrain.config import ConfigError, MegatrainError, dataclass_from_dict
+from megatrain.data import DataConfig
+from megatrain.memory.checkpoint import CheckpointError
+from megatrain.telemetry import write_chrome_trace
+from pipelines.engine import Engine, StepResult
+
+log = logging.getLogger("megatrain")
+
+
+@dataclass
+class TrainConfig:
+    """One run. Defaults: the tiny preset on synthetic data, about a minute on a laptop CPU."""
+
+    model: str = "tiny"  # preset name or HF model directory
+    steps: int = 300
+    out_dir: str = "runs/tiny"
+    # optimizer
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 20
+    decay: bool = True  # cosine decay to min_lr_ratio over `steps` (False: constant after warmup)
+    min_lr_ratio: float = 0.1
+    # engine
+    optimizer_workers: int = 2
+    precision: str = "tf32"
+    device: str = "auto"
+    loss_chunk_tokens: int = 4096
+    seed: int = 0
+    address: str | None = None  # "auto": join the cluster of `ray start --head`
+    # bookkeeping
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    eval_every: int = 0  # 0: no evaluation (finetune sets it)
+    log_every: int = 10
+    resume: bool = False
+    trace: bool = False
+    save_final: bool = True
+    max_nonfinite_steps: int = 5
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """From a TOML file (top-level keys plus a [data] table) and then flag overrides ("data.x" keys too)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            try:
+                values = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"config file {path} does not exist; check the path.") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path} is not valid TOML ({e}).") from None
+        data = dict(values.pop("data", {}) or {})
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            if key.startswith("data."):
+                data[key[5:]] = value
+            else:
+                values[key] = value
+        cfg = dataclass_from_dict(cls, values, f"train config{f' {path}' if path else ''}")
+        cfg.data = dataclass_from_dict(DataConfig, data, "[data] config")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("steps", "checkpoint_every", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train config: {name} must be at least 1, got {getattr(self, name)}.")
+        if self.eval_every < 0:
+            raise ConfigError("train config: eval_every must be >= 0 (0 turns evaluation off).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
+             "optimizer_workers", "precision", "device", "seed", "loss_chunk_tokens", "address",
+             "max_nonfinite_steps", "trace")
+    return {n: getattr(cfg, n) for n in names} | {
+        "total_steps": cfg.steps if cfg.decay else None,
+        "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
+
+
+# ---- checkpoints ----
+
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """Complete-looking checkpoints, newest first (temp dirs of an interrupted save are ignored)."""
+    root = out_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
+
+
+def resume_latest(engine: Engine, loader: Any, out_dir: Path) -> int:
+    """Loads the newest checkpoint that verifies; falls back past torn ones. Returns the step reached."""
+    for directory in checkpoint_dirs(out_dir):
+        try:
+            state = engine.load_checkpoint(directory)
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s", directory.name, e)
+            continue
+        if "data" in state:
+            ray.get(loader.load_state_dict.remote(state["data"]))
+        log.info("resumed from %s (step %d)", directory, state["steps_done"])
+        return int(state["steps_done"])
+    raise CheckpointError(f"--resume found no complete checkpoint in {out_dir / 'checkpoints'}; "
+                          "start without --resume.")
+
+
+def prune_checkpoints(out_dir: Path, keep: int) -> None:
+    for old in checkpoint_dirs(out_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- progress ----
+
+class Progress:
+    """One status line (a bar on a terminal, a log line every log_every steps otherwise)."""
+
+    def __init__(self, total: int, log_every: int, tty: bool | None = None):
+        self.total, self.log_every = total, log_every
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.t0 = time.monotonic()
+
+    def update(self, step: int, fields_: dict[str, str]) -> None:
+        done = step + 1
+        text = " ".join(f"{k} {v}" for k, v in fields_.items())
+        if self.tty:
+            width = 24
+            filled = int(width * done / self.total)
+            bar = "█" * filled + "·" * (width - filled)
+            sys.stderr.write(f"\r{bar} {done}/{self.total} {text}\033[K")
+            sys.stderr.flush()
+        elif done % self.log_every == 0 or done == self.total:
+            print(f"step {done}/{self.total} {text}", flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+# ---- the loop ----
+
+def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, Any]:
+    """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = Engine(cfg.model, **engine_kwargs(cfg))
+    loader = None
+    try:
+        cfg.data.vocab_size = engine.config.vocab_size
+        loader = DataLoaderActor.remote(cfg.data.to_dict())
+        start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+        return _loop(cfg, engine, loader, out_dir, start, extra_files or [])
+    finally:
+        if loader is not None:
+            ray.kill(loader)
+        engine.shutdown()
+
+
+def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: int,
+          extra_files: list[Path]) -> dict[str, Any]:
+    flops_per_token = engine.config.flops_per_token(cfg.data.seq_len)
+    progress = Progress(cfg.steps, cfg.log_every)
+    steps_log = open(out_dir / "steps.jsonl", "a")
+    spans: list[Any] = []
+    losses: list[float] = []
+    evals: list[tuple[int, float]] = []
+    next_ref = loader.next_batch.remote()
+    step = start
+    try:
+        while step < cfg.steps:
+            t0 = time.monotonic()
+            batch_ref, next_ref = next_ref, loader.next_batch.remote()  # prefetch the next batch's ref
+            try:
+                result = engine.step_batch(batch_ref)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, StopIteration):
+                    log.info("the data ran out after %d steps", step)
+                    break
+                raise
+            step_time = time.monotonic() - t0
+            losses.append(result.loss)
+            _log_step(steps_log, result, step_time, flops_per_token)
+            if cfg.trace:
+                spans.extend(result.spans)
+            progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps))
+            step += 1
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                evals.append((step, evaluate(engine, loader)))
+                log.info("step %d: eval loss %.4f", step, evals[-1][1])
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                data_state = ray.get(loader.state_dict.remote())
+                engine.save_checkpoint(out_dir / "checkpoints" / f"step-{step:08d}", {"data": data_state})
+                prune_checkpoints(out_dir, cfg.keep_checkpoints)
+    finally:
+        progress.close()
+        steps_log.close()
+        if cfg.trace and spans:
+            write_chrome_trace(spans, out_dir / "trace.json")
+    final = None
+    if cfg.save_final:
+        final = engine.save_pretrained(out_dir / "final", extra_files)
+    return {"steps": step, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "losses": losses, "evals": evals, "skipped_steps": engine.skipped_steps,
+            "final": str(final) if final else None, "out_dir": str(out_dir)}
+
+
+def evaluate(engine: Engine, loader: Any) -> float:
+    """Token-weighted mean loss over the held-out split."""
+    batches = ray.get(loader.eval_batches.remote())
+    if not batches:
+        raise MegatrainError("evaluation was asked for but the data has no held-out split; set data.eval_fraction "
+                             "or data.eval_count.")
+    total = tokens = 0.0
+    for batch in batches:
+        loss, n = engine.evaluate(ray.put(batch))
+        total += loss * n
+        tokens += n
+    return total / max(tokens, 1)
+
+
+def _tokens_per_s(result: StepResult, step_time: float) -> float:
+    return result.tokens / step_time if step_time > 0 else 0.0
+
+
+def _progress_fields(result: StepResult, step_time: float, flops_per_token: float, skipped: int) -> dict[str, str]:
+    tps = _tokens_per_s(result, step_time)
+    stall = result.stats["stall_fraction"] if result.stats else float("nan")
+    out = {"loss": f"{result.loss:.4f}", "tok/s": f"{tps:,.0f}", "TFLOP/s": f"{tps * flops_per_token / 1e12:.3g}",
+           "stall": f"{100 * stall:.0f}%" if math.isfinite(stall) else "-", "lr": f"{result.lr:.2e}"}
+    if skipped:
+        out["skipped"] = str(skipped)
+    return out
+
+
+def _log_step(f: Any, result: StepResult, step_time: float, flops_per_token: float) -> None:
+    tps = _tokens_per_s(result, step_time)
+    record = {"step": result.step, "loss": result.loss, "tokens": result.tokens, "grad_norm": result.grad_norm,
+              "lr": result.lr, "skipped": result.skipped, "step_time": step_time, "tokens_per_s": tps,
+              "tflops": tps * flops_per_token / 1e12}
+    if result.stats:
+        record["stats"] = result.stats
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+
+
+__all__ = ["TrainConfig", "run"]

@@ -1,0 +1,279 @@
+"""Parity with HF transformers: loss and every gradient of the streamed executor match `loss.backward()` of
+the HF model (fp32, CPU), and checkpoints written by megatrain load in transformers with identical logits.
+
+Each model family is a random tiny HF model (every parameter perturbed so biases and norms are not at
+their init values) saved with `save_pretrained` and loaded with `megatrain.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+import megatrain
+from megatrain import MegatrainError
+from megatrain.memory.checkpoint import save_hf
+
+REL_TOL = 1e-5
+VOCAB = 128
+BATCH, SEQ = 3, 16
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+
+# name -> HF config factory; each one exercises a different part of the layout or the rope
+FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-gqa": lambda: LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2),
+    # Llama 3.1 rope scaling, a non-default theta, and attention_bias (q/k/v and o_proj biases)
+    "llama3-rope": lambda: LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), attention_bias=True),
+    "llama-linear-rope": lambda: LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # explicit head_dim: q/o projections are 4 * 24 = 96 wide while hidden is 64
+    "mistral-head-dim": lambda: MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24),
+    # q/k/v biases and tied embeddings
+    "qwen2-tied": lambda: Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|."""
+    scale = expected.abs().max().item()
+    return (actual - expected).abs().max().item() / max(scale, 1e-30)
+
+
+def build_hf_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # move every parameter off its init value: biases and norms get real gradients
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_matches_hf(loss: torch.Tensor, grads: dict[str, torch.Tensor], hf_loss: torch.Tensor,
+                      hf_grads: dict[str, torch.Tensor]) -> None:
+    assert rel_err(loss, hf_loss) <= REL_TOL, (loss.item(), hf_loss.item())
+    assert set(grads) == set(hf_grads)
+    errors = {name: rel_err(grads[name], g) for name, g in hf_grads.items()}
+    bad = {name: e for name, e in errors.items() if not e <= REL_TOL}
+    assert not bad, f"gradients differ from HF: {bad}"
+    for name, g in hf_grads.items():
+        assert g.abs().max() > 0, f"HF gradient of {name} is zero: the test would not see a wrong value"
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def make_labels(kind: str, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """None; labels = input_ids; or random targets with -100 in places (row 0's prefix, scattered positions
+    in row 1, the whole of row 2)."""
+    if kind == "none":
+        return None
+    if kind == "full":
+        return input_ids.clone()
+    gen = torch.Generator().manual_seed(7)
+    labels = torch.randint(0, VOCAB, input_ids.shape, generator=gen)
+    labels[0, :6] = -100
+    labels[1, torch.randperm(SEQ, generator=gen)[: SEQ // 3]] = -100
+    labels[2, :] = -100
+    return labels
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, torch.nn.Module, Path]]:
+    """(name, the HF model, the directory it was saved to)."""
+    hf = build_hf_model(FAMILIES[request.param]())
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    yield request.param, hf, directory
+
+
+@pytest.fixture(scope="module")
+def mt_model(family: tuple[str, torch.nn.Module, Path]) -> Iterator[megatrain.Model]:
+    with megatrain.from_pretrained(family[2]) as model:
+        yield model
+
+
+@pytest.mark.parametrize("labels_kind", ["none", "full", "masked"])
+def test_loss_and_grads_match_hf(family: tuple[str, torch.nn.Module, Path], mt_model: megatrain.Model,
+                                 labels_kind: str) -> None:
+    _, hf, _ = family
+    input_ids = batch()
+    labels = make_labels(labels_kind, input_ids)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, input_ids, input_ids if labels is None else labels)
+    loss, grads = mt_model.loss_and_grads(input_ids, labels)
+    assert_matches_hf(loss, grads, hf_loss, hf_grads)
+
+
+def test_loaded_config_and_weights(family: tuple[str, torch.nn.Module, Path], mt_model: megatrain.Model) -> None:
+    name, hf, _ = family
+    c = mt_model.config
+    assert c.model_type == hf.config.model_type
+    assert c.head_dim == (24 if name == "mistral-head-dim" else 16)
+    assert c.tie_embeddings == (name == "qwen2-tied")
+    assert c.qkv_bias == (name in ("qwen2-tied", "llama3-rope"))
+    if name == "llama3-rope":
+        assert c.rope_theta == 500000.0 and c.rope_scaling is not None and c.rope_scaling["rope_type"] == "llama3"
+    params = mt_model.parameters()
+    hf_params = dict(hf.named_parameters())
+    assert set(params) == set(hf_params)
+    for n, p in hf_params.items():
+        assert torch.equal(params[n], p.detach()), n
+
+
+def test_repeated_steps_do_not_accumulate(family: tuple[str, torch.nn.Module, Path], mt_model: megatrain.Model
+                                          ) -> None:
+    """Gradients of a step are those of that batch alone (the arena's grads are overwritten, not summed),
+    including embedding rows a previous batch touched and this one does not."""
+    _, hf, _ = family
+    mt_model.loss_and_grads(torch.randint(0, VOCAB // 2, (BATCH, SEQ)))
+    input_ids = torch.randint(VOCAB // 2, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    hf_loss, hf_grads = hf_loss_and_grads(hf, input_ids, input_ids)
+    loss, grads = mt_model.loss_and_grads(input_ids)
+    assert_matches_hf(loss, grads, hf_loss, hf_grads)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 17])
+def test_chunked_loss_matches_hf(family: tuple[str, torch.nn.Module, Path], chunk_tokens: int) -> None:
+    _, hf, directory = family
+    input_ids = batch(seed=2)
+    labels = make_labels("masked", input_ids)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, input_ids, labels)
+    with megatrain.from_pretrained(directory, loss_chunk_tokens=chunk_tokens) as model:
+        assert chunk_tokens < input_ids.numel()
+        loss, grads = model.loss_and_grads(input_ids, labels)
+        assert_matches_hf(loss, grads, hf_loss, hf_grads)
+
+
+def test_save_pretrained_loads_in_transformers(family: tuple[str, torch.nn.Module, Path], mt_model: megatrain.Model,
+                                               tmp_path: Path) -> None:
+    _, hf, _ = family
+    out = mt_model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
+    assert type(reloaded) is type(hf)
+    input_ids = batch(seed=4)
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids).logits
+        actual = reloaded(input_ids=input_ids).logits
+    assert rel_err(actual, expected) <= REL_TOL
+
+
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen2-tied"])
+def test_sharded_save_loads_in_transformers_and_megatrain(name: str, tmp_path: Path) -> None:
+    hf = build_hf_model(FAMILIES[name]())
+    hf.save_pretrained(tmp_path / "src")
+    out = tmp_path / "sharded"
+    with megatrain.from_pretrained(tmp_path / "src") as model:
+        save_hf(out, model.layout, model.store.arena.params, shard_bytes=64 * 1024)
+        shards = sorted(out.glob("model-*-of-*.safetensors"))
+        assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+        assert not (out / "model.safetensors").exists()
+        reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+        input_ids = batch(seed=5)
+        with torch.no_grad():
+            assert rel_err(reloaded(input_ids=input_ids).logits, hf(input_ids=input_ids).logits) <= REL_TOL
+    with megatrain.from_pretrained(out) as again:  # megatrain reads its own sharded output too
+        hf_params = dict(hf.named_parameters())
+        for n, p in again.parameters().items():
+            assert torch.equal(p, hf_params[n].detach()), n
+
+
+# ---- bad input: one clear sentence, and the model is still usable afterwards ----
+
+def assert_one_sentence(message: str) -> None:
+    assert message.endswith("."), message
+    assert "\n" not in message, message
+    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, megatrain.Model]]:
+    hf = build_hf_model(FAMILIES["llama-gqa"]())
+    directory = tmp_path_factory.mktemp("llama-bad-input")
+    hf.save_pretrained(directory)
+    with megatrain.from_pretrained(directory) as model:
+        yield hf, model
+
+
+def _bad_ids_high() -> tuple[torch.Tensor, None]:
+    ids = batch()
+    ids[1, 3] = VOCAB
+    return ids, None
+
+
+def _bad_ids_negative() -> tuple[torch.Tensor, None]:
+    ids = batch()
+    ids[0, 0] = -1
+    return ids, None
+
+
+def _bad_labels_shape() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch()
+    return ids, ids[:, :-1].clone()
+
+
+def _bad_labels_all_ignored() -> tuple[torch.Tensor, torch.Tensor]:
+    return batch(), torch.full((BATCH, SEQ), -100)
+
+
+def _bad_labels_only_first_column() -> tuple[torch.Tensor, torch.Tensor]:
+    # position 0 is never a target (labels shift left by one), so this batch has nothing to learn either
+    labels = torch.full((BATCH, SEQ), -100)
+    labels[:, 0] = 5
+    return batch(), labels
+
+
+def _bad_label_value() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch()
+    labels = ids.clone()
+    labels[2, 7] = VOCAB + 372
+    return ids, labels
+
+
+def _bad_ids_rank() -> tuple[torch.Tensor, None]:
+    return batch()[0], None
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_bad_ids_high, rf"token id {VOCAB} is outside the model's vocabulary \[0, {VOCAB}\)"),
+    (_bad_ids_negative, rf"token id -1 is outside the model's vocabulary \[0, {VOCAB}\)"),
+    (_bad_labels_shape, rf"labels must have the shape of input_ids \({BATCH}, {SEQ}\), got \({BATCH}, {SEQ - 1}\)"),
+    (_bad_labels_all_ignored, r"no tokens to train on \(every label is -100\)"),
+    (_bad_labels_only_first_column, r"no tokens to train on"),
+    (_bad_label_value, rf"label {VOCAB + 372} is outside the vocabulary \[0, {VOCAB}\) and is not -100"),
+    (_bad_ids_rank, rf"input_ids must be \[batch, seq\] with seq >= 2, got shape \({SEQ},\)"),
+], ids=lambda v: v.__name__ if callable(v) else "")
+def test_bad_input_is_one_clear_sentence(llama: tuple[torch.nn.Module, megatrain.Model],
+                                         make: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+                                         expected: str) -> None:
+    hf, model = llama
+    input_ids, labels = make()
+    with pytest.raises(MegatrainError, match=expected) as info:
+        model.loss_and_grads(input_ids, labels)
+    assert_one_sentence(str(info.value))
+    # a refused batch leaves the model as it was
+    good = batch(seed=9)
+    assert_matches_hf(*model.loss_and_grads(good), *hf_loss_and_grads(hf, good, good))

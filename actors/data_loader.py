@@ -30,8 +30,9 @@ class PrefetchLoader:
     """The plain (Ray-free) prefetching wrapper; DataLoaderActor below is this class as a Ray actor."""
 
     def __init__(self, config: DataConfig | dict[str, Any], prefetch: int = 4):
-        cfg = config if isinstance(config, DataConfig) else dataclass_from_dict(DataConfig, config, "data config")
-        self.loader = BatchLoader(cfg)
+        if not isinstance(config, DataConfig):
+            config = dataclass_from_dict(DataConfig, config, "data config")
+        self.loader = BatchLoader(config)
         self.prefetch = max(1, prefetch)
         self._state = self.loader.state_dict()  # position after the last batch handed out
         self._start()
@@ -64,8 +65,8 @@ class PrefetchLoader:
         self._thread.join()
 
     def next_batch(self) -> dict[str, np.ndarray]:
-        """{"input_ids", "labels"}: int64 [batch, seq]. Raises StopIteration after the last epoch (through Ray:
-        a RayTaskError that is also a StopIteration)."""
+        """{"input_ids", "labels"}: int64 [batch, seq]. Raises StopIteration after the last epoch (through
+        Ray: a RayTaskError that is also a StopIteration)."""
         item = self._queue.get()
         if isinstance(item, _End):
             self._queue.put(item)  # the producer has stopped: answer the same way next time

@@ -24,8 +24,12 @@ class Model:
         self.store = store
         self.config = store.config
         self.layout: ModelLayout = store.layout
-        self.executor = Executor(self.config, self.layout, store.arena.params, store.arena.grads, device,
-                                 precision, loss_chunk_tokens)
+        try:
+            self.executor = Executor(self.config, self.layout, store.arena.params, store.arena.grads, device,
+                                     precision, loss_chunk_tokens)
+        except BaseException:
+            store.close()  # e.g. no such device: don't leave the new arena in /dev/shm until GC
+            raise
         if self.executor.device.type == "cuda":
             store.arena.register_cuda()
 

@@ -33,9 +33,9 @@ TABLE_ROWS = 50  # steps shown in the table; the mean row covers all of them
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "forward": (66, 133, 244), "recompute+backward": (219, 68, 55), "head": (244, 180, 0),
-    "embed": (0, 137, 123), "embed-backward": (240, 98, 146), "load": (15, 157, 88), "grads": (171, 71, 188),
+    "embed": (121, 85, 72), "embed-backward": (240, 98, 146), "load": (15, 157, 88), "grads": (171, 71, 188),
     "update": (0, 172, 193), "sync": (158, 158, 158),
-    "wait:weights": (255, 112, 67), "wait:optimizer": (93, 64, 55), "wait:data": (84, 110, 122),
+    "wait:weights": (255, 112, 67), "wait:optimizer": (55, 71, 79), "wait:data": (144, 164, 174),
 }
 _EXTRA = [(124, 179, 66), (255, 167, 38), (92, 107, 192), (141, 110, 99), (38, 166, 154), (236, 64, 122)]
 BACKGROUND, LANE_BG, INK, GRID = (255, 255, 255), (236, 239, 241), (33, 33, 33), (200, 200, 200)
@@ -154,7 +154,7 @@ def render_timeline(spans: list[Span], start: float, end: float, title: str = ""
         label = f"{t_ms:g}"
         draw_text(img, x - text_width(label, scale) // 2, axis_y + pad, label, INK, scale)
     fill_rect(img, geo.plot_x0, axis_y, geo.plot_x1 + 1, axis_y + 1, INK)
-    draw_text(img, geo.plot_x1 + pad // 2, axis_y + pad, "ms", INK, scale)
+    draw_text(img, pad, axis_y + pad, "time (ms)", INK, scale)
 
     for s in sorted(spans, key=lambda s: s.start):
         y0, y1 = geo.lanes[s.lane]

@@ -7,6 +7,7 @@ their init values) saved with `save_pretrained` and loaded with `megatrain.from_
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
 import megatrain
-from megatrain import MegatrainError
+from megatrain import ConfigError, MegatrainError
+from megatrain.memory.arena import list_segments
 from megatrain.memory.checkpoint import save_hf
 
 REL_TOL = 1e-5
@@ -277,3 +279,13 @@ def test_bad_input_is_one_clear_sentence(llama: tuple[torch.nn.Module, megatrain
     # a refused batch leaves the model as it was
     good = batch(seed=9)
     assert_matches_hf(*model.loss_and_grads(good), *hf_loss_and_grads(hf, good, good))
+
+
+def test_unusable_device_is_refused_without_leaking_the_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mine = f"-{os.getpid()}-"
+    before = {p for p in list_segments() if mine in p.name}
+    with pytest.raises(ConfigError, match="device 'cuda' was asked for but no CUDA GPU is visible") as info:
+        megatrain.from_pretrained("tiny", device="cuda")
+    assert_one_sentence(str(info.value))
+    assert {p for p in list_segments() if mine in p.name} == before

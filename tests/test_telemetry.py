@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain import telemetry
 from megatrain.report import COLORS, ReportError, main_report, render_timeline, report
 from megatrain.telemetry import (
     STEPS_FILE,
@@ -298,6 +299,16 @@ def test_steps_jsonl_roundtrip(tmp_path):
         read_steps(path)
 
 
+def test_steps_jsonl_from_the_training_log(tmp_path):
+    """pipelines/train.py writes its own records (loss, lr, ...) with the StepStats under "stats"."""
+    path = tmp_path / STEPS_FILE
+    stats = account(hand_built(), 4, 0.0, 10.0)
+    lines = [{"step": 4, "loss": 2.5, "lr": 1e-4, "stats": stats.to_dict()},
+             {"step": 5, "loss": 2.4, "stats": None}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert read_steps(path) == [stats]
+
+
 def decode_png(data: bytes) -> tuple[dict[bytes, bytes], np.ndarray]:
     """Checks the signature and every chunk's CRC, and undoes filter type 0 of an 8-bit RGB image."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -396,4 +407,6 @@ def test_report_errors_are_one_sentence(tmp_path, capsys):
     make_run(tmp_path, steps=2)
     assert "Step 9 is not in" in reason(step=9)
     assert main_report(str(tmp_path), 1) == 0
+    assert "timeline of step 1" in capsys.readouterr().out
+    assert telemetry.main_report(str(tmp_path), None) == 0  # the name the CLI calls
     assert "timeline of step 1" in capsys.readouterr().out

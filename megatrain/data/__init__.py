@@ -7,7 +7,15 @@
 
 from megatrain.data.loader import BatchLoader, DataConfig
 from megatrain.data.packing import IGNORE, RowPacker, Sample, make_sample
-from megatrain.data.sources import Doc, Document, DocumentStream, EvalSplit, Source, open_source, synthetic_document
+from megatrain.data.sources import (
+    Doc,
+    Document,
+    DocumentStream,
+    EvalSplit,
+    Source,
+    open_source,
+    synthetic_document,
+)
 from megatrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

@@ -32,7 +32,7 @@ class DataConfig:
     text_field: str = "text"  # JSONL field / Parquet-Arrow column holding text (or token-id lists)
     messages_field: str = "messages"  # JSONL field / column holding chats: [{"role", "content"}, ...]
     column: str | None = None  # Parquet/Arrow: the column to read (None: text_field, else messages_field)
-    text_split: str = "paragraph"  # text files: "paragraph" (blank-line separated) or "file" (one document each)
+    text_split: str = "paragraph"  # text files: "paragraph" (blank-line separated) or "file" (one doc each)
     tokenizer: str = "byte"  # "byte", or a model directory / tokenizer.json path
     chat_template: str | None = None  # overrides the tokenizer's: a Jinja string or a .jinja file
     batch_size: int = 8
@@ -47,34 +47,35 @@ class DataConfig:
     sft: bool | None = None  # train on assistant turns only; None: on when the data holds chats
     vocab_size: int | None = None  # the model's embedding rows: tokenizer and ids are checked against it
     synthetic_docs: int = 10_000  # size of the synthetic data set
-    shard_bytes: int = 1 << 20  # text/JSONL: bytes per shard (the unit of shuffling and of re-reading on resume)
+    shard_bytes: int = 1 << 20  # text/JSONL: bytes per shard (the unit of shuffling and of resume re-reads)
 
     def __post_init__(self) -> None:
         self.source = str(self.source)
         self.tokenizer = str(self.tokenizer)
+
+        def check(ok: bool, what: str, value: object) -> None:
+            if not ok:
+                raise ConfigError(f"data config: {what}, got {value!r}.")
+
+        def count(value: object, least: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
         for name in ("batch_size", "seq_len", "synthetic_docs", "shard_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"data config: {name} must be a positive integer, got {value!r}.")
-        if self.seq_len < 2:
-            raise ConfigError(f"data config: seq_len must be at least 2 to have a next token, got {self.seq_len}.")
-        if self.format is not None and self.format not in FORMATS:
-            raise ConfigError(f"data config: format must be one of {', '.join(FORMATS)} (or None to detect it "
-                              f"from the extension), got {self.format!r}.")
-        if self.text_split not in ("paragraph", "file"):
-            raise ConfigError(f"data config: text_split must be 'paragraph' or 'file', got {self.text_split!r}.")
-        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
-            raise ConfigError(f"data config: epochs must be a positive integer or None (forever), got {self.epochs!r}.")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data config: eval_fraction must be in [0, 1), got {self.eval_fraction}.")
-        if not isinstance(self.eval_count, int) or self.eval_count < 0:
-            raise ConfigError(f"data config: eval_count must be a non-negative integer, got {self.eval_count!r}.")
+            check(count(getattr(self, name), 1), f"{name} must be a positive integer", getattr(self, name))
+        check(self.seq_len >= 2, "seq_len must be at least 2 to have a next token", self.seq_len)
+        check(self.format is None or self.format in FORMATS,
+              f"format must be one of {', '.join(FORMATS)} (or None: from the extension)", self.format)
+        check(self.text_split in ("paragraph", "file"),
+              "text_split must be 'paragraph' or 'file'", self.text_split)
+        check(self.epochs is None or count(self.epochs, 1),
+              "epochs must be a positive integer or None (forever)", self.epochs)
+        check(0.0 <= self.eval_fraction < 1.0, "eval_fraction must be in [0, 1)", self.eval_fraction)
+        check(count(self.eval_count, 0), "eval_count must be a non-negative integer", self.eval_count)
         if self.eval_fraction and self.eval_count:
             raise ConfigError("data config: set eval_fraction or eval_count, not both.")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"data config: seed must be a non-negative integer, got {self.seed!r}.")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
-            raise ConfigError(f"data config: vocab_size must be a positive integer or None, got {self.vocab_size!r}.")
+        check(count(self.seed, 0), "seed must be a non-negative integer", self.seed)
+        check(self.vocab_size is None or count(self.vocab_size, 1),
+              "vocab_size must be a positive integer or None", self.vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,12 +89,13 @@ class BatchLoader:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer, cfg.chat_template)
-        tok = self.tokenizer
+        if tokenizer is None:
+            tokenizer = load_tokenizer(cfg.tokenizer, cfg.chat_template)
+        self.tokenizer = tok = tokenizer
         if cfg.vocab_size is not None and tok.vocab_size > cfg.vocab_size:
-            raise DataError(f"the tokenizer ({tok!r}) has {tok.vocab_size} tokens but the model's embedding has "
-                            f"{cfg.vocab_size} rows (vocab_size); use the model's own tokenizer or a model with "
-                            "a larger vocabulary.")
+            raise DataError(f"the tokenizer ({tok!r}) has {tok.vocab_size} tokens but the model's "
+                            f"embedding has {cfg.vocab_size} rows (vocab_size); use the model's own tokenizer "
+                            "or a model with a larger vocabulary.")
         self.vocab_limit = cfg.vocab_size if cfg.vocab_size is not None else tok.vocab_size
         self.format, self.source = open_source(cfg)
         first = self._first_doc()
@@ -150,7 +152,8 @@ class BatchLoader:
     def _fingerprint(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same batches (not the path: data may move)."""
         c = self.cfg
-        return {"format": self.format, "num_shards": self.source.num_shards, "tokenizer": f"{type(self.tokenizer).__name__}:{self.tokenizer.vocab_size}",
+        tokenizer = f"{type(self.tokenizer).__name__}:{self.tokenizer.vocab_size}"
+        return {"format": self.format, "num_shards": self.source.num_shards, "tokenizer": tokenizer,
                 "batch_size": c.batch_size, "seq_len": c.seq_len, "seed": c.seed, "shuffle": c.shuffle,
                 "pack": c.pack, "sft": self.sft, "eval_fraction": c.eval_fraction, "eval_count": c.eval_count}
 
@@ -168,14 +171,14 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"the saved data position has version {state.get('version')!r}, not {STATE_VERSION}; "
-                            "start the data from the beginning.")
+            raise DataError(f"the saved data position has version {state.get('version')!r}, not "
+                            f"{STATE_VERSION}; start the data from the beginning.")
         mine = self._fingerprint()
         for key, saved in state["fingerprint"].items():
             if mine.get(key) != saved:
-                raise DataError(f"the saved data position was made with {key}={saved!r} but this loader has "
-                                f"{key}={mine.get(key)!r}; resume with the same data config, or start the data "
-                                "from the beginning.")
+                raise DataError(f"the saved data position was made with {key}={saved!r} but this loader "
+                                f"has {key}={mine.get(key)!r}; resume with the same data config, or start "
+                                "the data from the beginning.")
         self.stream.seek(state["position"])
         self.packer.pending, self.packer.offset = None, 0
         self._sample_position = self.stream.position()

@@ -59,7 +59,7 @@ def make_sample(doc: Doc, tokenizer: Tokenizer, sft: bool, vocab_limit: int | No
     if tokenizer.bos_id is not None and ids[0] != tokenizer.bos_id:
         ids, mask = [tokenizer.bos_id, *ids], [not sft, *mask]
     if tokenizer.eos_id is not None and ids[-1] != tokenizer.eos_id:
-        ids, mask = [*ids, tokenizer.eos_id], [*mask, mask[-1]]  # EOS is trained when it closes a trained turn
+        ids, mask = [*ids, tokenizer.eos_id], [*mask, mask[-1]]  # trained when it closes a trained turn
     arr = np.asarray(ids, dtype=np.int64)
     if vocab_limit is not None and (arr.min() < 0 or arr.max() >= vocab_limit):
         bad = int(arr.max() if arr.max() >= vocab_limit else arr.min())
@@ -76,7 +76,8 @@ class RowPacker:
     loader saves where that sample came from plus `offset`, which is all it takes to resume exactly.
     """
 
-    def __init__(self, batch_size: int, seq_len: int, pad_id: int, pack: bool = True, truncation: bool = True):
+    def __init__(self, batch_size: int, seq_len: int, pad_id: int, pack: bool = True,
+                 truncation: bool = True):
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.pack, self.truncation = pack, truncation
         self.pending: Sample | None = None
@@ -109,8 +110,8 @@ class RowPacker:
                 except StopIteration:
                     break
                 if len(sample) > s and not self.truncation:
-                    raise DataError(f"{sample.where} is {len(sample)} tokens long, more than seq_len={s}; raise "
-                                    "seq_len, set truncation=True, or use pack=True.")
+                    raise DataError(f"{sample.where} is {len(sample)} tokens long, more than seq_len={s}; "
+                                    "raise seq_len, set truncation=True, or use pack=True.")
                 n = min(len(sample), s)
                 ids[row * s : row * s + n] = sample.ids[:n]
                 labels[row * s : row * s + n] = sample.labels[:n]

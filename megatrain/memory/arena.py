@@ -173,11 +173,12 @@ def _map(handle: ArenaHandle) -> dict[str, torch.Tensor]:
 
 
 def _parse_owner(name: str) -> tuple[int, int] | None:
+    # PREFIX-run_id-pid-start-segment: read from the right, since a user's run id may contain dashes
     parts = name.split("-")
     if len(parts) < 5 or parts[0] != PREFIX:
         return None
     try:
-        return int(parts[2]), int(parts[3])
+        return int(parts[-3]), int(parts[-2])
     except ValueError:
         return None
 

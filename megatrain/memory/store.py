@@ -62,10 +62,15 @@ class ParameterStore:
         versions = ("versions", "int64", len(self.layout.units) * num_workers)
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,))
         self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
-        if self.source_dir is not None:
-            ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
-        else:
-            init_weights(self.layout, self.arena.params, seed)
+        try:
+            if self.source_dir is not None:
+                ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
+            else:
+                init_weights(self.layout, self.arena.params, seed)
+        except BaseException:
+            # the half-built store is unreachable but the traceback keeps it (and its arena) alive: unlink now
+            self.close()
+            raise
 
     @property
     def handle(self) -> ArenaHandle:

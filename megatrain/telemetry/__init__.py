@@ -32,8 +32,17 @@ from megatrain.telemetry.trace import (
     write_chrome_trace,
 )
 
+
+def main_report(run_dir: str, step: int | None = None) -> int:
+    """`megatrain report RUN_DIR`: see megatrain.report (imported here lazily: it imports this package)."""
+    from megatrain.report import main_report as run
+
+    return run(run_dir, step)
+
+
 __all__ = [
     "DEVICE_LANES", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder", "Span",
-    "StepStats", "account", "append_step", "chrome_trace_to_spans", "optimizer_lane", "png_bytes",
-    "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace", "write_png",
+    "StepStats", "account", "append_step", "chrome_trace_to_spans", "main_report", "optimizer_lane",
+    "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
+    "write_png",
 ]

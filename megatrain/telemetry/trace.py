@@ -97,14 +97,23 @@ def append_step(stats: StepStats, path: str | os.PathLike) -> None:
 
 
 def read_steps(path: str | os.PathLike) -> list[StepStats]:
-    """Reads steps.jsonl; a bad line raises ValueError naming it (a torn last line is skipped)."""
+    """Reads steps.jsonl; a bad line raises ValueError naming it (a torn last line is skipped).
+
+    A line is either a StepStats (append_step) or a training log record that carries one under "stats"
+    (pipelines/train.py: loss, lr, tokens/s ... and "stats"); a record whose "stats" is null is skipped.
+    """
     lines = Path(path).read_text().splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            out.append(StepStats.from_dict(json.loads(line)))
+            record = json.loads(line)
+            if isinstance(record, dict) and "stats" in record:
+                if record["stats"] is None:
+                    continue
+                record = record["stats"]
+            out.append(StepStats.from_dict(record))
         except (ValueError, TypeError) as e:
             if n == len(lines) and not line.endswith("}"):  # the writer was killed mid-line
                 break

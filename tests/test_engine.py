@@ -1,0 +1,139 @@
+"""The Ray engine against HF transformers + torch.optim.AdamW, on the CPU path of the same code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
+
+import megatrain
+from megatrain.memory.arena import list_segments
+
+OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=2, total_steps=5)
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=120, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("hf")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        labels = ids.clone()
+        labels[0, :5] = -100  # a masked prompt
+        out.append((ids, labels))
+    return out
+
+
+def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None) -> tuple[list[float], dict]:
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for n, p in named if not (n.endswith("norm.weight") or n.endswith(".bias"))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
+    sched = get_cosine_schedule_with_warmup(opt, OPTIM["warmup_steps"], OPTIM["total_steps"])
+    losses = []
+    for ids, labels in batches:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in named}
+
+
+def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0
+          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    with megatrain.Engine(hf_dir, optimizer_workers=workers, precision="fp32", device="cpu",
+                          max_grad_norm=max_grad_norm, **OPTIM) as engine:
+        losses = [engine.step(ids, labels) for ids, labels in batches]
+        return losses, engine.parameters()
+
+
+def assert_close_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
+    assert ours.keys() == ref.keys()
+    for name, want in ref.items():
+        rel = ((ours[name] - want).abs().max() / want.abs().max()).item()
+        assert rel <= tol, f"{name}: relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+def test_engine_matches_hf_adamw(ray_session, hf_dir, batches, max_grad_norm) -> None:
+    ref_losses, ref_params = hf_reference(hf_dir, batches, max_grad_norm)
+    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_close_rel(params, ref_params)
+    assert not list_segments(), "the engine left shared memory behind"
+
+
+def test_results_do_not_depend_on_worker_count(ray_session, hf_dir, batches) -> None:
+    losses1, params1 = train(hf_dir, batches, workers=1)
+    losses3, params3 = train(hf_dir, batches, workers=3)
+    assert losses1 == losses3
+    for name in params1:
+        assert torch.equal(params1[name], params3[name]), name
+
+
+def test_resume_from_checkpoint_repeats_the_run(ray_session, hf_dir, batches, tmp_path) -> None:
+    with megatrain.Engine(hf_dir, optimizer_workers=2, precision="fp32", device="cpu", **OPTIM) as engine:
+        losses = []
+        for i, (ids, labels) in enumerate(batches):
+            losses.append(engine.step(ids, labels))
+            if i == 2:
+                engine.save_checkpoint(tmp_path / "step-3")
+        final = engine.parameters()
+    with megatrain.Engine(hf_dir, optimizer_workers=2, precision="fp32", device="cpu", **OPTIM) as engine:
+        state = engine.load_checkpoint(tmp_path / "step-3")
+        assert state["steps_done"] == 3
+        resumed = [engine.step(ids, labels) for ids, labels in batches[3:]]
+        assert resumed == losses[3:]
+        for name, value in engine.parameters().items():
+            assert torch.equal(value, final[name]), name
+
+
+def test_nonfinite_loss_skips_the_update_then_stops(ray_session, hf_dir, batches) -> None:
+    from megatrain.memory.arena import Arena
+    from megatrain.model.layout import ModelLayout
+    from pipelines.engine import NonFiniteError
+
+    with megatrain.Engine(hf_dir, optimizer_workers=1, precision="fp32", device="cpu", max_nonfinite_steps=2,
+                          **OPTIM) as engine:
+        engine.step(*batches[0])
+        assert engine.updates_applied == 1
+        engine.wait_for_updates()
+        arena = Arena.open(engine.handle)
+        # a poisoned weight in the final norm: every loss is NaN from now on
+        ModelLayout.build(engine.config).hf_views(arena.params)["model.norm.weight"][0] = float("nan")
+        arena.close()
+        poisoned = engine.parameters()
+        loss = engine.step(*batches[1])
+        assert loss != loss and engine.updates_applied == 1 and engine.skipped_steps == 1
+        after = engine.parameters()
+        for name, value in poisoned.items():
+            assert torch.equal(value.nan_to_num(), after[name].nan_to_num()), f"{name} changed on a skipped step"
+        with pytest.raises(NonFiniteError, match="2 steps in a row"):
+            engine.step(*batches[2])
+
+
+def test_bad_batch_is_one_sentence(ray_session, hf_dir) -> None:
+    with megatrain.Engine(hf_dir, optimizer_workers=1, precision="fp32", device="cpu") as engine:
+        with pytest.raises(Exception) as err:
+            engine.step(torch.full((1, 8), VOCAB + 5))
+        assert "outside the model's vocabulary" in str(err.value)

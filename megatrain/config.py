@@ -212,6 +212,8 @@ class ModelConfig:
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.qkv_bias
             hf["mlp_bias"] = False
+        if self.model_type == "mistral":
+            hf["sliding_window"] = None  # megatrain computes full causal attention; MistralConfig defaults to 4096
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:

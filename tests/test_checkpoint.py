@@ -23,8 +23,8 @@ from megatrain.memory.arena import list_segments
 from megatrain.memory.checkpoint import CheckpointError, atomic_directory
 from megatrain.memory.store import ParameterStore
 
-HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
 
 
 def assert_one_sentence(message: str) -> None:
@@ -118,30 +118,35 @@ def _config_of_other_model(d: Path) -> None:
 
 
 BROKEN: list[tuple[Callable[[Path], None], type[MegatrainError], str]] = [
-    (_no_config, ConfigError, r"no HF config at .*config\.json; pass a model directory that holds config\.json"),
-    (_no_weights, CheckpointError, r"no model\.safetensors or model\.safetensors\.index\.json in .*model\.$"),
-    (_only_pickle, CheckpointError, r"found pytorch_model\.bin: megatrain never loads pickles; convert them to "
-                                    r"safetensors first"),
-    (_truncated, CheckpointError, r"model\.safetensors is not a readable safetensors file .* truncated or corrupt"),
+    (_no_config, ConfigError,
+     r"no HF config at .*config\.json; pass a model directory that holds config\.json"),
+    (_no_weights, CheckpointError,
+     r"no model\.safetensors or model\.safetensors\.index\.json in .*model\.$"),
+    (_only_pickle, CheckpointError,
+     r"found pytorch_model\.bin: megatrain never loads pickles; convert them to safetensors first"),
+    (_truncated, CheckpointError,
+     r"model\.safetensors is not a readable safetensors file .* truncated or corrupt"),
     (_garbage, CheckpointError, r"model\.safetensors is not a readable safetensors file"),
-    (_wrong_shape, CheckpointError, r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has shape \(8, 32\) but "
-                                    r"the config implies \(16, 32\)"),
-    (_missing_tensor, CheckpointError, r"lacks tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight; the checkpoint "
-                                       r"is incomplete"),
-    (_extra_tensor, CheckpointError, r"has tensor 'model\.layers\.2\.mlp\.up_proj\.weight' that a llama model of "
-                                     r"this config does not have"),
-    (_int_tensor, CheckpointError, r"tensor model\.norm\.weight has dtype torch\.int64, not a floating-point type"),
-    (_missing_shard, CheckpointError, r"is missing shard\(s\) model-00002-of-00002\.safetensors listed in "
-                                      r"model\.safetensors\.index\.json"),
+    (_wrong_shape, CheckpointError,
+     r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has shape \(8, 32\) but the config implies \(16, 32\)"),
+    (_missing_tensor, CheckpointError,
+     r"lacks tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight; the checkpoint is incomplete"),
+    (_extra_tensor, CheckpointError,
+     r"has tensor 'model\.layers\.2\.mlp\.up_proj\.weight' that a llama model of this config does not have"),
+    (_int_tensor, CheckpointError,
+     r"tensor model\.norm\.weight has dtype torch\.int64, not a floating-point type"),
+    (_missing_shard, CheckpointError,
+     r"is missing shard\(s\) model-00002-of-00002\.safetensors listed in model\.safetensors\.index\.json"),
     (_bad_index, CheckpointError, r"model\.safetensors\.index\.json is not a valid safetensors index"),
-    (_config_of_other_model, CheckpointError, r"mlp\.(down|gate|up)_proj\.weight has shape \((48, 32|32, 48)\) but "
-                                              r"the config implies \((64, 32|32, 64)\); check that config\.json"),
+    (_config_of_other_model, CheckpointError,
+     r"mlp\.(down|gate|up)_proj\.weight has shape \((48, 32|32, 48)\) but the config implies \((64, 32|32, 64)\)"),
 ]
 
 
 @pytest.mark.parametrize("breakage, error, expected", BROKEN, ids=[b.__name__.strip("_") for b, _, _ in BROKEN])
-def test_broken_hf_directory_is_refused(hf_dir: Path, breakage: Callable[[Path], None], error: type[MegatrainError],
-                                        expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broken_hf_directory_is_refused(hf_dir: Path, breakage: Callable[[Path], None],
+                                        error: type[MegatrainError], expected: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     breakage(hf_dir)
 
     def no_pickles(*args: Any, **kwargs: Any) -> None:
@@ -166,7 +171,8 @@ def test_neither_directory_nor_preset(tmp_path: Path, path: str) -> None:
 
 def test_harmless_extras_load(hf_dir: Path) -> None:
     """Exporters' rotary inv_freq buffers are skipped; a tied checkpoint may carry lm_head (the embedding)."""
-    rewrite_weights(hf_dir, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}))
+    inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    rewrite_weights(hf_dir, lambda t: t.update({inv_freq: torch.ones(4)}))
     with megatrain.from_pretrained(hf_dir) as model:
         expected = load_file(hf_dir / "model.safetensors")
         for name, p in model.parameters().items():
@@ -175,7 +181,8 @@ def test_harmless_extras_load(hf_dir: Path) -> None:
     (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     with megatrain.from_pretrained(hf_dir) as model:
         assert "lm_head.weight" not in model.parameters()
-        assert torch.equal(model.parameters()["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+        embed = "model.embed_tokens.weight"
+        assert torch.equal(model.parameters()[embed], expected[embed])
 
 
 # ---- training checkpoints ----
@@ -196,7 +203,8 @@ def randomize(s: ParameterStore, seed: int) -> None:
 
 def assert_same_state(a: ParameterStore, b: ParameterStore) -> None:
     for segment in ("params", "exp_avg", "exp_avg_sq"):
-        mine, theirs = a.layout.hf_views(a.arena.tensors[segment]), b.layout.hf_views(b.arena.tensors[segment])
+        mine = a.layout.hf_views(a.arena.tensors[segment])
+        theirs = b.layout.hf_views(b.arena.tensors[segment])
         for name in mine:
             assert torch.equal(mine[name], theirs[name]), (segment, name)
 
@@ -265,7 +273,8 @@ CORRUPTIONS: list[tuple[Callable[[Path], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize("corrupt, expected", CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS])
+@pytest.mark.parametrize("corrupt, expected", CORRUPTIONS,
+                         ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS])
 def test_damaged_checkpoint_is_refused(saved: Path, corrupt: Callable[[Path], None], expected: str) -> None:
     corrupt(saved)
     other = ParameterStore("tiny", seed=5)
@@ -283,7 +292,8 @@ def test_checkpoint_of_another_model_is_refused(saved: Path) -> None:
     other = ParameterStore(megatrain.ModelConfig(**{**megatrain.ModelConfig.from_name("tiny").to_dict(),
                                                      "intermediate_size": 192}))
     try:
-        with pytest.raises(ConfigError, match=r"is of a different model \(differs in intermediate_size\)") as info:
+        expected = r"is of a different model \(differs in intermediate_size\)"
+        with pytest.raises(ConfigError, match=expected) as info:
             other.load_checkpoint(saved)
         assert_one_sentence(str(info.value))
     finally:

@@ -72,7 +72,7 @@ HF_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
                       "original_max_position_embeddings": 8192}),
     "mistral": lambda: MistralConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=48, rope_theta=1e6),
+        num_key_value_heads=2, head_dim=48, rope_theta=1e6, sliding_window=None),  # Mistral v0.2+: full attention
     "qwen2": lambda: Qwen2Config(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
@@ -81,7 +81,7 @@ HF_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 # HF keys that must survive ModelConfig.from_hf -> to_hf -> transformers unchanged
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
-              "max_position_embeddings", "bos_token_id", "eos_token_id", "rope_parameters")
+              "max_position_embeddings", "bos_token_id", "eos_token_id", "rope_parameters", "sliding_window")
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -165,7 +165,7 @@ def _string_for_int(tmp_path: Path) -> None:
 
 
 def _list_for_float(tmp_path: Path) -> None:
-    ModelConfig.from_hf({**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(), 
+    ModelConfig.from_hf({**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(),
                         "rope_parameters": {"rope_type": "default", "rope_theta": [1.0]}})
 
 

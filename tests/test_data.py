@@ -71,7 +71,8 @@ def row_texts(batches: list[dict[str, np.ndarray]]) -> list[str]:
 
 def same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:
     return len(a) == len(b) and all(
-        np.array_equal(x["input_ids"], y["input_ids"]) and np.array_equal(x["labels"], y["labels"]) for x, y in zip(a, b)
+        np.array_equal(x["input_ids"], y["input_ids"]) and np.array_equal(x["labels"], y["labels"])
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -92,8 +93,9 @@ def hf_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>",
-                                  "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["hello world, hello again", "Be brief. Say hello. And again?"] * 20, trainer)
     d = tmp_path_factory.mktemp("hf")
     tok.save(str(d / "tokenizer.json"))
@@ -124,7 +126,7 @@ def test_byte_tokenizer_with_jinja_template():
     ids, mask = ByteTokenizer(CHATML).apply_chat(CHAT[1:3])
     text = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\nhello world<|im_end|>\n"
     assert ids == enc(text)
-    trained = bytes(i for i, m in zip(ids, mask) if m).decode()
+    trained = bytes(i for i, m in zip(ids, mask, strict=True) if m).decode()
     assert trained == "hello world<|im_end|>\n"  # the assistant header is prompt, its closing tag is trained
 
 
@@ -145,7 +147,7 @@ def test_hf_tokenizer_ids_and_template(hf_dir):
     assert ids == list(reference.apply_chat_template(CHAT, tokenize=True)["input_ids"])
     # token by token: the mask is on exactly the two assistant turns (content + closing tag + newline)
     runs, current = [], []
-    for i, m in zip(ids, mask):
+    for i, m in zip(ids, mask, strict=True):
         if m:
             current.append(i)
         elif current:
@@ -168,6 +170,13 @@ def test_hf_tokenizer_from_file_with_config_json_ids(hf_dir, tmp_path):
     assert sum(mask) == len(tok.encode("hello world")) + 1
     (tmp_path / "chat_template.jinja").write_text(CHATML)
     assert load_tokenizer(str(tmp_path)).chat_template == CHATML
+    # an explicit null in tokenizer_config.json wins over config.json (Qwen: no BOS): none is added
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert (tok.bos_id, tok.eos_id) == (None, 2)
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    ids = loader(source=str(src), tokenizer=str(tmp_path), pack=False).next_batch()["input_ids"][0]
+    assert ids[: len(tok.encode("hello")) + 1].tolist() == tok.encode("hello") + [2]
 
 
 def test_hf_sft_sample_keeps_template_bos_and_trains_closing_eos(hf_dir, tmp_path):
@@ -179,7 +188,8 @@ def test_hf_sft_sample_keeps_template_bos_and_trains_closing_eos(hf_dir, tmp_pat
     ids, mask = tok.apply_chat(CHAT)
     n = len(ids) + 1  # the template starts with <s> already: only EOS is added
     assert batch["input_ids"][0, :n].tolist() == ids + [tok.eos_id]
-    assert batch["labels"][0, :n].tolist() == [i if m else IGNORE for i, m in zip(ids, mask)] + [tok.eos_id]
+    labels = [i if m else IGNORE for i, m in zip(ids, mask, strict=True)]
+    assert batch["labels"][0, :n].tolist() == labels + [tok.eos_id]
     assert (batch["input_ids"][0, n:] == tok.pad_id).all() and (batch["labels"][0, n:] == IGNORE).all()
 
 
@@ -293,7 +303,8 @@ def test_shuffle_epochs_and_end(twenty_docs):
     assert first != second and first != sorted(first)  # a new order each epoch
     with pytest.raises(StopIteration):
         ld.next_batch()
-    other_seed = row_texts(drain(loader(source=str(twenty_docs), pack=False, shuffle=True, seed=4, shard_bytes=40)))
+    other = loader(source=str(twenty_docs), pack=False, shuffle=True, seed=4, shard_bytes=40)
+    other_seed = row_texts(drain(other))
     assert other_seed != first
 
 
@@ -303,7 +314,8 @@ def test_eval_split_by_count_and_fraction(twenty_docs):
     assert sorted(row_texts(drain(ld))) == [f"doc {i:02d}" for i in range(3, 20)]
 
     def split(seed: int) -> tuple[list[str], list[str]]:
-        ld = loader(source=str(twenty_docs), pack=False, eval_fraction=0.3, shuffle=True, seed=seed, shard_bytes=40)
+        ld = loader(source=str(twenty_docs), pack=False, eval_fraction=0.3, shuffle=True, seed=seed,
+                    shard_bytes=40)
         return row_texts(list(ld.eval_batches())), row_texts(drain(ld))
 
     held, train = split(0)
@@ -360,12 +372,13 @@ def resume_sources(tmp_path) -> dict[str, dict]:
     rng = np.random.default_rng(0)
     texts = [" ".join(["word"] * int(rng.integers(1, 30))) + f" {i}" for i in range(40)]
     jsonl = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
-    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": t[:9]},
-                                                             {"role": "assistant", "content": t}]} for t in texts])
+    chat = lambda t: [{"role": "user", "content": t[:9]}, {"role": "assistant", "content": t}]
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat(t)} for t in texts])
     pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=7)
     return {
         "synthetic-packed": dict(seq_len=16, batch_size=3, epochs=None),
-        "jsonl-padded": dict(source=str(jsonl), pack=False, batch_size=3, seq_len=64, epochs=3, shard_bytes=200),
+        "jsonl-padded": dict(source=str(jsonl), pack=False, batch_size=3, seq_len=64, epochs=3,
+                             shard_bytes=200),
         "sft-packed": dict(source=str(chats), seq_len=24, batch_size=2, epochs=2, shard_bytes=300),
         "parquet-packed-eval": dict(source=str(tmp_path / "t.parquet"), seq_len=32, batch_size=2, epochs=3,
                                     eval_fraction=0.2),
@@ -444,9 +457,11 @@ def test_malformed_json_and_messages(tmp_path):
     arr = tmp_path / "arr.json"
     arr.write_text('[{"text": "a"}]')
     assert "holds a JSON array, not JSON Lines" in error(loader, source=str(arr))
-    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}])
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant"}]}])
     message = error(loader, source=str(chat))
-    assert f"{chat} line 1: messages entry 1 lacks a string 'role' and 'content' (its keys are: role)" in message
+    assert f"{chat} line 1: messages entry 1 lacks a string 'role' and 'content' (its keys are: role)" in \
+        message
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain"}])
     assert "sft is on but" in error(drain, loader(source=str(text), sft=True))
 

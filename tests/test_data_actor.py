@@ -22,7 +22,7 @@ def reference(n: int) -> list[dict[str, np.ndarray]]:
 
 def assert_same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert np.array_equal(g["input_ids"], w["input_ids"]) and np.array_equal(g["labels"], w["labels"])
 
 
@@ -52,11 +52,13 @@ def test_actor_prefetch_resume_eval_and_end(ray_session, tmp_path):
     resumed = DataLoaderActor.remote(CONFIG, prefetch=2)
     ray.get(resumed.load_state_dict.remote(state))
     assert_same([ray.get(resumed.next_batch.remote()) for _ in range(4)], ref[3:7])
-    assert_same(ray.get(resumed.eval_batches.remote()), list(BatchLoader(DataConfig(**CONFIG)).eval_batches()))
+    held_out = list(BatchLoader(DataConfig(**CONFIG)).eval_batches())
+    assert_same(ray.get(resumed.eval_batches.remote()), held_out)
 
     src = tmp_path / "d.jsonl"
     src.write_text('{"text": "abc"}\n{"text": "de"}\n')
-    finite = DataLoaderActor.remote({"source": str(src), "batch_size": 1, "seq_len": 4, "epochs": 1}, prefetch=2)
+    config = {"source": str(src), "batch_size": 1, "seq_len": 4, "epochs": 1}
+    finite = DataLoaderActor.remote(config, prefetch=2)
     batches = [ray.get(finite.next_batch.remote()) for _ in range(3)]  # 5 + 4 tokens with BOS/EOS, rows of 4
     assert batches[0]["input_ids"].tolist() == [[256, 97, 98, 99]]
     for _ in range(2):  # the end is reported every time it is asked for

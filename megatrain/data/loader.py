@@ -94,8 +94,8 @@ class BatchLoader:
         self.tokenizer = tok = tokenizer
         if cfg.vocab_size is not None and tok.vocab_size > cfg.vocab_size:
             raise DataError(f"the tokenizer ({tok!r}) has {tok.vocab_size} tokens but the model's "
-                            f"embedding has {cfg.vocab_size} rows (vocab_size); use the model's own tokenizer "
-                            "or a model with a larger vocabulary.")
+                            f"embedding has {cfg.vocab_size} rows (vocab_size); use the model's own "
+                            "tokenizer or a model with a larger vocabulary.")
         self.vocab_limit = cfg.vocab_size if cfg.vocab_size is not None else tok.vocab_size
         self.format, self.source = open_source(cfg)
         first = self._first_doc()

@@ -172,16 +172,18 @@ class JsonlSource(Source):
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                bad_json = isinstance(e, json.JSONDecodeError)
+                detail = f"{e.msg} at column {e.colno}" if bad_json else "not UTF-8"
                 raise DataError(f"{where} is not valid JSON ({detail}); fix or remove that line.") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where} holds a JSON {type(record).__name__}, not an object; "
                                 "write one JSON object per line.")
             key = next((k for k in self.fields if k in record), None)
             if key is None:
-                raise DataError(f"{where} has no {self.fields[0]!r} or {self.fields[1]!r} field (its fields are: "
-                                f"{', '.join(record) or 'none'}); set text_field or messages_field to the one "
-                                "holding the documents.")
+                names = ", ".join(record) or "none"
+                raise DataError(f"{where} has no {self.fields[0]!r} or {self.fields[1]!r} field (its fields "
+                                f"are: {names}); set text_field or messages_field to the one holding the "
+                                "documents.")
             value = as_document(record[key], where, key)
             if value is not None:
                 docs.append(Doc(value, where))
@@ -190,7 +192,8 @@ class JsonlSource(Source):
 
 # ---- Parquet and Arrow IPC: shards are row groups / record batches, one column read at a time ----
 
-def _pick_column(names: list[str], path: Path, column: str | None, text_field: str, messages_field: str) -> str:
+def _pick_column(names: list[str], path: Path, column: str | None, text_field: str,
+                 messages_field: str) -> str:
     if column is not None:
         if column not in names:
             raise DataError(f"{path} has no column {column!r} (its columns are: {', '.join(names)}); "
@@ -222,7 +225,7 @@ class ParquetSource(Source):
             try:
                 pf = pq.ParquetFile(f)
             except Exception as e:
-                raise DataError(f"{f} is not a readable Parquet file ({e}); re-export it or remove it.") from None
+                raise DataError(f"{f} is not a readable Parquet file ({e}); re-export it.") from None
             meta = pf.metadata
             self.columns[f] = _pick_column(pf.schema_arrow.names, f, column, text_field, messages_field)
             first = 0
@@ -243,7 +246,7 @@ class ParquetSource(Source):
 
 
 def _open_arrow(path: Path) -> tuple[Any, bool]:
-    """An Arrow IPC reader (file format: random access; stream format: sequential) and whether it is a file."""
+    """An Arrow IPC reader (file format: random access; stream format: sequential); is it a file?"""
     import pyarrow as pa
 
     try:
@@ -253,7 +256,7 @@ def _open_arrow(path: Path) -> tuple[Any, bool]:
     try:
         return pa.ipc.open_stream(pa.memory_map(str(path))), False
     except pa.ArrowInvalid as e:
-        raise DataError(f"{path} is not an Arrow IPC file or stream ({e}); re-export it or remove it.") from None
+        raise DataError(f"{path} is not an Arrow IPC file or stream ({e}); re-export or remove it.") from None
 
 
 class ArrowSource(Source):
@@ -298,8 +301,8 @@ def as_document(value: Any, where: str, field: str) -> Document | None:
         if all(isinstance(v, dict) for v in value):
             for j, m in enumerate(value):
                 if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise DataError(f"{where}: {field} entry {j} lacks a string 'role' and 'content' (its keys "
-                                    f"are: {', '.join(m) or 'none'}); give every message both.")
+                    raise DataError(f"{where}: {field} entry {j} lacks a string 'role' and 'content' (its "
+                                    f"keys are: {', '.join(m) or 'none'}); give every message both.")
             return value
     raise DataError(f"{where}: {field!r} holds a {type(value).__name__}, not text, token ids or a list of "
                     "messages; point text_field, messages_field or column at the documents.")
@@ -320,14 +323,16 @@ def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
             part.startswith(".") for part in p.relative_to(path).parts))
         if not candidates:
             raise DataError(f"folder {path} is empty; point source at a folder with data files.")
-        by_format = {k: [p for p in candidates if p.name.lower().endswith(exts)] for k, exts in EXTENSIONS.items()}
+        by_format = {k: [p for p in candidates if p.name.lower().endswith(exts)]
+                     for k, exts in EXTENSIONS.items()}
         if fmt is None:
             found = [k for k, ps in by_format.items() if ps]
             if len(found) > 1:
-                raise DataError(f"folder {path} holds {' and '.join(found)} files; set format to the one to read.")
+                raise DataError(f"folder {path} holds {' and '.join(found)} files; set format to the one to "
+                                "read.")
             if not found:
-                raise DataError(f"folder {path} holds no data files (looked for "
-                                f"{' '.join(e for exts in EXTENSIONS.values() for e in exts)}); point source at a "
+                known = " ".join(e for exts in EXTENSIONS.values() for e in exts)
+                raise DataError(f"folder {path} holds no data files (looked for {known}); point source at a "
                                 "folder with data or set format.")
             fmt = found[0]
         files = by_format[fmt] or candidates  # an explicit format reads files of any extension if none match
@@ -398,7 +403,8 @@ class EvalSplit:
             if self.fraction:
                 for s in range(self.source.num_shards):
                     shard = self.source.read_shard(s)
-                    self._docs += [d for d, held in zip(shard, self.is_eval(s, len(shard))) if held]
+                    held = self.is_eval(s, len(shard))
+                    self._docs += [d for d, h in zip(shard, held, strict=True) if h]
         return self._docs
 
 
@@ -450,12 +456,13 @@ class DocumentStream:
             self.shard, self.doc = self.shard + 1, 0
             if self.shard == self.source.num_shards:
                 if self._empty_epoch:
-                    raise DataError(f"{self.source.name} has no training documents left after the eval split; "
-                                    "lower eval_fraction or eval_count, or add data.")
+                    raise DataError(f"{self.source.name} has no training documents left after the eval "
+                                    "split; lower eval_fraction or eval_count, or add data.")
                 self.epoch, self.shard = self.epoch + 1, 0
 
 
 __all__ = [
-    "ArrowSource", "Doc", "Document", "DocumentStream", "EvalSplit", "FORMATS", "JsonlSource", "ParquetSource",
-    "Source", "SyntheticSource", "TextSource", "as_document", "open_source", "synthetic_document",
+    "ArrowSource", "Doc", "Document", "DocumentStream", "EvalSplit", "FORMATS", "JsonlSource",
+    "ParquetSource", "Source", "SyntheticSource", "TextSource", "as_document", "open_source",
+    "synthetic_document",
 ]

@@ -105,9 +105,9 @@ class Tokenizer:
                     break
             end_text = render(messages[: i + 1])
             if start is None or not full.startswith(end_text):
-                raise DataError("the chat template renders a conversation's prefix differently from the whole, "
-                                "so assistant turns cannot be located; use a template whose output grows "
-                                "message by message.")
+                raise DataError("the chat template renders a conversation's prefix differently from the "
+                                "whole, so assistant turns cannot be located; use a template whose output "
+                                "grows message by message.")
             spans.append((start, len(end_text)))
         ids, starts = self._encode_offsets(full)
         mask = [any(a <= s < b for a, b in spans) for s in starts]
@@ -153,7 +153,8 @@ class HFTokenizer(Tokenizer):
     """A local `tokenizer.json` (a model directory or the file itself) loaded with the `tokenizers` library.
 
     Never downloads. BOS/EOS/PAD come from tokenizer_config.json, then special_tokens_map.json, then
-    config.json (the first that names each); PAD falls back to EOS, then 0 (padding is never trained).
+    config.json (the first that names each; an explicit null means none, as Qwen's bos_token); PAD falls
+    back to EOS, then 0 (padding is never trained, so its id only has to be valid).
     """
 
     def __init__(self, path: str | Path, chat_template: str | None = None):
@@ -170,7 +171,8 @@ class HFTokenizer(Tokenizer):
         try:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as e:
-            raise DataError(f"{file} is not a readable tokenizer.json ({e}); re-export it from the model.") from None
+            raise DataError(f"{file} is not a readable tokenizer.json ({e}); re-export it from the "
+                            "model.") from None
         self.path = file
         folder = file.parent
         tok_config = _read_json(folder / "tokenizer_config.json")
@@ -178,23 +180,30 @@ class HFTokenizer(Tokenizer):
         model_config = _read_json(folder / "config.json")
 
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        # the largest id + 1: added tokens may leave gaps above the base vocabulary
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
+                              max(vocab.values(), default=-1) + 1)
         self.special_strings = {}
         ids: dict[str, int | None] = {}
         for kind in ("bos", "eos", "pad"):
-            token = _token_string(tok_config.get(f"{kind}_token")) or _token_string(special_map.get(f"{kind}_token"))
-            if token is not None:
-                token_id = self._tok.token_to_id(token)
-                if token_id is None:
-                    raise DataError(f"{kind}_token {token!r} of {folder} is not in its tokenizer.json vocabulary; "
-                                    "fix tokenizer_config.json or special_tokens_map.json.")
-                self.special_strings[f"{kind}_token"] = token
+            key = f"{kind}_token"
+            # the first file that names the token decides; an explicit null (Qwen's bos_token) means none
+            named = next((cfg for cfg in (tok_config, special_map) if key in cfg), None)
+            token_id = None
+            if named is not None:
+                token = _token_string(named[key])
+                if token is not None:
+                    token_id = self._tok.token_to_id(token)
+                    if token_id is None:
+                        raise DataError(f"{key} {token!r} of {folder} is not in its tokenizer.json "
+                                        "vocabulary; fix tokenizer_config.json or special_tokens_map.json.")
+                    self.special_strings[key] = token
             else:
                 token_id = model_config.get(f"{kind}_token_id")
                 if isinstance(token_id, list):
                     token_id = token_id[0] if token_id else None
                 if token_id is not None:
-                    self.special_strings[f"{kind}_token"] = self._tok.id_to_token(token_id) or ""
+                    self.special_strings[key] = self._tok.id_to_token(token_id) or ""
             ids[kind] = token_id
         self.bos_id, self.eos_id = ids["bos"], ids["eos"]
         self.pad_id = next(i for i in (ids["pad"], self.eos_id, 0) if i is not None)
@@ -231,8 +240,8 @@ def load_tokenizer(spec: str | Path = "byte", chat_template: str | None = None) 
     if chat_template is not None and chat_template.endswith(".jinja"):
         template_file = Path(chat_template)
         if not template_file.is_file():
-            raise DataError(f"chat template file {template_file} does not exist; pass an existing .jinja file "
-                            "or the template text itself.")
+            raise DataError(f"chat template file {template_file} does not exist; pass an existing .jinja "
+                            "file or the template text itself.")
         chat_template = template_file.read_text()
     if str(spec) == "byte":
         return ByteTokenizer(chat_template)
@@ -268,11 +277,13 @@ def _compile(template: str) -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
-            raise DataError(f"the chat template rejected a conversation ({message}); fix the messages or the template.")
+            raise DataError(f"the chat template rejected a conversation ({message}); fix the messages or "
+                            "the template.")
 
         def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                    separators: Any = None, sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson

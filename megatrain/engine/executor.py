@@ -88,8 +88,8 @@ class WeightSlots:
         slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
         src = unit.range_of(self.params)
         s = self.streams
+        s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
         with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * 4):
-            s.wait(s.h2d, self.free[slot])
             if s.cuda:
                 self.staging[slot][: unit.numel].copy_(src, non_blocking=True)
                 if self.dtype != torch.float32:

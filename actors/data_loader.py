@@ -2,8 +2,11 @@
 `prefetch` batches ready, so tokenization and packing overlap the GPU step.
 
 Exact resume through the prefetch: each prefetched batch travels with the loader position right after it,
-and `state_dict()` returns the position of the last batch *handed out*, never of batches still queued.
-`load_state_dict()` stops the thread, drops the queue, moves the loader and starts again.
+and `state_dict()` returns the position of the last batch *handed out*, never of batches still queued. A
+driver that keeps a `next_batch.remote()` in flight ahead of the step it is checkpointing asks for
+`state_dict(unconsumed=1)`: the position as of one `next_batch` call earlier (Ray runs one caller's actor
+calls in order, so that call has been answered by then). `load_state_dict()` stops the thread, drops the
+queue, moves the loader and starts again.
 Batches arrive as numpy arrays from the object store: read-only on the receiving side.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +22,7 @@ import numpy as np
 import ray
 
 from megatrain.config import dataclass_from_dict
-from megatrain.data import BatchLoader, DataConfig
+from megatrain.data import BatchLoader, DataConfig, DataError
 
 
 @dataclass
@@ -34,7 +38,8 @@ class PrefetchLoader:
             config = dataclass_from_dict(DataConfig, config, "data config")
         self.loader = BatchLoader(config)
         self.prefetch = max(1, prefetch)
-        self._state = self.loader.state_dict()  # position after the last batch handed out
+        # positions after each of the latest next_batch calls (the last: after the last batch handed out)
+        self._states: deque[dict[str, Any]] = deque([self.loader.state_dict()], maxlen=64)
         self._start()
 
     def _start(self) -> None:
@@ -70,29 +75,36 @@ class PrefetchLoader:
         item = self._queue.get()
         if isinstance(item, _End):
             self._queue.put(item)  # the producer has stopped: answer the same way next time
+            self._states.append(self._states[-1])  # a call that handed out nothing leaves the position
             if item.error is not None:
                 raise item.error
             raise StopIteration
-        batch, self._state = item
+        batch, state = item
+        self._states.append(state)
         return batch
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         """All batches of the held-out split (the training position is untouched)."""
         return list(self.loader.eval_batches())
 
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._state)
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        """The position after the last batch handed out, or, with `unconsumed` = n, as of n next_batch
+        calls earlier (batches the caller holds but has not trained on)."""
+        if not 0 <= unconsumed < len(self._states):
+            raise DataError(f"state_dict(unconsumed={unconsumed}) reaches back further than the "
+                            f"{len(self._states) - 1} next_batch calls remembered; save the position sooner.")
+        return dict(self._states[-1 - unconsumed])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._halt()
         try:
             self.loader.load_state_dict(state)
-            self._state = self.loader.state_dict()
         except Exception:
-            self.loader.load_state_dict(self._state)  # the producer ran ahead: go back to what was handed out
+            self.loader.load_state_dict(self._states[-1])  # the producer ran ahead: back to the handed-out
             raise
         finally:
             self._start()
+        self._states = deque([self.loader.state_dict()], maxlen=self._states.maxlen)
 
     def close(self) -> None:
         self._halt()

@@ -49,6 +49,9 @@ class GPUExecutor:
     def device(self) -> str:
         return str(self.executor.device)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def train_step(self, batch: dict[str, np.ndarray], step: int, expected_version: int,
                    pending: list[ray.ObjectRef]) -> dict[str, Any]:
         """Forward + backward of `batch` as update number `step`; weights are read only once every worker's

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+import os
+import time
+
 import ray
+import torch
 
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
 from megatrain.model.layout import ModelLayout
+from megatrain.telemetry import Span, optimizer_lane
 
 
 @ray.remote
@@ -17,21 +21,31 @@ class OptimizerWorker:
                  threads: int):
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
-        layout = ModelLayout.build(config)
-        versions = self.arena.versions.view(len(layout.units), num_workers)
-        self.shard = AdamWShard(layout, self.arena.tensors, optim, worker, num_workers, versions)
+        self.layout = ModelLayout.build(config)
+        versions = self.arena.versions.view(len(self.layout.units), num_workers)
+        self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions)
+        self.lane = optimizer_lane(worker)
 
-    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0) -> float:
+    def _timed_update(self, unit: int, step: int, clip_coef: float) -> Span:
+        t0 = time.monotonic()
+        self.shard.update(unit, step, clip_coef)
+        return Span(self.lane, "update", step, t0, time.monotonic(), unit, self.layout.units[unit].numel * 16)
+
+    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0) -> list[Span]:
         """One unit's update (clipping off: called as soon as the unit's gradients have landed)."""
-        return self.shard.update(unit, step, clip_coef)
+        return [self._timed_update(unit, step, clip_coef)]
 
-    def apply(self, step: int, clip_coef: float) -> float:
+    def apply(self, step: int, clip_coef: float) -> list[Span]:
         """All units in forward order (clipping on: called once the global norm is known)."""
-        return self.shard.update_all(step, clip_coef)
+        return [self._timed_update(u.index, step, clip_coef) for u in self.layout.units]
 
-    def mark_skipped(self, unit: int, step: int) -> None:
+    def mark_skipped(self, unit: int, step: int) -> list[Span]:
         """Leaves `unit` as it is for update `step` (non-finite gradient) without stalling the executor."""
         self.shard.versions[unit, self.shard.worker] = step + 1
+        return []
 
     def numel(self) -> int:
         return self.shard.numel
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ class ParameterStoreActor:
 
     def config(self) -> ModelConfig:
         return self.store.config
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def reinitialize(self) -> None:
+        self.store.reinitialize()
 
     def set_version(self, updates_applied: int) -> None:
         self.store.set_version(updates_applied)

@@ -43,6 +43,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "llama"  # which HF architecture to write back: llama | mistral | qwen2
+    sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -172,6 +173,7 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos,
                 model_type=model_type,
+                sliding_window=_sliding_window(hf, model_type),
             )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
@@ -213,7 +215,7 @@ class ModelConfig:
             hf["attention_bias"] = self.qkv_bias
             hf["mlp_bias"] = False
         if self.model_type == "mistral":
-            hf["sliding_window"] = None  # megatrain computes full causal attention; MistralConfig defaults to 4096
+            hf["sliding_window"] = self.sliding_window  # MistralConfig defaults to 4096 when absent
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -222,6 +224,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    """The attention window that applies, if any (Qwen2 carries one that is off unless use_sliding_window)."""
+    window = hf.get("sliding_window")
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
 
 
 # Named shapes. tiny is for tests and the laptop default; the rest follow public models of that size.

@@ -13,6 +13,15 @@ One step, as the driver sees it:
      so the update overlaps the next step's forward
      clipping off: the executor already handed each unit to the workers as its gradients landed
 Ray carries only control messages and token batches; weights and gradients stay in the arena.
+
+Faults. The driver keeps the refs of the batches since the last checkpoint. When an actor dies:
+  - only the executor, and the workers' version table shows every unit at the last issued update: a new
+    executor maps the same arena and redoes the interrupted step (gradients are recomputed; no update of
+    that step had started, because updates start only once a step's gradients are complete)
+  - an optimizer worker (an in-place update may be half applied), or an executor whose step had already
+    started updates (clipping off): new actors, the arena restored from the last checkpoint (or the
+    initial weights), and the steps since replayed from the kept batches. The result is bit-identical
+    to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +43,30 @@ from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import clip_coefficient
-from megatrain.memory.arena import remove_stale_segments
+from megatrain.memory.arena import Arena, remove_stale_segments
 from megatrain.memory.store import resolve_model
+from megatrain.telemetry import StepStats
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteError(MegatrainError):
     pass
+
+
+ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError)
+
+
+def is_actor_death(e: BaseException) -> bool:
+    """An actor process died (possibly seen through another actor's task), as opposed to a user error."""
+    for _ in range(8):
+        if isinstance(e, ACTOR_DEATH):
+            return True
+        cause = getattr(e, "cause", None)
+        if cause is None:
+            return False
+        e = cause
+    return False
 
 
 @dataclass
@@ -79,45 +105,70 @@ class Engine:
                  warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0,
                  optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
-                 seq_len: int = 2048, max_nonfinite_steps: int = 5, trace: bool = False):
+                 seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
+                 metrics: bool = True):
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed)
         self.config, _, self.model_name = resolve_model(model)
-        self.max_nonfinite_steps = max_nonfinite_steps
+        self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
-        self._pending: list[ray.ObjectRef] = []
-        self._actors: list[Any] = []
+        self.restarts = 0  # actor deaths survived
+        self._pending: list[ray.ObjectRef] = []  # the last step's updates
+        self._replay: list[ray.ObjectRef] = []  # batches since the last checkpoint, for exact recovery
+        self._last_checkpoint: Path | None = None
+        self._arena: Arena | None = None
+        self.store = self.executor = None
+        self.workers: list[Any] = []
         remove_stale_segments()  # a killed earlier run's arena
         init_ray(address)
         try:
-            self._start_actors(model, seed, batch_size, seq_len, trace)
+            self._start(model, seed, batch_size, seq_len)
         except BaseException:
             self.shutdown()
             raise
+        self.metrics = None
+        if metrics:
+            from actors.metrics import EngineMetrics
 
-    def _start_actors(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int, trace: bool) -> None:
+            self.metrics = EngineMetrics(run=self.handle.run_id)
+            self.metrics.record_arena(self.handle.nbytes())
+
+    # ---- actors ----
+    def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
-        cpus = float(ray.available_resources().get("CPU", os.cpu_count() or 1))
         model_arg = model if isinstance(model, ModelConfig) else str(model)
         self.store = ParameterStoreActor.remote(model_arg, n, seed, batch, seq)
-        self._actors.append(self.store)
         self.handle = ray.get(self.store.handle.remote())
-        per_worker = max(cpus / n, 0.01) if cpus else 0.01
-        threads = max(1, int(per_worker))
-        self.workers = [OptimizerWorker.options(num_cpus=min(per_worker, threads), name=None)
-                        .remote(self.handle, self.config, self.optim, w, n, threads) for w in range(n)]
-        self._actors += self.workers
-        on_gpu = self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        self.executor = GPUExecutor.options(num_gpus=1 if on_gpu else 0).remote(
-            self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, trace)
-        self._actors.append(self.executor)
+        self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
+        self.versions = self._arena.versions.view(-1, n)
+        self.workers = [self._new_worker(w) for w in range(n)]
+        self.executor = self._new_executor()
         self.device = ray.get(self.executor.device.remote())
         ray.get([w.numel.remote() for w in self.workers])  # all up before the first step
+
+    def _new_worker(self, index: int) -> Any:
+        n = self.engine_config.optimizer_workers
+        cpus = float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        per_worker = max(cpus / n, 0.01)
+        threads = max(1, int(per_worker))
+        return OptimizerWorker.options(num_cpus=min(per_worker, threads)).remote(
+            self.handle, self.config, self.optim, index, n, threads)
+
+    def _new_executor(self) -> Any:
+        on_gpu = self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        return GPUExecutor.options(num_gpus=1 if on_gpu else 0).remote(
+            self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, self.trace)
+
+    def executor_pid(self) -> int:
+        return ray.get(self.executor.pid.remote())
+
+    def worker_pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers])
 
     # ---- training ----
     def step(self, input_ids: Any, labels: Any = None) -> float:
@@ -125,30 +176,56 @@ class Engine:
         batch = {"input_ids": _as_numpy(input_ids)}
         if labels is not None:
             batch["labels"] = _as_numpy(labels)
-        return self.step_batch(ray.put(batch)).loss
+        return self.step_batch(batch).loss
 
     def step_batch(self, batch: Any) -> StepResult:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""
+        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        self._replay.append(ref)
+        while True:
+            try:
+                return self._step_once(ref)
+            except ray.exceptions.RayError as e:
+                if not is_actor_death(e):
+                    raise
+                self._recover(e)
+
+    def _step_once(self, batch: ray.ObjectRef) -> StepResult:
         step = self.steps_done
+        t0 = time.monotonic()
         out = ray.get(self.executor.train_step.remote(batch, self.updates_applied, self.updates_applied,
                                                       self._pending))
+        update_spans = [span for spans in ray.get(self._pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
         if self.optim.clipping:
+            self._pending = []
             if finite:
                 coef = clip_coefficient(grad_norm, self.optim.max_grad_norm)
                 self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
-            else:
-                self._pending = []
         else:
             self._pending = out["updates"]
         # clipping off: units updated before a non-finite one was found keep their update (see README)
         if finite or (not self.optim.clipping and out["updates"]):
             self.updates_applied += 1
         self.steps_done += 1
+        self._record(out, update_spans, time.monotonic() - t0, finite)
         self._count_nonfinite(finite, out["loss"], grad_norm)
-        return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"], out["spans"])
+        return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
+                          out["spans"] + (update_spans if self.trace else []))
+
+    def _record(self, out: dict[str, Any], update_spans: list[Any], seconds: float, finite: bool) -> None:
+        if self.metrics is None:
+            return
+        if not finite:
+            self.metrics.record_skipped_step()
+        if out["stats"]:
+            tokens_per_s = out["tokens"] / seconds if seconds > 0 else 0.0
+            tflops = tokens_per_s * self.config.flops_per_token(1) / 1e12
+            self.metrics.record_step(StepStats.from_dict(out["stats"]), out["loss"], tokens_per_s, tflops)
+        for span in update_spans:
+            self.metrics.record_optimizer(int(span.lane.rsplit("/", 1)[-1]), span.end - span.start, 0)
 
     def evaluate(self, batch: Any) -> tuple[float, int]:
         """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""
@@ -167,27 +244,110 @@ class Engine:
             raise NonFiniteError(f"{self.nonfinite_in_row} steps in a row had a non-finite loss or gradient; lower "
                                  "the learning rate, check the data, or resume from an earlier checkpoint.")
 
-    def wait_for_updates(self) -> None:
-        """Blocks until the last step's update is in the arena (before reading or saving weights)."""
-        ray.get(self._pending)
+    # ---- recovery ----
+    def _recover(self, error: BaseException) -> None:
+        while True:
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                raise MegatrainError(f"actors died {self.restarts - 1} times in this run (last: {error}); giving up, "
+                                     "check the Ray logs (/tmp/ray/session_latest/logs) for the cause.") from None
+            try:
+                self._recover_once()
+                return
+            except ray.exceptions.RayError as e:
+                if not is_actor_death(e):
+                    raise
+                error = e
+
+    def _recover_once(self) -> None:
+        dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
+        if not _alive(self.store):
+            raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
+                                 "to continue from the last checkpoint.")
+        for i in dead_workers:
+            self.workers[i] = self._new_worker(i)
+        ray.kill(self.executor)  # dead already, or holding handles of dead workers
+        if self.optim.clipping and not dead_workers:
+            try:
+                ray.get(self._pending)  # the previous step's updates, issued by the driver, run to completion
+            except ray.exceptions.RayError as e:
+                if not is_actor_death(e):
+                    raise
+                dead_workers = [-1]
         self._pending = []
+        versions = self._settled_versions()
+        consistent = not dead_workers and versions == (self.updates_applied, self.updates_applied)
+        self.executor = self._new_executor()
+        ray.get([self.executor.device.remote()] + [w.numel.remote() for w in self.workers])
+        if consistent:
+            log.warning("the GPU executor died; a new one mapped the same arena and redoes step %d", self.steps_done)
+            return
+        replay = self._replay[:-1]
+        source = self._last_checkpoint or "the initial weights"
+        log.warning("%s died during an update; restoring %s and replaying %d step(s)",
+                    "an optimizer worker" if dead_workers else "the GPU executor", source, len(replay))
+        self._restore_last_checkpoint()
+        for ref in replay:
+            self._step_once(ref)
+
+    def _settled_versions(self, quiet: float = 0.3, timeout: float = 30.0) -> tuple[int, int]:
+        """(min, max) of the version table once updates already queued at the workers have finished."""
+        deadline = time.monotonic() + timeout
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = (int(self.versions.min()), int(self.versions.max()))
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+            time.sleep(0.02)
+        return last  # type: ignore[return-value]
+
+    def _restore_last_checkpoint(self) -> None:
+        if self._last_checkpoint is not None:
+            state = ray.get(self.store.load_checkpoint.remote(str(self._last_checkpoint)))
+            self._set_state(state)
+        else:
+            ray.get(self.store.reinitialize.remote())
+            self._set_state({"steps_done": 0, "updates_applied": 0, "skipped_steps": 0})
+        self.nonfinite_in_row = 0
 
     # ---- state ----
     def state(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "updates_applied": self.updates_applied,
                 "skipped_steps": self.skipped_steps, "optim": {**self.optim.__dict__, "betas": list(self.optim.betas)}}
 
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.steps_done = int(state["steps_done"])
+        self.updates_applied = int(state["updates_applied"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def wait_for_updates(self) -> None:
+        """Blocks until the last step's update is in the arena (before reading or saving weights)."""
+        while True:
+            try:
+                ray.get(self._pending)
+                self._pending = []
+                return
+            except ray.exceptions.RayError as e:
+                if not is_actor_death(e):
+                    raise
+                self._replay.append(None)  # nothing to redo after the replay  # type: ignore[arg-type]
+                self._recover(e)
+                self._replay.pop()
+
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
         self.wait_for_updates()
         state = {**self.state(), **(extra_state or {})}
-        return Path(ray.get(self.store.save_checkpoint.remote(str(directory), state)))
+        path = Path(ray.get(self.store.save_checkpoint.remote(str(directory), state)))
+        self._last_checkpoint, self._replay = path, []
+        return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         self.wait_for_updates()
         state = ray.get(self.store.load_checkpoint.remote(str(directory)))
-        self.steps_done = int(state["steps_done"])
-        self.updates_applied = int(state["updates_applied"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._set_state(state)
+        self._last_checkpoint, self._replay = Path(directory), []
         return state
 
     def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:
@@ -195,28 +355,26 @@ class Engine:
         return Path(ray.get(self.store.save_pretrained.remote(str(directory), [str(f) for f in extra_files or []])))
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """HF name -> copy of the current fp32 weights (maps the arena read-only in this process)."""
-        from megatrain.memory.arena import Arena
+        """HF name -> copy of the current fp32 weights."""
         from megatrain.model.layout import ModelLayout
 
         self.wait_for_updates()
-        arena = Arena.open(self.handle)
-        try:
-            return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(arena.params).items()}
-        finally:
-            arena.close()
+        return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self._arena.params).items()}
 
     def shutdown(self) -> None:
         """Stops the actors; the store unlinks the arena first."""
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         try:
-            if getattr(self, "store", None) is not None:
+            if self.store is not None:
                 ray.get(self.store.close.remote(), timeout=60)
-        except Exception as e:  # the store died: its segments are removed at the next start
+        except Exception as e:  # the store died: its segments are removed just below
             log.warning("parameter store did not close cleanly (%s)", e)
-        for actor in self._actors:
-            ray.kill(actor)
-        self._actors = []
-        self.store = None
+        for actor in [self.executor, *self.workers, self.store]:
+            if actor is not None:
+                ray.kill(actor)
+        self.store, self.executor, self.workers = None, None, []
         remove_stale_segments()
 
     def __enter__(self) -> Engine:
@@ -224,3 +382,11 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _alive(actor: Any, timeout: float = 60.0) -> bool:
+    try:
+        ray.get(actor.pid.remote(), timeout=timeout)
+        return True
+    except ray.exceptions.RayActorError:
+        return False

@@ -220,7 +220,8 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
                 evals.append((step, evaluate(engine, loader)))
                 log.info("step %d: eval loss %.4f", step, evals[-1][1])
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                data_state = ray.get(loader.state_dict.remote())
+                # one next_batch call is already in flight (the prefetched ref): the position is one earlier
+                data_state = ray.get(loader.state_dict.remote(unconsumed=1))
                 engine.save_checkpoint(out_dir / "checkpoints" / f"step-{step:08d}", {"data": data_state})
                 prune_checkpoints(out_dir, cfg.keep_checkpoints)
     finally:

@@ -128,7 +128,8 @@ BROKEN: list[tuple[Callable[[Path], None], type[MegatrainError], str]] = [
      r"model\.safetensors is not a readable safetensors file .* truncated or corrupt"),
     (_garbage, CheckpointError, r"model\.safetensors is not a readable safetensors file"),
     (_wrong_shape, CheckpointError,
-     r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has shape \(8, 32\) but the config implies \(16, 32\)"),
+     r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has shape \(8, 32\) "
+     r"but the config implies \(16, 32\)"),
     (_missing_tensor, CheckpointError,
      r"lacks tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight; the checkpoint is incomplete"),
     (_extra_tensor, CheckpointError,
@@ -139,11 +140,13 @@ BROKEN: list[tuple[Callable[[Path], None], type[MegatrainError], str]] = [
      r"is missing shard\(s\) model-00002-of-00002\.safetensors listed in model\.safetensors\.index\.json"),
     (_bad_index, CheckpointError, r"model\.safetensors\.index\.json is not a valid safetensors index"),
     (_config_of_other_model, CheckpointError,
-     r"mlp\.(down|gate|up)_proj\.weight has shape \((48, 32|32, 48)\) but the config implies \((64, 32|32, 64)\)"),
+     r"mlp\.(down|gate|up)_proj\.weight has shape \((48, 32|32, 48)\) "
+     r"but the config implies \((64, 32|32, 64)\)"),
 ]
 
 
-@pytest.mark.parametrize("breakage, error, expected", BROKEN, ids=[b.__name__.strip("_") for b, _, _ in BROKEN])
+@pytest.mark.parametrize("breakage, error, expected", BROKEN,
+                         ids=[b.__name__.strip("_") for b, _, _ in BROKEN])
 def test_broken_hf_directory_is_refused(hf_dir: Path, breakage: Callable[[Path], None],
                                         error: type[MegatrainError], expected: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:

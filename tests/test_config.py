@@ -64,15 +64,17 @@ def test_defaults_follow_llama() -> None:
 HF_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": lambda: LlamaConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2),
     "llama3": lambda: LlamaConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True, attention_bias=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}),
+    # sliding_window=None: full attention, as Mistral v0.2+ (and megatrain) compute it
     "mistral": lambda: MistralConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=48, rope_theta=1e6, sliding_window=None),  # Mistral v0.2+: full attention
+        num_key_value_heads=2, head_dim=48, rope_theta=1e6, sliding_window=None),
     "qwen2": lambda: Qwen2Config(
         vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
@@ -88,7 +90,8 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 def test_from_hf_reads_transformers_configs(name: str) -> None:
     hf = HF_CONFIGS[name]()
     c = ModelConfig.from_hf(hf.to_dict())
-    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (hf.vocab_size, hf.hidden_size, hf.intermediate_size)
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size)
     assert (c.num_layers, c.num_heads, c.num_kv_heads) == (
         hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads)
     assert c.head_dim == effective_head_dim(hf)
@@ -160,17 +163,20 @@ def _missing_keys(tmp_path: Path) -> None:
     ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 64})
 
 
+def _llama_dict(**overrides: Any) -> dict[str, Any]:
+    return {**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(), **overrides}
+
+
 def _string_for_int(tmp_path: Path) -> None:
-    ModelConfig.from_hf({**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(), "num_hidden_layers": "2"})
+    ModelConfig.from_hf(_llama_dict(num_hidden_layers="2"))
 
 
 def _list_for_float(tmp_path: Path) -> None:
-    ModelConfig.from_hf({**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(),
-                        "rope_parameters": {"rope_type": "default", "rope_theta": [1.0]}})
+    ModelConfig.from_hf(_llama_dict(rope_parameters={"rope_type": "default", "rope_theta": [1.0]}))
 
 
 def _word_for_float(tmp_path: Path) -> None:
-    ModelConfig.from_hf({**LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(), "rms_norm_eps": "tiny"})
+    ModelConfig.from_hf(_llama_dict(rms_norm_eps="tiny"))
 
 
 def _mlp_bias(tmp_path: Path) -> None:
@@ -184,9 +190,12 @@ def _yarn(tmp_path: Path) -> None:
 BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (lambda _: ModelConfig(hidden_size=100, num_heads=3),
      r"hidden_size 100 is not divisible by num_heads 3; .*set head_dim explicitly"),
-    (lambda _: ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=3), r"num_kv_heads 3 must divide num_heads 4"),
-    (lambda _: ModelConfig(hidden_size=64, num_heads=4, num_layers=0), r"num_layers must be a positive integer, got 0"),
-    (lambda _: ModelConfig(hidden_size=60, num_heads=4), r"head_dim must be even for rotary embeddings, got 15"),
+    (lambda _: ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=3),
+     r"num_kv_heads 3 must divide num_heads 4"),
+    (lambda _: ModelConfig(hidden_size=64, num_heads=4, num_layers=0),
+     r"num_layers must be a positive integer, got 0"),
+    (lambda _: ModelConfig(hidden_size=60, num_heads=4),
+     r"head_dim must be even for rotary embeddings, got 15"),
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt2"),
      r"model_type must be llama, mistral or qwen2, got 'gpt2'"),
     (lambda _: ModelConfig.from_name("huge"), r"unknown model preset 'huge'; choose one of tiny, .*70b"),
@@ -202,7 +211,8 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (_yarn, r"rope scaling type 'yarn' is not supported"),
     (lambda _: OptimConfig(lr=-1.0), r"lr must be a non-negative number, got -1.0"),
     (lambda _: OptimConfig(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
-    (lambda _: OptimConfig(warmup_steps=10, total_steps=5), r"total_steps \(5\) must be at least warmup_steps \(10\)"),
+    (lambda _: OptimConfig(warmup_steps=10, total_steps=5),
+     r"total_steps \(5\) must be at least warmup_steps \(10\)"),
     (lambda _: EngineConfig(precision="fp8"), r"precision must be one of fp32, tf32, bf16, got 'fp8'"),
     (lambda _: EngineConfig(device="tpu"), r"device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (lambda _: dataclass_from_dict(OptimConfig, {"lr": 1e-3, "learning_rate": 1e-3}, "[optim]"),
@@ -211,7 +221,8 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
 
 
 @pytest.mark.parametrize("make, expected", BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
-def test_validation_errors_are_one_sentence(make: Callable[[Path], Any], expected: str, tmp_path: Path) -> None:
+def test_validation_errors_are_one_sentence(make: Callable[[Path], Any], expected: str,
+                                            tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=expected) as info:
         make(tmp_path)
     assert isinstance(info.value, MegatrainError)
@@ -246,8 +257,8 @@ def test_lr_at_matches_cosine_with_warmup(warmup: int, total: int) -> None:
 
 def test_lr_at_matches_cosine_with_min_lr() -> None:
     cfg = OptimConfig(lr=1e-3, warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
-    expected = hf_lrs(lambda o: transformers.get_cosine_with_min_lr_schedule_with_warmup(o, 4, 20, min_lr_rate=0.1),
-                      cfg.lr, 20)
+    schedule = transformers.get_cosine_with_min_lr_schedule_with_warmup
+    expected = hf_lrs(lambda o: schedule(o, 4, 20, min_lr_rate=0.1), cfg.lr, 20)
     assert [cfg.lr_at(s) for s in range(20)] == pytest.approx(expected, rel=1e-12, abs=1e-18)
 
 

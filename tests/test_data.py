@@ -130,6 +130,17 @@ def test_byte_tokenizer_with_jinja_template():
     assert trained == "hello world<|im_end|>\n"  # the assistant header is prompt, its closing tag is trained
 
 
+def test_chat_template_errors_are_one_sentence():
+    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}" \
+             "{% endif %}{{ m['content'] }}{% endfor %}"
+    message = error(ByteTokenizer(strict).apply_chat, CHAT)
+    assert message == ("the chat template rejected a conversation (no system role); fix the messages or the "
+                       "template.")
+    last_turn_only = "{{ messages[-1]['content'] }}"  # not prefix-stable: assistant turns cannot be found
+    message = error(ByteTokenizer(last_turn_only).apply_chat, CHAT)
+    assert "renders a conversation's prefix differently" in message
+
+
 def test_hf_tokenizer_ids_and_template(hf_dir):
     from transformers import PreTrainedTokenizerFast
 

@@ -39,6 +39,14 @@ def test_prefetch_state_is_the_last_batch_handed_out():
     with pytest.raises(DataError):  # a refused state leaves the loader where it was
         ld.load_state_dict({**state, "fingerprint": {**state["fingerprint"], "seq_len": 99}})
     assert_same([ld.next_batch()], ref[7:8])
+    # a driver holding one batch ahead of the step it checkpoints asks for the position one call earlier
+    assert_same([ld.next_batch()], ref[8:9])
+    held = ld.state_dict(unconsumed=1)
+    assert held["batches"] == 8 and ld.state_dict()["batches"] == 9
+    ld.load_state_dict(held)
+    assert_same([ld.next_batch()], ref[8:9])
+    with pytest.raises(DataError, match="reaches back further"):
+        ld.state_dict(unconsumed=5)
     ld.close()
 
 
@@ -64,5 +72,7 @@ def test_actor_prefetch_resume_eval_and_end(ray_session, tmp_path):
     for _ in range(2):  # the end is reported every time it is asked for
         with pytest.raises(StopIteration):
             ray.get(finite.next_batch.remote())
+    end = ray.get(finite.state_dict.remote())
+    assert end["batches"] == 3 and ray.get(finite.state_dict.remote(unconsumed=2)) == end
     for a in (actor, resumed, finite):
         ray.kill(a)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain.config import ConfigError, MegatrainError, ModelConfig
+from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig
 from megatrain.engine.streams import Streams
 from megatrain.model import ops
 from megatrain.model.layout import ModelLayout, Unit
@@ -126,6 +126,8 @@ class Executor:
                  recorder: Recorder | None = None):
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.device = resolve_device(device)
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}.")
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -209,6 +211,10 @@ class Executor:
             raise MegatrainError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}.")
         if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise MegatrainError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        window = self.config.sliding_window
+        if window and input_ids.shape[1] > window:
+            raise MegatrainError(f"sequence length {input_ids.shape[1]} exceeds the model's sliding attention window "
+                                 f"{window}, which megatrain does not implement; train with seq <= {window}.")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise MegatrainError(f"token id {hi if hi >= self.config.vocab_size else lo} is outside the model's "
@@ -231,9 +237,11 @@ class Executor:
         grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
         asked before the backward whether to go on (False: skip, e.g. a non-finite loss).
         """
-        input_ids = torch.as_tensor(input_ids).long()
-        labels = None if labels is None else torch.as_tensor(labels).long()
+        input_ids = torch.as_tensor(input_ids)
+        labels = None if labels is None else torch.as_tensor(labels)
         self.check_batch(input_ids, labels)
+        input_ids = input_ids.long()
+        labels = None if labels is None else labels.long()
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         targets = ops.shift_labels(input_ids, labels)
         rope = self._rope_for(input_ids.shape[1])

@@ -87,6 +87,33 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
+RAY_AGENTS = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
+
+
+def reap_orphaned_ray_agents() -> list[int]:
+    """Kills Ray agent processes left behind by a local Ray whose driver was SIGKILLed.
+
+    Their raylet is gone, so they were re-parented to init (ppid 1); a live cluster's agents are children
+    of its raylet and are never touched. Only this user's processes are considered.
+    """
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != os.getuid() or not (proc / "cmdline").read_bytes().startswith(RAY_AGENTS):
+                continue
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == 1:
+                os.kill(int(proc.name), 9)
+                killed.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    if killed:
+        log.info("removed %d orphaned Ray agent process(es) of a killed run", len(killed))
+    return killed
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins a running cluster (address="auto") or starts a small local one sized for this machine."""
     if ray.is_initialized():
@@ -125,6 +152,7 @@ class Engine:
         self.store = self.executor = None
         self.workers: list[Any] = []
         remove_stale_segments()  # a killed earlier run's arena
+        reap_orphaned_ray_agents()  # ... and its local Ray's agents
         init_ray(address)
         try:
             self._start(model, seed, batch_size, seq_len)

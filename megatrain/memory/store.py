@@ -62,15 +62,26 @@ class ParameterStore:
         versions = ("versions", "int64", len(self.layout.units) * num_workers)
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,))
         self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
+        self.seed = seed
         try:
-            if self.source_dir is not None:
-                ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
-            else:
-                init_weights(self.layout, self.arena.params, seed)
+            self._init_params()
         except BaseException:
             # the half-built store is unreachable but the traceback keeps it (and its arena) alive: unlink now
             self.close()
             raise
+
+    def _init_params(self) -> None:
+        if self.source_dir is not None:
+            ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
+        else:
+            init_weights(self.layout, self.arena.params, self.seed)
+
+    def reinitialize(self) -> None:
+        """Back to the state before the first step: initial weights, zero moments, version 0."""
+        self._init_params()
+        for name in ("grads", "exp_avg", "exp_avg_sq"):
+            self.arena.tensors[name].zero_()
+        self.set_version(0)
 
     @property
     def handle(self) -> ArenaHandle:

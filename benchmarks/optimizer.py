@@ -1,0 +1,194 @@
+"""The CPU optimizer pool in parameters per second: N OptimizerWorker actors x (cores // N) threads.
+
+    python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 5 --out optimizer.json
+
+For each N: an arena laid out like a Llama model of about --params parameters (so every worker walks the
+same units and tensor groups it walks in training), N `actors.optimizer_worker.OptimizerWorker` actors,
+and the wall-clock time of one `apply()` on all of them (every unit, forward order; the update of one
+training step). One untimed apply first (page faults on first touch), then --repeats timed ones; best and
+median are reported. Beside them, the single-process reference: torch.optim.AdamW(fused=True) over the
+same tensors with all cores' threads, in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import GiB, fmt, format_table, machine_summary, pythonpath_with_repo
+from megatrain.config import ModelConfig, OptimConfig
+from megatrain.model.layout import ModelLayout
+
+HEAD_DIM = 64
+VOCAB = 1024  # small: the arena is mostly decoder layers, as in a real model
+
+
+def config_for_params(target: float) -> ModelConfig:
+    """A Llama shape of about `target` parameters: ~24 layers of width sqrt(target / (12 * 24))."""
+    hidden = max(HEAD_DIM, int(math.sqrt(target / (12 * 24))) // HEAD_DIM * HEAD_DIM)  # layer ~ 12 h^2 params
+    one = ModelConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=1, num_heads=hidden // HEAD_DIM)
+    layers = max(1, round((target - (one.num_params() - one.layer_params())) / one.layer_params()))
+    return ModelConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, num_heads=hidden // HEAD_DIM)
+
+
+@dataclass
+class Timing:
+    setup: str  # "pool 4 x 4" or the reference
+    workers: int  # 0 for the single-process reference
+    threads: int  # per worker
+    times: list[float]  # seconds of each timed update of the whole arena
+
+    def rate(self, numel: int, which: str) -> float:
+        t = min(self.times) if which == "best" else statistics.median(self.times)
+        return numel / t
+
+
+def fill(params: torch.Tensor, grads: torch.Tensor, seed: int = 0) -> None:
+    """Weights and gradients of a plausible scale (the kernel's speed does not depend on them, denormals aside)."""
+    torch.manual_seed(seed)
+    params.normal_(0.0, 0.02)
+    grads.normal_(0.0, 1e-3)
+
+
+def reference(layout: ModelLayout, optim: OptimConfig, repeats: int) -> Timing:
+    """torch.optim.AdamW(fused=True) over the layout's tensors in this process, every core's thread."""
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    flat_p, flat_g = torch.empty(layout.numel), torch.empty(layout.numel)
+    fill(flat_p, flat_g)
+    decay, no_decay = [], []
+    for unit in layout.units:
+        grads = unit.bind(unit.range_of(flat_g))
+        for slot in unit.slots:
+            p = torch.nn.Parameter(unit.bind(unit.range_of(flat_p))[slot.name])
+            p.grad = grads[slot.name]
+            (decay if slot.decay else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=True)
+    opt.step()  # untimed: allocates and first-touches exp_avg and exp_avg_sq
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return Timing(f"torch.optim.AdamW(fused=True), 1 process x {threads} threads", 0, threads, times)
+
+
+def _pid_alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def pool(config: ModelConfig, layout: ModelLayout, optim: OptimConfig, workers: int, repeats: int) -> Timing:
+    """N optimizer-worker actors on a fresh arena; the wall time of apply() on all of them."""
+    import ray
+
+    from actors.optimizer_worker import OptimizerWorker
+    from megatrain.memory.arena import Arena
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    per_worker = min(threads, cores / workers)  # Ray CPUs per actor: fractional when workers > cores
+    versions = ("versions", "int64", len(layout.units) * workers)  # what the workers mark as updated
+    arena = Arena.create(layout.numel, extra_segments=(versions,))
+    actors = []
+    try:
+        fill(arena.params, arena.grads)
+        actors = [OptimizerWorker.options(num_cpus=per_worker).remote(arena.handle, config, optim, w, workers, threads)
+                  for w in range(workers)]
+        ray.get([a.numel.remote() for a in actors])  # all started before the clock runs
+        times = []
+        for step in range(repeats + 1):
+            t0 = time.perf_counter()
+            ray.get([a.apply.remote(step, 1.0) for a in actors])
+            if step > 0:  # step 0 first-touches each worker's shard of the moments
+                times.append(time.perf_counter() - t0)
+        return Timing(f"pool {workers} x {threads}", workers, threads, times)
+    finally:
+        pids = []
+        for a in actors:
+            try:
+                pids.append(ray.get(a.__ray_call__.remote(lambda actor: os.getpid()), timeout=10))
+            except Exception:  # no __ray_call__ (older Ray) or already gone: nothing to wait for
+                pass
+            ray.kill(a)
+        deadline = time.monotonic() + 30  # let them exit (and drop their arena mapping) before the next N
+        while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        arena.destroy()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1e9, help="arena size in parameters (approximate)")
+    ap.add_argument("--workers", default="1,2,4,8,16", help="comma-separated pool sizes")
+    ap.add_argument("--repeats", type=int, default=5, help="timed updates per pool size")
+    ap.add_argument("--no-reference", action="store_true", help="skip the single-process torch.optim.AdamW run")
+    ap.add_argument("--object-store-mb", type=int, default=128, help="Ray's object store (carries nothing big)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",") if n.strip()]
+    if not counts or min(counts) < 1:
+        raise SystemExit("--workers takes positive integers, e.g. 1,2,4,8,16")
+    config = config_for_params(args.params)
+    layout = ModelLayout.build(config)
+    optim = OptimConfig()
+    numel = layout.numel
+    print(f"optimizer: fused AdamW over {numel:,} fp32 parameters ({16 * numel / GiB:.2f} GiB arena: params, grads, "
+          f"m, v); Llama shape hidden {config.hidden_size}, {config.num_layers} layers, {len(layout.units)} units; "
+          f"{args.repeats} timed updates each", flush=True)
+    print(f"machine: {machine_summary()}", flush=True)
+    timings = []
+    if not args.no_reference:  # before Ray starts, so nothing else is on the cores
+        timings.append(reference(layout, optim, args.repeats))
+        print(f"  {timings[-1].setup}: done", flush=True)
+    import ray
+
+    os.environ["PYTHONPATH"] = pythonpath_with_repo()  # inherited by Ray's workers, which import actors/
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=args.object_store_mb * 2**20, include_dashboard=False,
+             configure_logging=False)
+    try:
+        for n in counts:
+            timings.append(pool(config, layout, optim, n, args.repeats))
+            print(f"  {timings[-1].setup}: done", flush=True)
+    finally:
+        ray.shutdown()
+
+    base = next((t for t in timings if t.workers == 1), None)
+    headers = ["setup", "workers", "threads each", "best s", "median s", "best G params/s", "median G params/s",
+               "vs 1 worker"]
+    rows = []
+    for t in timings:
+        speedup = t.rate(numel, "median") / base.rate(numel, "median") if base else None
+        rows.append([t.setup, str(t.workers or "-"), str(t.threads), fmt(min(t.times), ".4f"),
+                     fmt(statistics.median(t.times), ".4f"), fmt(t.rate(numel, "best") / 1e9, ".3f"),
+                     fmt(t.rate(numel, "median") / 1e9, ".3f"), fmt(speedup, ".2f") + ("x" if speedup else "")])
+    print()
+    print(format_table(headers, rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(),
+                                              "machine": machine_summary(), "numel": numel,
+                                              "config": config.to_dict(), "timings": [asdict(t) for t in timings]},
+                                             indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

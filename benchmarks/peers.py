@@ -1,0 +1,404 @@
+"""The systems benchmarks/throughput.py compares, each trained on one model shape, batch and precision.
+
+  megatrain  megatrain.Engine as users run it: a Ray parameter store, optimizer pool and GPU executor
+  resident   HF transformers on the GPU, activation checkpointing, torch.optim.AdamW(fused=True)
+  fsdp2      the same HF model under torch FSDP2 `fully_shard` with CPUOffloadPolicy(pin_memory=True), one rank
+  deepspeed  the same HF model under DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU
+
+Every runner is called in a process of its own (throughput.py starts one per peer), so
+torch.cuda.max_memory_allocated() and the host memory sampled from outside belong to that peer alone, and
+a crash or an out-of-memory ends only its row. The same random token batches, optimizer hyper-parameters
+and gradient clipping go to every peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatrain.config import ModelConfig
+
+PEERS = ("megatrain", "resident", "fsdp2", "deepspeed")
+LABELS = {"megatrain": "megatrain", "resident": "GPU-resident PyTorch", "fsdp2": "FSDP2 CPU offload",
+          "deepspeed": "DeepSpeed ZeRO-3 offload"}
+NEEDS_CUDA = ("fsdp2", "deepspeed")  # offload to the CPU of what? On a CPU-only machine there is nothing to compare
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1  # megatrain.Engine's defaults
+
+
+@dataclass
+class BenchSpec:
+    model: str  # a megatrain preset name
+    batch: int
+    seq: int
+    precision: str  # fp32 | tf32 | bf16
+    steps: int  # timed steps
+    warmup: int  # untimed steps first (allocator warm-up, CPU Adam compile, page faults in the arena)
+    optimizer_workers: int = 8
+    lr: float = 3e-4
+    max_grad_norm: float = 1.0  # 0 turns clipping off, for every peer
+    object_store_mb: int = 256  # Ray's object store (megatrain): it carries only token batches
+    seed: int = 0
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_name(self.model)
+
+
+@dataclass
+class PeerResult:
+    peer: str
+    status: str = "ok"  # "ok", or why the row has no throughput: "needs CUDA", "out of GPU memory", ...
+    device: str = ""
+    step_time: float | None = None  # mean wall-clock seconds per timed step
+    tokens_per_s: float | None = None
+    tflops: float | None = None  # 6 * N * tokens / step_time / 1e12, N = ModelConfig.num_params()
+    gpu_peak: int | None = None  # bytes: torch.cuda.max_memory_allocated() of the computing process, after setup
+    host_rss_peak: int | None = None  # bytes, sampled by the parent (benchmarks/common.py)
+    host_used_peak: int | None = None
+    setup_s: float | None = None  # building the model and optimizer (megatrain: starting the actors)
+    losses: list[float] = field(default_factory=list)
+    stats: dict[str, float] | None = None  # megatrain: the mean StepStats of the timed steps
+
+    def finish(self, spec: BenchSpec, step_time: float, losses: list[float]) -> PeerResult:
+        tokens = spec.batch * spec.seq
+        self.step_time = step_time
+        self.tokens_per_s = tokens / step_time
+        self.tflops = 6 * spec.config.num_params() * tokens / step_time / 1e12
+        self.losses = [float(x) for x in losses]
+        if not all(math.isfinite(x) for x in self.losses) and self.status == "ok":
+            self.status = "non-finite loss"
+        return self
+
+
+def make_batches(spec: BenchSpec) -> list[torch.Tensor]:
+    """warmup + steps batches of uniform random token ids, the same for every peer."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    vocab = spec.config.vocab_size
+    return [torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen) for _ in range(spec.warmup + spec.steps)]
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for the table: out-of-memory spelled out (also when Ray wraps an actor's error), else the message."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in text or "OutOfMemoryError" in text:
+        return "out of GPU memory"
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"error: {type(e).__name__}: {first}"[:200]
+
+
+def run_peer(name: str, spec: BenchSpec) -> PeerResult:
+    runners: dict[str, Callable[[BenchSpec], PeerResult]] = {
+        "megatrain": run_megatrain, "resident": run_resident, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}
+    try:
+        return runners[name](spec)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()  # into the peer's log; the table gets one line
+        result = PeerResult(name, status=describe_error(e))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            result.gpu_peak = torch.cuda.max_memory_allocated()
+        return result
+
+
+# ---- shared by the in-process PyTorch peers ----
+
+def build_hf_model(config: ModelConfig) -> torch.nn.Module:
+    """The HF model of a megatrain preset (LlamaForCausalLM for the llama presets), fp32, SDPA attention, on
+    the current default device (use `with torch.device(...)`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = config.to_hf()
+    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    hf_config.use_cache = False  # training: no KV cache
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.train()
+
+
+def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
+    """Activation checkpointing of every decoder layer (transformers 5 renamed the method; both work)."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """megatrain's decay rule: matrices decay, norms and biases do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith("norm.weight") or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def time_steps(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
+               sync: Callable[[], None]) -> tuple[float, list[float]]:
+    """Runs every batch through `step`; returns (mean seconds of the steps after `warmup`, losses)."""
+    losses = [step(b) for b in batches[:warmup]]
+    sync()
+    t0 = time.perf_counter()
+    losses += [step(b) for b in batches[warmup:]]
+    sync()
+    step_time = (time.perf_counter() - t0) / max(1, len(batches) - warmup)
+    return step_time, [float(x) for x in losses]
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _device_name(device: torch.device) -> str:
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
+
+
+def _train_hf(name: str, spec: BenchSpec, model: torch.nn.Module, optimizer: Any, device: torch.device,
+              setup_s: float) -> PeerResult:
+    """The training loop of the resident and FSDP2 peers: forward with HF's loss, backward, clip, step."""
+    result = PeerResult(name, device=_device_name(device), setup_s=setup_s)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # count the training steps, not the model build
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(device, non_blocking=True)
+        with autocast(device, spec.precision):
+            loss = model(input_ids=ids, labels=ids).loss  # HF shifts the labels inside, as megatrain does
+        loss.backward()
+        if spec.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    try:
+        step_time, losses = time_steps(step, make_batches(spec), spec.warmup, _sync(device))
+    except torch.OutOfMemoryError:
+        result.status = "out of GPU memory"
+        result.gpu_peak = torch.cuda.max_memory_allocated(device)
+        return result
+    if device.type == "cuda":
+        result.gpu_peak = torch.cuda.max_memory_allocated(device)
+    return result.finish(spec, step_time, losses)
+
+
+def _init_single_rank() -> None:
+    """Env vars for a one-rank process group (what torchrun would set)."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:  # a free port, so peers run one after another never collide
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
+# ---- the peers ----
+
+def run_megatrain(spec: BenchSpec) -> PeerResult:
+    import ray
+
+    import megatrain
+
+    # Our own small local Ray (Engine joins it): its object store carries only the token batches.
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20, include_dashboard=False,
+             configure_logging=False)
+    engine = None
+    try:
+        t0 = time.perf_counter()
+        engine = megatrain.Engine(spec.model, lr=spec.lr, max_grad_norm=spec.max_grad_norm or None,
+                                  optimizer_workers=spec.optimizer_workers, precision=spec.precision, device="auto",
+                                  seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq)
+        gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
+        result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
+                            setup_s=time.perf_counter() - t0)
+        # Batches go to the object store up front, as the data-loader actor would have them ready.
+        refs = [ray.put({"input_ids": b.numpy()}) for b in make_batches(spec)]
+        stats: list[dict[str, Any]] = []
+
+        def step(ref: Any) -> float:
+            out = engine.step_batch(ref)
+            stats.append(out.stats or {})
+            return out.loss
+
+        for ref in refs[: spec.warmup]:
+            step(ref)
+        engine.wait_for_updates()  # start the clock with no update in flight ...
+        t0 = time.perf_counter()
+        losses = [step(ref) for ref in refs[spec.warmup:]]
+        engine.wait_for_updates()  # ... and stop it with the last update in the arena
+        step_time = (time.perf_counter() - t0) / max(1, spec.steps)
+        result.gpu_peak = _executor_cuda(engine, reset=False)
+        result.stats = mean_stats(stats[spec.warmup:])
+        return result.finish(spec, step_time, losses)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ray.shutdown()
+
+
+def _executor_cuda(engine: Any, reset: bool) -> Any:
+    """Runs in the executor actor (Ray's __ray_call__): resets its CUDA peak-memory counter and returns the
+    GPU's name, or returns torch.cuda.max_memory_allocated(); None on the CPU path."""
+    import ray
+
+    def probe(actor: Any, reset: bool) -> Any:
+        import torch
+
+        device = actor.executor.device
+        if device.type != "cuda":
+            return None
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+            return torch.cuda.get_device_name(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    try:
+        return ray.get(engine.executor.__ray_call__.remote(probe, reset))
+    except AttributeError:  # a Ray without __ray_call__: no number rather than a wrong one
+        return None
+
+
+def mean_stats(stats: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean of every numeric StepStats field over the timed steps."""
+    stats = [s for s in stats if s]
+    if not stats:
+        return None
+    keys = [k for k, v in stats[0].items() if isinstance(v, (int, float)) and k not in ("step", "start")]
+    return {k: sum(float(s[k]) for s in stats) / len(stats) for k in keys}
+
+
+def run_resident(spec: BenchSpec) -> PeerResult:
+    from megatrain.engine.executor import set_matmul_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        set_matmul_precision(spec.precision)  # the same TF32 switches megatrain's executor sets
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    try:
+        with torch.device(device):  # initialise the weights where they will live
+            model = build_hf_model(spec.config)
+    except torch.OutOfMemoryError:
+        return PeerResult("resident", status="out of GPU memory", device=_device_name(device),
+                          gpu_peak=torch.cuda.max_memory_allocated(device))
+    enable_checkpointing(model)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr, betas=BETAS, eps=EPS, fused=True)
+    return _train_hf("resident", spec, model, optimizer, device, time.perf_counter() - t0)
+
+
+def run_fsdp2(spec: BenchSpec) -> PeerResult:
+    if not torch.cuda.is_available():
+        return PeerResult("fsdp2", status="needs CUDA")
+    return _train_fsdp2(spec, torch.device("cuda", 0))
+
+
+def _train_fsdp2(spec: BenchSpec, device: torch.device) -> PeerResult:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from megatrain.engine.executor import set_matmul_precision
+
+    _init_single_rank()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        set_matmul_precision(spec.precision)
+    # gloo for the CPU-side collectives of clip_grad_norm_ over offloaded gradients (as torchtitan does)
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    try:
+        torch.set_num_threads(os.cpu_count() or 1)  # the optimizer step runs on the CPU
+        t0 = time.perf_counter()
+        mesh = init_device_mesh(device.type, (1,))
+        # Built on the CPU: fully_shard moves each module's parameters to the GPU to shard them and, with
+        # the offload policy, keeps the shard in pinned host memory, so the whole model is never on the GPU.
+        model = build_hf_model(spec.config)
+        enable_checkpointing(model)
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for layer in model.model.layers:  # one all-gather (H2D copy) per decoder layer
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        # The parameters are CPU DTensors: fused AdamW runs on the CPU, like megatrain's optimizer.
+        optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr, betas=BETAS, eps=EPS, fused=True)
+        return _train_hf("fsdp2", spec, model, optimizer, device, time.perf_counter() - t0)
+    finally:
+        dist.destroy_process_group()
+
+
+def deepspeed_config(spec: BenchSpec) -> dict[str, Any]:
+    """ZeRO-3 with parameters and optimizer states offloaded to pinned CPU memory; DeepSpeedCPUAdam."""
+    return {
+        "train_micro_batch_size_per_gpu": spec.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": float(spec.max_grad_norm or 0.0),
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        # bf16: DeepSpeed's own mixed precision (bf16 compute weights, fp32 masters in the CPU optimizer)
+        "bf16": {"enabled": spec.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def run_deepspeed(spec: BenchSpec) -> PeerResult:
+    if not torch.cuda.is_available():
+        return PeerResult("deepspeed", status="needs CUDA")
+    try:
+        import deepspeed
+    except Exception as e:  # ImportError, or DeepSpeed's own checks failing at import
+        return PeerResult("deepspeed", status=f"not importable: {type(e).__name__}: {e}"[:200])
+    from megatrain.engine.executor import set_matmul_precision
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    set_matmul_precision(spec.precision)
+    _init_single_rank()
+    deepspeed.init_distributed(dist_backend="nccl")
+    config = deepspeed_config(spec)
+    t0 = time.perf_counter()
+    # zero.Init partitions (and here offloads) each module's parameters as it is constructed, the way
+    # DeepSpeed builds models too large for one device.
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = build_hf_model(spec.config)
+    # Reentrant checkpointing: the combination HF Trainer has long run with ZeRO-3 (its recompute goes
+    # through the module hooks that fetch the partitioned parameters again).
+    enable_checkpointing(model, use_reentrant=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    result = PeerResult("deepspeed", device=_device_name(device), setup_s=time.perf_counter() - t0)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(device, non_blocking=True)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()  # clipping (gradient_clipping) and the CPU Adam update
+        return loss.detach()
+
+    try:
+        step_time, losses = time_steps(step, make_batches(spec), spec.warmup, _sync(device))
+    except torch.OutOfMemoryError:
+        result.status = "out of GPU memory"
+        result.gpu_peak = torch.cuda.max_memory_allocated(device)
+        return result
+    result.gpu_peak = torch.cuda.max_memory_allocated(device)
+    return result.finish(spec, step_time, losses)

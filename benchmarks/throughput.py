@@ -1,0 +1,229 @@
+"""Training throughput of megatrain against its peers, on one model shape, batch and precision.
+
+    python3 benchmarks/throughput.py --model 2.8b --batch 8 --seq 2048 --precision tf32 \\
+        --peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 --out results.json
+
+Each peer (benchmarks/peers.py) runs in a subprocess of its own, one after another, with a timeout: its
+GPU memory is its own, its host memory is sampled from here over its whole process tree (Ray's actors
+included), and a crash or an out-of-memory costs one row, not the run. The table gives tokens/s, TFLOP/s
+as 6 * N * tokens / step time (N = ModelConfig.num_params(); attention FLOPs are left out, as the peers'
+numbers in shared/device/README.md do), peak GPU and host memory, and each peer's throughput over
+megatrain's; then megatrain's stall breakdown and PCIe rates from StepResult.stats.
+
+Without CUDA, megatrain and the resident peer run on the CPU and the offload peers say "needs CUDA".
+`--table a.json b.json` prints the table of earlier runs' --out files together (e.g. peers run in
+separate commands to stay inside a time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (REPO, MemorySampler, fmt, format_table, gib, machine_summary, process_tree,
+                               pythonpath_with_repo)
+from benchmarks.peers import LABELS, NEEDS_CUDA, PEERS, BenchSpec, PeerResult, run_peer
+
+
+# ---- running one peer in its own process ----
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _kill(pids: dict[int, int | None], grace: float) -> None:
+    """SIGTERM, then after `grace` seconds SIGKILL, to each (pid, start time) still the same process."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [pid for pid, start in pids.items() if start is not None and _start_time(pid) == start]
+        for pid in alive:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if _start_time(pid) == pids[pid]]
+        if not alive:
+            return
+
+
+def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float) -> PeerResult:
+    import torch
+
+    if peer in NEEDS_CUDA and not torch.cuda.is_available():
+        return PeerResult(peer, status="needs CUDA")
+    result_file = log_dir / f"{peer}.json"
+    result_file.unlink(missing_ok=True)
+    log_path = log_dir / f"{peer}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-peer", peer, "--spec", json.dumps(asdict(spec)),
+           "--result-file", str(result_file)]
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    sampler = MemorySampler(proc.pid).start()
+    seen: dict[int, int | None] = {}  # every process of the peer's tree we saw, to leave none behind
+    timed_out = False
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        seen.update((pid, _start_time(pid)) for pid in process_tree(proc.pid) if pid not in seen)
+        if time.monotonic() > deadline:
+            timed_out = True
+            _kill({pid: start for pid, start in seen.items()}, grace=10)
+            break
+        time.sleep(0.5)
+    rc = proc.wait()
+    peaks = sampler.stop()
+    _kill({pid: start for pid, start in seen.items() if pid != proc.pid}, grace=10)  # stragglers (Ray daemons)
+    from megatrain.memory.arena import remove_stale_segments
+
+    remove_stale_segments()  # a megatrain run killed before its store unlinked the arena
+
+    if result_file.exists() and not timed_out:
+        data = json.loads(result_file.read_text())
+        result = PeerResult(**{f.name: data[f.name] for f in fields(PeerResult) if f.name in data})
+    elif timed_out:
+        result = PeerResult(peer, status=f"timed out after {timeout:.0f} s (log: {log_path})")
+    else:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        why = "killed by SIGKILL (host out of memory?)" if rc == -signal.SIGKILL else f"exit code {rc}"
+        result = PeerResult(peer, status=f"crashed, {why}: {lines[-1][:120] if lines else ''} (log: {log_path})")
+    result.host_rss_peak, result.host_used_peak = peaks.tree_rss, peaks.host_used
+    return result
+
+
+# ---- the report ----
+
+def results_table(results: list[PeerResult]) -> str:
+    base = next((r for r in results if r.peer == "megatrain" and r.tokens_per_s), None)
+    headers = ["peer", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB", "host used GiB",
+               "last loss", "vs megatrain"]
+    rows = []
+    for r in results:
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r.tokens_per_s else "-"
+        rows.append([LABELS.get(r.peer, r.peer), r.status, fmt(r.tokens_per_s, ",.0f"), fmt(r.tflops, ".2f"),
+                     fmt(r.step_time, ".3f"), gib(r.gpu_peak), gib(r.host_rss_peak), gib(r.host_used_peak),
+                     fmt(r.losses[-1] if r.losses else None, ".3f"), ratio])
+    return format_table(headers, rows)
+
+
+def stall_table(stats: dict[str, float]) -> str:
+    step = stats["step_time"]
+    rows = [[k, fmt(stats[k], ".4f"), fmt(100 * stats[k] / step if step else None, ".1f")]
+            for k in ("compute", "wait_weights", "wait_optimizer", "wait_data", "other", "step_time")]
+    pcie = (f"PCIe: H2D {stats['h2d_bytes'] / 1e9:.2f} GB/step at {stats['h2d_gbps']:.1f} GB/s, "
+            f"D2H {stats['d2h_bytes'] / 1e9:.2f} GB/step at {stats['d2h_gbps']:.1f} GB/s; "
+            f"stall fraction {stats['stall_fraction']:.3f}")
+    if "overlap" in stats:
+        pcie += f"; transfer time under compute {100 * stats['overlap']:.0f}%"
+    return format_table(["part", "seconds", "% of step"], rows) + "\n" + pcie
+
+
+def report(meta: dict, results: list[PeerResult]) -> str:
+    spec = meta["spec"]
+    lines = [f"throughput: model {spec['model']} ({meta['params'] / 1e9:.3f} G params), batch {spec['batch']} x "
+             f"seq {spec['seq']}, {spec['precision']}, {spec['steps']} timed steps after {spec['warmup']} warm-up, "
+             f"{spec['optimizer_workers']} megatrain optimizer workers, clip {spec['max_grad_norm'] or 'off'}",
+             f"machine: {meta['machine']}", f"date: {meta['date']}", "", results_table(results)]
+    devices = [f"{LABELS.get(r.peer, r.peer)}: {r.device}" for r in results if r.device]
+    if devices:
+        lines += ["", "devices: " + "; ".join(devices)]
+    mt = next((r for r in results if r.peer == "megatrain" and r.stats), None)
+    if mt:
+        lines += ["", f"megatrain stall breakdown (mean of {spec['steps']} timed steps, StepResult.stats):",
+                  stall_table(mt.stats)]
+    return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> tuple[dict, list[PeerResult]]:
+    """Results of several --out files of one shape; a later file's row for a peer replaces an earlier one."""
+    meta, by_peer = None, {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        shape = {k: data["meta"]["spec"][k] for k in ("model", "batch", "seq", "precision")}
+        if meta is None:
+            meta, first_shape = data["meta"], shape
+        elif shape != first_shape:
+            raise SystemExit(f"{path} measured {shape}, not {first_shape}: merge runs of one shape only.")
+        for r in data["results"]:
+            by_peer[r["peer"]] = PeerResult(**{f.name: r[f.name] for f in fields(PeerResult) if f.name in r})
+    order = [p for p in PEERS if p in by_peer] + [p for p in by_peer if p not in PEERS]
+    return meta, [by_peer[p] for p in order]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="megatrain preset name (tiny, 125m, 1b, 2.8b, 7b, ...)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per peer")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    ap.add_argument("--optimizer-workers", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clipping for every peer; 0: off")
+    ap.add_argument("--object-store-mb", type=int, default=256, help="Ray object store of the megatrain peer")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per peer before it is killed")
+    ap.add_argument("--log-dir", help="where each peer's log goes (default: a new temporary directory)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --out files; run nothing")
+    # the child side of run_in_subprocess
+    ap.add_argument("--run-peer", choices=PEERS, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.run_peer:  # child: run one peer, leave its result for the parent
+        result = run_peer(args.run_peer, BenchSpec(**json.loads(args.spec)))
+        Path(args.result_file).write_text(json.dumps(asdict(result)))
+        return 0
+    if args.table:
+        print(report(*merge(args.table)))
+        return 0
+
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}.")
+    spec = BenchSpec(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision, steps=args.steps,
+                     warmup=args.warmup, optimizer_workers=args.optimizer_workers, lr=args.lr,
+                     max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb)
+    meta = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "spec": asdict(spec),
+            "params": spec.config.num_params()}  # an unknown preset fails here, before anything starts
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="megatrain-throughput-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"peer logs in {log_dir}", flush=True)
+    results = []
+    for peer in peers:
+        t0 = time.perf_counter()
+        print(f"running {peer} ...", flush=True)
+        results.append(run_in_subprocess(peer, spec, log_dir, args.timeout))
+        print(f"  {peer}: {results[-1].status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print()
+    print(report(meta, results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

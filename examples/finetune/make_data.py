@@ -1,0 +1,66 @@
+"""Writes a small chat data set for `megatrain finetune` (the project ships no data, so it is generated).
+
+    python examples/finetune/make_data.py --out runs/finetune-example/chat.jsonl --n 2000
+
+One conversation per line in the `messages` format that chat models and `megatrain finetune` read:
+
+    {"messages": [{"role": "system", "content": "You are a careful assistant."},
+                  {"role": "user", "content": "reverse: red fox sky"},
+                  {"role": "assistant", "content": "sky fox red"}]}
+
+The tasks (reverse, repeat, sort a few words; first/last word) are learnable by a tiny model in a few hundred
+steps, so a falling eval loss and sensible generations show the fine-tuning path works. Seeded: the same
+arguments always write the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+WORDS = ("red", "blue", "green", "gold", "fox", "owl", "cat", "dog", "sun", "moon", "star", "sky", "tree",
+         "leaf", "rock", "sand", "rain", "snow", "wind", "fire", "lake", "hill", "road", "ship")
+TASKS: dict[str, Callable[[list[str]], list[str]]] = {
+    "reverse": lambda w: w[::-1],
+    "repeat": lambda w: w,
+    "sort": sorted,
+    "first": lambda w: w[:1],
+    "last": lambda w: w[-1:],
+}
+SYSTEM = "You are a careful assistant."
+
+
+def make_chat(rng: random.Random) -> dict[str, list[dict[str, str]]]:
+    """One conversation: an optional system prompt, then one or two task turns."""
+    messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
+    for _ in range(rng.choice((1, 1, 2))):
+        task = rng.choice(list(TASKS))
+        words = rng.sample(WORDS, rng.randint(2, 5))
+        messages.append({"role": "user", "content": f"{task}: {' '.join(words)}"})
+        messages.append({"role": "assistant", "content": " ".join(TASKS[task](words))})
+    return {"messages": messages}
+
+
+def write_chats(path: str | Path, n: int, seed: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps(make_chat(rng)) + "\n" for _ in range(n)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/finetune-example/chat.jsonl")
+    parser.add_argument("--n", type=int, default=2000, help="number of conversations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_chats(args.out, args.n, args.seed)
+    print(f"wrote {args.n} conversations to {path}")
+
+
+if __name__ == "__main__":
+    main()

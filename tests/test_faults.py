@@ -1,0 +1,127 @@
+"""Fault injection on the CPU path: kill actors mid-step, kill the driver, and get the same model."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import megatrain
+from megatrain.memory.arena import list_segments, segment_owner_alive
+
+STEPS = 20
+KILL_STEPS = {3, 7, 11, 14, 18}  # 5 different steps; a checkpoint at step 10 sits between them
+ENGINE = dict(lr=3e-3, warmup_steps=3, total_steps=STEPS, optimizer_workers=2, precision="fp32", device="cpu",
+              seed=0)
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (4, 64), generator=gen) for _ in range(STEPS)]
+
+
+def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
+          seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
+    """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps."""
+    rng = random.Random(seed)
+    losses = []
+    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, **ENGINE) as engine:
+        for i, ids in enumerate(batches):
+            killer = None
+            if victim is not None and i in KILL_STEPS:
+                pid = engine.executor_pid() if victim == "executor" else rng.choice(engine.worker_pids())
+                killer = threading.Timer(rng.uniform(0.0, 0.15), os.kill, (pid, signal.SIGKILL))
+                killer.start()
+            losses.append(engine.step(ids))
+            if killer is not None:
+                killer.join()
+            if i == 9:
+                engine.save_checkpoint(tmp / "step-10")
+        params = engine.parameters()
+        restarts = engine.restarts
+        segments = [engine.handle.path(name) for name, _, _ in engine.handle.segments]
+    return losses, params, restarts, segments
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, batches, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, params, restarts, _ = train(batches, tmp_path_factory.mktemp("clean"))
+    assert restarts == 0
+    return losses, params
+
+
+def assert_same_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("victim", ["executor", "optimizer-worker"])
+def test_killed_actor_recovers_exactly(ray_session, batches, uninterrupted, tmp_path, victim) -> None:
+    losses, params, restarts, segments = train(batches, tmp_path, victim=victim)
+    assert restarts >= len(KILL_STEPS), f"only {restarts} faults were survived; the kills did not land"
+    assert losses == uninterrupted[0]
+    assert_same_model(params, uninterrupted[1])
+    assert not any(p.exists() for p in segments)
+
+
+def test_killed_executor_with_clipping_off_recovers_exactly(ray_session, batches, tmp_path) -> None:
+    """Clipping off updates layers during the backward: a kill then needs the checkpoint-and-replay path."""
+    losses0, params0, _, _ = train(batches, tmp_path / "a", max_grad_norm=None)
+    losses, params, restarts, _ = train(batches, tmp_path / "b", victim="executor", max_grad_norm=None, seed=1)
+    assert restarts >= len(KILL_STEPS)
+    assert losses == losses0
+    assert_same_model(params, params0)
+
+
+def megatrain_cli(*args: str) -> subprocess.Popen:
+    code = "import sys; from megatrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=Path(__file__).parent.parent)
+
+
+def test_sigkilled_driver_resumes_to_the_same_model(tmp_path) -> None:
+    common = ["train", "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--checkpoint-every", "10",
+              "--device", "cpu", "--precision", "fp32", "--log-every", "5"]
+    clean = megatrain_cli(*common, "--out", str(tmp_path / "clean"))
+    assert clean.wait(timeout=300) == 0, clean.stdout.read()
+
+    run = tmp_path / "killed"
+    driver = megatrain_cli(*common, "--out", str(run))
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step-00000020" / "manifest.json").exists():
+        assert driver.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+
+    resumed = megatrain_cli(*common, "--out", str(run), "--resume")
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    assert "resumed from" in output
+    want = load_file(tmp_path / "clean" / "final" / "model.safetensors")
+    got = load_file(run / "final" / "model.safetensors")
+    assert_same_model(got, want)
+    assert not [p for p in list_segments() if not segment_owner_alive(p)], "a dead run's arena is still there"
+    assert not _megatrain_actor_processes(), "megatrain actors outlived their driver"
+
+
+def _megatrain_actor_processes() -> list[int]:
+    names = (b"ray::ParameterStoreActor", b"ray::OptimizerWorker", b"ray::GPUExecutor", b"ray::DataLoaderActor")
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(names):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found

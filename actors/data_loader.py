@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from megatrain.config import dataclass_from_dict
+from megatrain.config import MegatrainError, dataclass_from_dict
 from megatrain.data import BatchLoader, DataConfig, DataError
 
 
@@ -111,8 +111,39 @@ class PrefetchLoader:
 
 
 @ray.remote(num_cpus=0)  # mostly waiting; give it .options(num_cpus=n) when tokenization is heavy
-class DataLoaderActor(PrefetchLoader):
-    pass
+class DataLoaderActor:
+    """PrefetchLoader as an actor. A bad data config is kept and raised by every call, so the caller gets
+    the one-sentence DataError instead of an actor that died in its constructor."""
+
+    def __init__(self, config: DataConfig | dict[str, Any], prefetch: int = 4):
+        self.loader: PrefetchLoader | None = None
+        self.error: MegatrainError | None = None
+        try:
+            self.loader = PrefetchLoader(config, prefetch)
+        except MegatrainError as e:
+            self.error = e
+
+    def _ready(self) -> PrefetchLoader:
+        if self.error is not None:
+            raise self.error
+        assert self.loader is not None
+        return self.loader
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        return self._ready().next_batch()
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        return self._ready().eval_batches()
+
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        return self._ready().state_dict(unconsumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ready().load_state_dict(state)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
 
 __all__ = ["DataLoaderActor", "PrefetchLoader"]

@@ -1,4 +1,5 @@
-"""Benchmarks: throughput against peers (throughput.py), the CPU optimizer pool (optimizer.py), PCIe (pcie.py).
+"""Benchmarks: throughput against peers (throughput.py), the CPU optimizer pool (optimizer.py), PCIe
+(pcie.py).
 
 Each is a script (`python3 benchmarks/throughput.py ...`); see benchmarks/README.md.
 """

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pythonpath_with_repo(env: dict[str, str] | None = None) -> str:
-    """PYTHONPATH with the repository first: Ray's worker processes import megatrain's actors by module name."""
+    """PYTHONPATH with the repository first: Ray's workers import megatrain's actors by module name."""
     rest = (env if env is not None else os.environ).get("PYTHONPATH")
     return os.pathsep.join(filter(None, [str(REPO), rest]))
 
@@ -41,7 +41,8 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
-        out = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        pairs = enumerate(zip(cells, widths, strict=True))
+        out = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in pairs]
         return "  ".join(out).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

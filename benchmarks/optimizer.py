@@ -57,7 +57,7 @@ class Timing:
 
 
 def fill(params: torch.Tensor, grads: torch.Tensor, seed: int = 0) -> None:
-    """Weights and gradients of a plausible scale (the kernel's speed does not depend on them, denormals aside)."""
+    """Weights and gradients of a plausible scale (the kernel's speed does not depend on their values)."""
     torch.manual_seed(seed)
     params.normal_(0.0, 0.02)
     grads.normal_(0.0, 1e-3)
@@ -107,8 +107,8 @@ def pool(config: ModelConfig, layout: ModelLayout, optim: OptimConfig, workers: 
     actors = []
     try:
         fill(arena.params, arena.grads)
-        actors = [OptimizerWorker.options(num_cpus=per_worker).remote(arena.handle, config, optim, w, workers, threads)
-                  for w in range(workers)]
+        actor = OptimizerWorker.options(num_cpus=per_worker)
+        actors = [actor.remote(arena.handle, config, optim, w, workers, threads) for w in range(workers)]
         ray.get([a.numel.remote() for a in actors])  # all started before the clock runs
         times = []
         for step in range(repeats + 1):
@@ -136,8 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--params", type=float, default=1e9, help="arena size in parameters (approximate)")
     ap.add_argument("--workers", default="1,2,4,8,16", help="comma-separated pool sizes")
     ap.add_argument("--repeats", type=int, default=5, help="timed updates per pool size")
-    ap.add_argument("--no-reference", action="store_true", help="skip the single-process torch.optim.AdamW run")
-    ap.add_argument("--object-store-mb", type=int, default=128, help="Ray's object store (carries nothing big)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the torch.optim.AdamW reference")
+    ap.add_argument("--object-store-mb", type=int, default=128, help="Ray's object store size")
     ap.add_argument("--out", help="write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     layout = ModelLayout.build(config)
     optim = OptimConfig()
     numel = layout.numel
-    print(f"optimizer: fused AdamW over {numel:,} fp32 parameters ({16 * numel / GiB:.2f} GiB arena: params, grads, "
-          f"m, v); Llama shape hidden {config.hidden_size}, {config.num_layers} layers, {len(layout.units)} units; "
-          f"{args.repeats} timed updates each", flush=True)
+    print(f"optimizer: fused AdamW over {numel:,} fp32 parameters ({16 * numel / GiB:.2f} GiB arena: params, "
+          f"grads, m, v); Llama shape hidden {config.hidden_size}, {config.num_layers} layers, "
+          f"{len(layout.units)} units; {args.repeats} timed updates each", flush=True)
     print(f"machine: {machine_summary()}", flush=True)
     timings = []
     if not args.no_reference:  # before Ray starts, so nothing else is on the cores
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     os.environ["PYTHONPATH"] = pythonpath_with_repo()  # inherited by Ray's workers, which import actors/
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=args.object_store_mb * 2**20, include_dashboard=False,
-             configure_logging=False)
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=args.object_store_mb * 2**20,
+             include_dashboard=False, configure_logging=False)
     try:
         for n in counts:
             timings.append(pool(config, layout, optim, n, args.repeats))
@@ -172,21 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     base = next((t for t in timings if t.workers == 1), None)
-    headers = ["setup", "workers", "threads each", "best s", "median s", "best G params/s", "median G params/s",
-               "vs 1 worker"]
+    headers = ["setup", "workers", "threads each", "best s", "median s", "best G params/s",
+               "median G params/s", "vs 1 worker"]
     rows = []
     for t in timings:
         speedup = t.rate(numel, "median") / base.rate(numel, "median") if base else None
         rows.append([t.setup, str(t.workers or "-"), str(t.threads), fmt(min(t.times), ".4f"),
                      fmt(statistics.median(t.times), ".4f"), fmt(t.rate(numel, "best") / 1e9, ".3f"),
-                     fmt(t.rate(numel, "median") / 1e9, ".3f"), fmt(speedup, ".2f") + ("x" if speedup else "")])
+                     fmt(t.rate(numel, "median") / 1e9, ".3f"), f"{speedup:.2f}x" if speedup else "-"])
     print()
     print(format_table(headers, rows))
     if args.out:
-        Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(),
-                                              "machine": machine_summary(), "numel": numel,
-                                              "config": config.to_dict(), "timings": [asdict(t) for t in timings]},
-                                             indent=2))
+        out = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "numel": numel,
+               "config": config.to_dict(), "timings": [asdict(t) for t in timings]}
+        Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -88,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     pageable_src, pageable_dst = torch.randn(numel), torch.empty(numel)
     rows.append(measure("pageable (torch.empty)", pageable_src, pageable_dst, args.repeats, both=False))
     del pageable_src, pageable_dst
-    pinned_src, pinned_dst = torch.empty(numel, pin_memory=True).normal_(), torch.empty(numel, pin_memory=True)
+    pinned_src = torch.empty(numel, pin_memory=True).normal_()
+    pinned_dst = torch.empty(numel, pin_memory=True)
     rows.append(measure("pinned (pin_memory=True)", pinned_src, pinned_dst, args.repeats, both=True))
     del pinned_src, pinned_dst
     arena = Arena.create(numel)  # params, grads, exp_avg, exp_avg_sq segments of numel fp32 each
     try:
         arena.params.normal_()
-        rows.append(measure("arena /dev/shm, not registered", arena.params, arena.grads, args.repeats, both=False))
+        rows.append(measure("arena /dev/shm, not registered", arena.params, arena.grads, args.repeats,
+                            both=False))
         registered = arena.register_cuda(("params", "grads"))
         label = "arena /dev/shm, cudaHostRegister" + ("" if registered else " FAILED (see warning)")
         rows.append(measure(label, arena.params, arena.grads, args.repeats, both=True))

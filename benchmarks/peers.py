@@ -2,7 +2,7 @@
 
   megatrain  megatrain.Engine as users run it: a Ray parameter store, optimizer pool and GPU executor
   resident   HF transformers on the GPU, activation checkpointing, torch.optim.AdamW(fused=True)
-  fsdp2      the same HF model under torch FSDP2 `fully_shard` with CPUOffloadPolicy(pin_memory=True), one rank
+  fsdp2      the same HF model under FSDP2 `fully_shard`, CPUOffloadPolicy(pin_memory=True), one rank
   deepspeed  the same HF model under DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU
 
 Every runner is called in a process of its own (throughput.py starts one per peer), so
@@ -29,7 +29,7 @@ from megatrain.config import ModelConfig
 PEERS = ("megatrain", "resident", "fsdp2", "deepspeed")
 LABELS = {"megatrain": "megatrain", "resident": "GPU-resident PyTorch", "fsdp2": "FSDP2 CPU offload",
           "deepspeed": "DeepSpeed ZeRO-3 offload"}
-NEEDS_CUDA = ("fsdp2", "deepspeed")  # offload to the CPU of what? On a CPU-only machine there is nothing to compare
+NEEDS_CUDA = ("fsdp2", "deepspeed")  # offload peers: on a CPU-only machine there is nothing to offload from
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1  # megatrain.Engine's defaults
 
 
@@ -60,7 +60,7 @@ class PeerResult:
     step_time: float | None = None  # mean wall-clock seconds per timed step
     tokens_per_s: float | None = None
     tflops: float | None = None  # 6 * N * tokens / step_time / 1e12, N = ModelConfig.num_params()
-    gpu_peak: int | None = None  # bytes: torch.cuda.max_memory_allocated() of the computing process, after setup
+    gpu_peak: int | None = None  # bytes: max_memory_allocated() of the computing process, after setup
     host_rss_peak: int | None = None  # bytes, sampled by the parent (benchmarks/common.py)
     host_used_peak: int | None = None
     setup_s: float | None = None  # building the model and optimizer (megatrain: starting the actors)
@@ -82,11 +82,12 @@ def make_batches(spec: BenchSpec) -> list[torch.Tensor]:
     """warmup + steps batches of uniform random token ids, the same for every peer."""
     gen = torch.Generator().manual_seed(spec.seed)
     vocab = spec.config.vocab_size
-    return [torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen) for _ in range(spec.warmup + spec.steps)]
+    shape = (spec.batch, spec.seq)
+    return [torch.randint(0, vocab, shape, generator=gen) for _ in range(spec.warmup + spec.steps)]
 
 
 def describe_error(e: BaseException) -> str:
-    """One line for the table: out-of-memory spelled out (also when Ray wraps an actor's error), else the message."""
+    """One line for the table: out-of-memory spelled out (also when Ray wraps an actor's error)."""
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in text or "OutOfMemoryError" in text:
         return "out of GPU memory"
@@ -111,16 +112,25 @@ def run_peer(name: str, spec: BenchSpec) -> PeerResult:
 
 # ---- shared by the in-process PyTorch peers ----
 
-def build_hf_model(config: ModelConfig) -> torch.nn.Module:
-    """The HF model of a megatrain preset (LlamaForCausalLM for the llama presets), fp32, SDPA attention, on
-    the current default device (use `with torch.device(...)`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_model_factory(config: ModelConfig) -> Callable[[], torch.nn.Module]:
+    """A constructor of the HF model of a megatrain preset (LlamaForCausalLM for the llama presets): fp32, SDPA
+    attention, on the current default device (use `with torch.device(...)`).
+
+    Everything is imported here, before the model is built: DeepSpeed's zero.Init patches torch.Tensor while
+    the model is constructed, and transformers' lazy imports fail under that patch (torch._dynamo's
+    polyfills check the signature of Tensor.__new__)."""
+    import torch._dynamo  # noqa: F401  (see above)
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     hf = config.to_hf()
-    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf, attn_implementation="sdpa")
     hf_config.use_cache = False  # training: no KV cache
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.train()
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # resolving it imports the modeling module
+    return lambda: model_class(hf_config).train()
+
+
+def build_hf_model(config: ModelConfig) -> torch.nn.Module:
+    return hf_model_factory(config)()
 
 
 def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
@@ -213,14 +223,14 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
     import megatrain
 
     # Our own small local Ray (Engine joins it): its object store carries only the token batches.
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20, include_dashboard=False,
-             configure_logging=False)
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20,
+             include_dashboard=False, configure_logging=False)
     engine = None
     try:
         t0 = time.perf_counter()
         engine = megatrain.Engine(spec.model, lr=spec.lr, max_grad_norm=spec.max_grad_norm or None,
-                                  optimizer_workers=spec.optimizer_workers, precision=spec.precision, device="auto",
-                                  seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq)
+                                  optimizer_workers=spec.optimizer_workers, precision=spec.precision,
+                                  device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq)
         gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
         result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
                             setup_s=time.perf_counter() - t0)
@@ -367,25 +377,31 @@ def run_deepspeed(spec: BenchSpec) -> PeerResult:
         import deepspeed
     except Exception as e:  # ImportError, or DeepSpeed's own checks failing at import
         return PeerResult("deepspeed", status=f"not importable: {type(e).__name__}: {e}"[:200])
+    return _train_deepspeed(spec, deepspeed, torch.device("cuda", 0))
+
+
+def _train_deepspeed(spec: BenchSpec, deepspeed: Any, device: torch.device) -> PeerResult:
     from megatrain.engine.executor import set_matmul_precision
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    set_matmul_precision(spec.precision)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        set_matmul_precision(spec.precision)
     _init_single_rank()
-    deepspeed.init_distributed(dist_backend="nccl")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     config = deepspeed_config(spec)
     t0 = time.perf_counter()
     # zero.Init partitions (and here offloads) each module's parameters as it is constructed, the way
     # DeepSpeed builds models too large for one device.
+    build = hf_model_factory(spec.config)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = build_hf_model(spec.config)
+        model = build()
     # Reentrant checkpointing: the combination HF Trainer has long run with ZeRO-3 (its recompute goes
     # through the module hooks that fetch the partitioned parameters again).
     enable_checkpointing(model, use_reentrant=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     result = PeerResult("deepspeed", device=_device_name(device), setup_s=time.perf_counter() - t0)
-    torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(device, non_blocking=True)
@@ -400,5 +416,6 @@ def run_deepspeed(spec: BenchSpec) -> PeerResult:
         result.status = "out of GPU memory"
         result.gpu_peak = torch.cuda.max_memory_allocated(device)
         return result
-    result.gpu_peak = torch.cuda.max_memory_allocated(device)
+    if device.type == "cuda":
+        result.gpu_peak = torch.cuda.max_memory_allocated(device)
     return result.finish(spec, step_time, losses)

@@ -1,7 +1,8 @@
 """Training throughput of megatrain against its peers, on one model shape, batch and precision.
 
     python3 benchmarks/throughput.py --model 2.8b --batch 8 --seq 2048 --precision tf32 \\
-        --peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 --out results.json
+        --peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 \\
+        --out results.json
 
 Each peer (benchmarks/peers.py) runs in a subprocess of its own, one after another, with a timeout: its
 GPU memory is its own, its host memory is sampled from here over its whole process tree (Ray's actors
@@ -32,10 +33,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, MemorySampler, fmt, format_table, gib, machine_summary, process_tree,
-                               pythonpath_with_repo)
+from benchmarks.common import (
+    REPO,
+    MemorySampler,
+    fmt,
+    format_table,
+    gib,
+    machine_summary,
+    process_tree,
+    pythonpath_with_repo,
+)
 from benchmarks.peers import LABELS, NEEDS_CUDA, PEERS, BenchSpec, PeerResult, run_peer
-
 
 # ---- running one peer in its own process ----
 
@@ -71,8 +79,8 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
     result_file = log_dir / f"{peer}.json"
     result_file.unlink(missing_ok=True)
     log_path = log_dir / f"{peer}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-peer", peer, "--spec", json.dumps(asdict(spec)),
-           "--result-file", str(result_file)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-peer", peer, "--spec",
+           json.dumps(asdict(spec)), "--result-file", str(result_file)]
     env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -89,7 +97,8 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
         time.sleep(0.5)
     rc = proc.wait()
     peaks = sampler.stop()
-    _kill({pid: start for pid, start in seen.items() if pid != proc.pid}, grace=10)  # stragglers (Ray daemons)
+    # stragglers: Ray's daemons should be gone with the driver; end any that are not
+    _kill({pid: start for pid, start in seen.items() if pid != proc.pid}, grace=10)
     from megatrain.memory.arena import remove_stale_segments
 
     remove_stale_segments()  # a megatrain run killed before its store unlinked the arena
@@ -102,7 +111,8 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
     else:
         lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
         why = "killed by SIGKILL (host out of memory?)" if rc == -signal.SIGKILL else f"exit code {rc}"
-        result = PeerResult(peer, status=f"crashed, {why}: {lines[-1][:120] if lines else ''} (log: {log_path})")
+        last = lines[-1][:120] if lines else ""
+        result = PeerResult(peer, status=f"crashed, {why}: {last} (log: {log_path})")
     result.host_rss_peak, result.host_used_peak = peaks.tree_rss, peaks.host_used
     return result
 
@@ -111,12 +121,12 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
 
 def results_table(results: list[PeerResult]) -> str:
     base = next((r for r in results if r.peer == "megatrain" and r.tokens_per_s), None)
-    headers = ["peer", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB", "host used GiB",
-               "last loss", "vs megatrain"]
+    headers = ["peer", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB",
+               "host used GiB", "last loss", "vs megatrain"]
     rows = []
     for r in results:
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r.tokens_per_s else "-"
-        rows.append([LABELS.get(r.peer, r.peer), r.status, fmt(r.tokens_per_s, ",.0f"), fmt(r.tflops, ".2f"),
+        rows.append([LABELS.get(r.peer, r.peer), r.status, fmt(r.tokens_per_s, ",.0f"), fmt(r.tflops, ".2f" if (r.tflops or 0) >= 1 else ".2g"),
                      fmt(r.step_time, ".3f"), gib(r.gpu_peak), gib(r.host_rss_peak), gib(r.host_used_peak),
                      fmt(r.losses[-1] if r.losses else None, ".3f"), ratio])
     return format_table(headers, rows)
@@ -128,7 +138,7 @@ def stall_table(stats: dict[str, float]) -> str:
             for k in ("compute", "wait_weights", "wait_optimizer", "wait_data", "other", "step_time")]
     pcie = (f"PCIe: H2D {stats['h2d_bytes'] / 1e9:.2f} GB/step at {stats['h2d_gbps']:.1f} GB/s, "
             f"D2H {stats['d2h_bytes'] / 1e9:.2f} GB/step at {stats['d2h_gbps']:.1f} GB/s; "
-            f"stall fraction {stats['stall_fraction']:.3f}")
+            f"stall fraction (mean of the steps' own) {stats['stall_fraction']:.3f}")
     if "overlap" in stats:
         pcie += f"; transfer time under compute {100 * stats['overlap']:.0f}%"
     return format_table(["part", "seconds", "% of step"], rows) + "\n" + pcie
@@ -136,9 +146,10 @@ def stall_table(stats: dict[str, float]) -> str:
 
 def report(meta: dict, results: list[PeerResult]) -> str:
     spec = meta["spec"]
-    lines = [f"throughput: model {spec['model']} ({meta['params'] / 1e9:.3f} G params), batch {spec['batch']} x "
-             f"seq {spec['seq']}, {spec['precision']}, {spec['steps']} timed steps after {spec['warmup']} warm-up, "
-             f"{spec['optimizer_workers']} megatrain optimizer workers, clip {spec['max_grad_norm'] or 'off'}",
+    lines = [f"throughput: model {spec['model']} ({meta['params']:,} params), batch {spec['batch']} x seq "
+             f"{spec['seq']}, {spec['precision']}, {spec['steps']} timed steps after {spec['warmup']} "
+             f"warm-up, {spec['optimizer_workers']} megatrain optimizer workers, "
+             f"clip {spec['max_grad_norm'] or 'off'}",
              f"machine: {meta['machine']}", f"date: {meta['date']}", "", results_table(results)]
     devices = [f"{LABELS.get(r.peer, r.peer)}: {r.device}" for r in results if r.device]
     if devices:
@@ -177,12 +188,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     ap.add_argument("--optimizer-workers", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clipping for every peer; 0: off")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping for every peer; 0: off")
     ap.add_argument("--object-store-mb", type=int, default=256, help="Ray object store of the megatrain peer")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per peer before it is killed")
     ap.add_argument("--log-dir", help="where each peer's log goes (default: a new temporary directory)")
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --out files; run nothing")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print earlier --out files' table")
     # the child side of run_in_subprocess
     ap.add_argument("--run-peer", choices=PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -204,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}.")
-    spec = BenchSpec(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision, steps=args.steps,
-                     warmup=args.warmup, optimizer_workers=args.optimizer_workers, lr=args.lr,
-                     max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb)
+    spec = BenchSpec(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision,
+                     steps=args.steps, warmup=args.warmup, optimizer_workers=args.optimizer_workers,
+                     lr=args.lr, max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb)
     meta = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "spec": asdict(spec),
             "params": spec.config.num_params()}  # an unknown preset fails here, before anything starts
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="megatrain-throughput-"))
@@ -221,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(meta, results))
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
+        out = {"meta": meta, "results": [asdict(r) for r in results]}
+        Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -15,11 +15,13 @@ from megatrain.config import MegatrainError
 
 
 def _unwrap(e: BaseException) -> BaseException:
-    """The user's error inside Ray's wrappers (RayTaskError.cause, possibly nested)."""
-    seen = 0
-    while seen < 8 and getattr(e, "cause", None) is not None and not isinstance(e, MegatrainError):
-        e = e.cause  # type: ignore[assignment]
-        seen += 1
+    """The user's error inside Ray's wrappers (RayTaskError.cause, possibly nested). Ray's wrapper is also an
+    instance of the wrapped class, with a traceback for a message, so always go down to the cause."""
+    for _ in range(8):
+        cause = getattr(e, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        e = cause
     return e
 
 

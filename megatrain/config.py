@@ -46,24 +46,33 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads"):  # the defaults below derive from these
+            _check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.intermediate_size is None:
             self.intermediate_size = 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
-        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
+        if self.head_dim is None and self.hidden_size % self.num_heads == 0:
             self.head_dim = self.hidden_size // self.num_heads
+        if isinstance(self.rope_scaling, dict):  # HF's legacy "type" key is "rope_type"; default rope is none
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            scaling = {k: v for k, v in self.rope_scaling.items() if k != "type"}
+            empty = not self.rope_scaling
+            self.rope_scaling = None if kind == "default" or empty else {**scaling, "rope_type": kind}
         self.validate()
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            setattr(self, name, float(getattr(self, name)))
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}.")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            _check_positive_int(name, getattr(self, name))
         if self.head_dim is None:
             raise ConfigError(
                 f"model config: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
                 "choose a head count that divides the hidden size or set head_dim explicitly."
             )
+        _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ConfigError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}.")
         if self.num_heads % self.num_kv_heads:
@@ -71,17 +80,32 @@ class ModelConfig:
                 f"model config: num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads} "
                 "(grouped-query attention shares each kv head among an equal number of query heads)."
             )
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("model config: rms_norm_eps and rope_theta must be positive.")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not _positive_number(getattr(self, name)):
+                raise ConfigError(f"model config: {name} must be a positive number, "
+                                  f"got {getattr(self, name)!r}.")
+        if not (_finite_number(self.initializer_range) and self.initializer_range >= 0):
+            raise ConfigError("model config: initializer_range must be a number >= 0, "
+                              f"got {self.initializer_range!r}.")
+        for name in ("tie_embeddings", "qkv_bias", "o_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model config: {name} must be true or false, got {getattr(self, name)!r}.")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ConfigError(f"model config: {name} must be an integer token id or None, got {value!r}.")
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window, "or None")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise ConfigError(
-                    f"model config: rope scaling type {kind!r} is not supported; megatrain supports "
-                    "default, linear and llama3 (remove rope_scaling or convert the checkpoint)."
-                )
+            _check_rope_scaling(self.rope_scaling)
         if self.model_type not in ("llama", "mistral", "qwen2"):
             raise ConfigError(f"model config: model_type must be llama, mistral or qwen2, got {self.model_type!r}.")
+        if self.o_bias and (self.model_type == "qwen2" or not self.qkv_bias) or (
+                self.qkv_bias and not self.o_bias and self.model_type != "qwen2"):
+            raise ConfigError(
+                f"model config: qkv_bias={self.qkv_bias} with o_bias={self.o_bias} is no {self.model_type} "
+                "layout transformers can load; Llama's attention_bias sets both, qwen2 has qkv_bias only."
+            )
 
     # Sizes derived from the shape: used by the layout, the memory plan and FLOP accounting.
     @property
@@ -141,35 +165,46 @@ class ModelConfig:
                 f"model_type {model_type!r} is not a Llama-family architecture megatrain trains; "
                 "supported: llama, mistral, qwen2."
             )
-        if hf.get("mlp_bias"):
+        if _hf_flag(hf, "mlp_bias"):
             raise ConfigError("mlp_bias=True is not supported; megatrain trains Llama-family MLPs without bias.")
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
             raise ConfigError(f"HF config lacks {', '.join(missing)}; it does not describe a Llama-family model.")
         rope = hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"HF config has a value of the wrong type for rope_parameters ({rope!r}); "
+                              "it must be a JSON object.")
         rope_scaling = hf.get("rope_scaling") or None
         if rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        kv_heads = hf.get("num_key_value_heads")
+
+        def get(key: str, default: Any) -> Any:
+            value = hf.get(key)
+            return default if value is None else value
+
+        attention_bias = _hf_flag(hf, "attention_bias")
         try:
             return cls(
                 vocab_size=hf["vocab_size"],
                 hidden_size=hf["hidden_size"],
                 num_layers=hf["num_hidden_layers"],
                 num_heads=hf["num_attention_heads"],
-                num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                num_kv_heads=hf["num_attention_heads"] if kv_heads is None else kv_heads,
                 intermediate_size=hf.get("intermediate_size"),
                 head_dim=hf.get("head_dim"),
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                rope_theta=_hf_number(hf, "rope_theta", rope.get("rope_theta", get("rope_theta", 10000.0))),
                 rope_scaling=rope_scaling,
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
-                max_position_embeddings=hf.get("max_position_embeddings", 4096),
-                initializer_range=hf.get("initializer_range", 0.02),
+                rms_norm_eps=_hf_number(hf, "rms_norm_eps",
+                                        get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+                tie_embeddings=_hf_flag(hf, "tie_word_embeddings"),
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
+                max_position_embeddings=get("max_position_embeddings", 4096),
+                initializer_range=get("initializer_range", 0.02),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos,
                 model_type=model_type,
@@ -214,24 +249,91 @@ class ModelConfig:
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.qkv_bias
             hf["mlp_bias"] = False
-        if self.model_type == "mistral":
+        if self.model_type == "mistral" or self.sliding_window is not None:
             hf["sliding_window"] = self.sliding_window  # MistralConfig defaults to 4096 when absent
-        if self.bos_token_id is not None:
-            hf["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            hf["eos_token_id"] = self.eos_token_id
+        if self.model_type == "qwen2" and self.sliding_window is not None:
+            hf["use_sliding_window"] = True
+        # written even when None: transformers' Llama and Mistral configs default to ids 1 and 2 when absent
+        hf["bos_token_id"] = self.bos_token_id
+        hf["eos_token_id"] = self.eos_token_id
         return hf
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+def _sliding_window(hf: dict[str, Any], model_type: str) -> Any:
     """The attention window that applies, if any (Qwen2 carries one that is off unless use_sliding_window)."""
     window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+    if model_type == "qwen2" and not _hf_flag(hf, "use_sliding_window"):
         return None
-    return int(window) if window else None
+    return window if window not in (None, 0) else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_number(value: Any) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _positive_number(value: Any) -> bool:
+    return _finite_number(value) and value > 0
+
+
+def _check_positive_int(name: str, value: Any, alternative: str = "") -> None:
+    if not _is_int(value) or value <= 0:
+        also = f" {alternative}" if alternative else ""
+        raise ConfigError(f"model config: {name} must be a positive integer{also}, got {value!r}.")
+
+
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"model config: rope_scaling must be a dict or None, got {scaling!r}.")
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_KEYS:
+        raise ConfigError(
+            f"model config: rope scaling type {kind!r} is not supported; megatrain supports "
+            "default, linear and llama3 (remove rope_scaling or convert the checkpoint)."
+        )
+    for key in ROPE_KEYS[kind]:
+        if not _positive_number(scaling.get(key)):
+            raise ConfigError(f"model config: {kind} rope_scaling needs a positive number {key}, "
+                              f"got {scaling.get(key)!r}.")
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ConfigError("model config: llama3 rope_scaling needs low_freq_factor < high_freq_factor, got "
+                          f"{scaling['low_freq_factor']!r} and {scaling['high_freq_factor']!r}.")
+    unknown = sorted(map(str, set(scaling) - {"rope_type", *ROPE_KEYS[kind]}))
+    if unknown:
+        raise ConfigError(f"model config: {kind} rope_scaling has unknown key(s) "
+                          f"{', '.join(map(repr, unknown))}.")
+
+
+def _hf_flag(hf: dict[str, Any], key: str) -> bool:
+    value = hf.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); "
+                      "it must be true or false.")
+
+
+def _hf_number(hf: dict[str, Any], key: str, value: Any) -> float:
+    if _is_int(value) or isinstance(value, float):
+        try:
+            return float(value)
+        except OverflowError:
+            pass
+    raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); it must be a number.")
 
 
 # Named shapes. tiny is for tests and the laptop default; the rest follow public models of that size.
@@ -281,27 +383,34 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if isinstance(self.betas, (list, tuple)):
+            self.betas = tuple(self.betas)  # type: ignore[assignment]
         self.validate()
 
     def validate(self) -> None:
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
+        if not (_finite_number(self.lr) and self.lr >= 0):
             raise ConfigError(f"optimizer: lr must be a non-negative number, got {self.lr!r}.")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optimizer: weight_decay must be >= 0, got {self.weight_decay}.")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"optimizer: betas must be two numbers in [0, 1), got {self.betas}.")
-        if self.eps <= 0:
-            raise ConfigError(f"optimizer: eps must be positive, got {self.eps}.")
-        if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise ConfigError("optimizer: max_grad_norm must be positive (or 0/None to turn clipping off).")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optimizer: warmup_steps must be >= 0, got {self.warmup_steps}.")
-        if self.total_steps is not None and self.total_steps < max(1, self.warmup_steps):
-            raise ConfigError(
-                f"optimizer: total_steps ({self.total_steps}) must be at least warmup_steps ({self.warmup_steps}) "
-                "and positive; raise total_steps or pass None for a constant LR after warmup."
-            )
+        if not (_finite_number(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"optimizer: weight_decay must be a number >= 0, got {self.weight_decay!r}.")
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2
+                and all(_finite_number(b) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError(f"optimizer: betas must be two numbers in [0, 1), got {self.betas!r}.")
+        if not _positive_number(self.eps):
+            raise ConfigError(f"optimizer: eps must be a positive number, got {self.eps!r}.")
+        clip = self.max_grad_norm
+        if clip is not None and not (_finite_number(clip) and clip >= 0):
+            raise ConfigError("optimizer: max_grad_norm must be positive (or 0/None to turn clipping off), "
+                              f"got {self.max_grad_norm!r}.")
+        if not (_is_int(self.warmup_steps) and self.warmup_steps >= 0):
+            raise ConfigError(f"optimizer: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}.")
+        if not (_finite_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            raise ConfigError(f"optimizer: min_lr_ratio must be a number in [0, 1], "
+                              f"got {self.min_lr_ratio!r}.")
+        if self.total_steps is not None and not _is_int(self.total_steps):
+            raise ConfigError(f"optimizer: total_steps must be an integer or None, got {self.total_steps!r}.")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ConfigError(f"optimizer: total_steps must be positive (or None for a constant LR after warmup), "
+                              f"got {self.total_steps}.")
 
     @property
     def clipping(self) -> bool:
@@ -335,11 +444,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
-        if self.optimizer_workers < 1:
-            raise ConfigError(f"optimizer_workers must be at least 1, got {self.optimizer_workers}.")
-        if self.loss_chunk_tokens < 1:
-            raise ConfigError("loss_chunk_tokens must be positive.")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1):
+            raise ConfigError(f"optimizer_workers must be an integer of at least 1, "
+                              f"got {self.optimizer_workers!r}.")
+        threads = self.threads_per_worker
+        if threads is not None and not (_is_int(threads) and threads >= 1):
+            raise ConfigError(f"threads_per_worker must be a positive integer or None, got {threads!r}.")
+        if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
+            raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
+        if not (_is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}.")
+        if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                                  or self.device.startswith("cuda:"))):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")
 
 

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ class Engine:
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
         self.restarts = 0  # actor deaths survived
+        self.replayed_steps = 0  # steps recomputed from a checkpoint to recover (work lost to faults)
         self._pending: list[ray.ObjectRef] = []  # the last step's updates
         self._replay: list[ray.ObjectRef] = []  # batches since the last checkpoint, for exact recovery
         self._last_checkpoint: Path | None = None
@@ -170,7 +172,9 @@ class Engine:
     def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
         model_arg = model if isinstance(model, ModelConfig) else str(model)
-        self.store = ParameterStoreActor.remote(model_arg, n, seed, batch, seq)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
+            model_arg, n, seed, batch, seq, self.run_id)
         self.handle = ray.get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -184,13 +188,17 @@ class Engine:
         cpus = float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         per_worker = max(cpus / n, 0.01)
         threads = max(1, int(per_worker))
-        return OptimizerWorker.options(num_cpus=min(per_worker, threads)).remote(
+        return OptimizerWorker.options(num_cpus=min(per_worker, threads), name=self._name(f"optimizer/{index}")).remote(
             self.handle, self.config, self.optim, index, n, threads)
 
     def _new_executor(self) -> Any:
         on_gpu = self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        return GPUExecutor.options(num_gpus=1 if on_gpu else 0).remote(
+        return GPUExecutor.options(num_gpus=1 if on_gpu else 0, name=self._name("executor")).remote(
             self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, self.trace)
+
+    def _name(self, role: str) -> str:
+        """Readable in the dashboard and `ray timeline`; the restart count keeps a replacement's name free."""
+        return f"megatrain/{self.run_id}/{role}#{self.restarts}"
 
     def executor_pid(self) -> int:
         return ray.get(self.executor.pid.remote())
@@ -280,15 +288,17 @@ class Engine:
                 raise MegatrainError(f"actors died {self.restarts - 1} times in this run (last: {error}); giving up, "
                                      "check the Ray logs (/tmp/ray/session_latest/logs) for the cause.") from None
             try:
-                self._recover_once()
+                self._recover_once(error)
                 return
             except ray.exceptions.RayError as e:
                 if not is_actor_death(e):
                     raise
                 error = e
 
-    def _recover_once(self) -> None:
+    def _recover_once(self, error: BaseException) -> None:
         dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
+        if not dead_workers and _alive(self.executor):
+            raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
         if not _alive(self.store):
             raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
                                  "to continue from the last checkpoint.")
@@ -315,6 +325,7 @@ class Engine:
         log.warning("%s died during an update; restoring %s and replaying %d step(s)",
                     "an optimizer worker" if dead_workers else "the GPU executor", source, len(replay))
         self._restore_last_checkpoint()
+        self.replayed_steps += len(replay)
         for ref in replay:
             self._step_once(ref)
 

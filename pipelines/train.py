@@ -75,14 +75,21 @@ class TrainConfig:
                 values = tomllib.loads(Path(path).read_text())
             except FileNotFoundError:
                 raise ConfigError(f"config file {path} does not exist; check the path.") from None
-            except tomllib.TOMLDecodeError as e:
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"config file {path} is not valid TOML ({e}).") from None
-        data = dict(values.pop("data", {}) or {})
+            except OSError as e:
+                raise ConfigError(f"config file {path} cannot be read ({e.strerror}); pass a TOML file.") \
+                    from None
+        data = values.pop("data", {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"train config: data must be a [data] table, got {data!r}.")
         for key, value in (overrides or {}).items():
             if value is None:
                 continue
             if key.startswith("data."):
                 data[key[5:]] = value
+            elif key == "data":
+                raise ConfigError("train config: set data options one by one, as data.<key> overrides.")
             else:
                 values[key] = value
         cfg = dataclass_from_dict(cls, values, f"train config{f' {path}' if path else ''}")
@@ -91,14 +98,31 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
+        for names, kind, what in ((TRAIN_INTS, int, "an integer"), (TRAIN_FLAGS, bool, "true or false"),
+                                  (TRAIN_STRINGS, str, "a string")):
+            for name in names:
+                value = getattr(self, name)
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    raise ConfigError(f"train config: {name} must be {what}, got {value!r}.")
+        if self.address is not None and not isinstance(self.address, str):
+            raise ConfigError(f"train config: address must be a string, got {self.address!r}.")
         for name in ("steps", "checkpoint_every", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train config: {name} must be at least 1, got {getattr(self, name)}.")
         if self.eval_every < 0:
             raise ConfigError("train config: eval_every must be >= 0 (0 turns evaluation off).")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError("train config: max_nonfinite_steps must be >= 0, "
+                              f"got {self.max_nonfinite_steps}.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "checkpoint_every",
+              "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
+TRAIN_FLAGS = ("decay", "resume", "trace", "save_final")
+TRAIN_STRINGS = ("model", "out_dir", "precision", "device")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -179,6 +203,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     try:
         cfg.data.vocab_size = engine.config.vocab_size
         loader = DataLoaderActor.remote(cfg.data.to_dict())
+        ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
         start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
         return _loop(cfg, engine, loader, out_dir, start, extra_files or [])

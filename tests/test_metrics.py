@@ -1,4 +1,4 @@
-"""Ray metrics: EngineMetrics records from an actor, and the series reach the Prometheus endpoint."""
+"""Ray metrics: EngineMetrics records from an actor, and a training run's series reach the Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -53,28 +53,19 @@ def free_port() -> int:
 EXPORT_SCRIPT = textwrap.dedent("""
     import json, sys, time, urllib.request
     import ray
-    from actors.metrics import EngineMetrics
-    from megatrain.telemetry import StepStats
 
     port, expected = int(sys.argv[1]), json.loads(sys.argv[2])
-    ray.init(address="local", num_cpus=1, include_dashboard=False, _metrics_export_port=port,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=port,
              object_store_memory=100 * 1024 * 1024, logging_level="ERROR")
 
-    @ray.remote
-    class Engine:
-        def __init__(self):
-            self.metrics = EngineMetrics(run="export-test")
+    import megatrain, numpy as np
 
-        def step(self, i):
-            s = StepStats(i, 0.5, 0.4, 0.05, 0.02, 0.01, 0.02, 1 << 30, 1 << 29, 40.0, 30.0, 0.8, 0.2)
-            self.metrics.record_step(s, loss=3.0 - 0.1 * i, tokens_per_s=1000.0, tflops=50.0)
-            self.metrics.record_optimizer(0, update_seconds=0.01, queue_depth=i)
-            return True
-
-    engine = Engine.remote()
-    found, deadline = [], time.monotonic() + 60
+    # a real (tiny) training run: its driver records step metrics, its optimizer workers update
+    engine = megatrain.Engine("tiny", device="cpu", precision="fp32", optimizer_workers=1, lr=1e-3)
+    rng = np.random.default_rng(0)
+    found, deadline = [], time.monotonic() + 90
     while time.monotonic() < deadline:
-        ray.get(engine.step.remote(len(found)))
+        engine.step(rng.integers(0, 256, (2, 32)))
         try:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
@@ -83,7 +74,8 @@ EXPORT_SCRIPT = textwrap.dedent("""
                         if "megatrain_" in line and not line.startswith("#")})
         if all(any(f.endswith(name) for f in found) for name in expected):
             break
-        time.sleep(1.0)
+        time.sleep(0.5)
+    engine.shutdown()
     print("RESULT " + json.dumps(found))
     ray.shutdown()
 """)
@@ -92,7 +84,8 @@ EXPORT_SCRIPT = textwrap.dedent("""
 # Ray puts "ray_" in front of every name, and "_total" after counters.
 EXPECTED = ["megatrain_loss", "megatrain_step_seconds", "megatrain_wait_seconds", "megatrain_tflops",
             "megatrain_tokens_per_second", "megatrain_transfer_gbps", "megatrain_optimizer_queue_depth",
-            "megatrain_steps_total", "megatrain_step_duration_seconds_bucket"]
+            "megatrain_steps_total", "megatrain_step_duration_seconds_bucket", "megatrain_arena_bytes",
+            "megatrain_optimizer_update_seconds"]
 
 
 def test_metrics_reach_the_prometheus_endpoint(tmp_path):

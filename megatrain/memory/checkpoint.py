@@ -28,6 +28,7 @@ from megatrain.model.layout import ModelLayout
 
 SHARD_BYTES = 4 * 2**30
 MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatrain-checkpoint-v1"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 # Buffers some exporters include that are not parameters (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -97,7 +98,9 @@ def weight_files(directory: Path, stem: str) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            if not all(isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+                raise TypeError("shard names must be file names in the directory")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise CheckpointError(f"{index} is not a valid safetensors index; re-export the checkpoint.") from None
         files = [directory / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
@@ -129,12 +132,19 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
     slots = layout.slots_by_hf_name()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
+    tied_head = None
     for name, t in iter_safetensors(files):
         if prefix and not name.startswith(prefix):
             continue
         hf_name = name[len(prefix):]
-        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
-            continue  # tied checkpoints may carry lm_head too: it is the embedding
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and hf_name == "lm_head.weight":
+            tied_head = t  # tied checkpoints may carry lm_head too: it must be the embedding
+            continue
+        if hf_name in seen:
+            raise CheckpointError(f"{where or files[0].parent} holds tensor {hf_name} more than once, so "
+                                  "which copy to load is ambiguous; re-export the checkpoint.")
         if hf_name not in slots:
             raise CheckpointError(f"{where or files[0].parent} has tensor {hf_name!r} that a "
                                   f"{layout.config.model_type} model of this config does not have; "
@@ -154,6 +164,15 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{where or files[0].parent} lacks tensor(s) {', '.join(missing[:3])}{more}; "
                               "the checkpoint is incomplete or its config.json describes another model.")
+    if tied_head is not None:
+        unit, slot = slots["model.embed_tokens.weight"]
+        embed = flat[unit.offset + slot.offset : unit.offset + slot.offset + slot.numel].view(slot.shape)
+        if not (tied_head.is_floating_point() and tuple(tied_head.shape) == slot.shape
+                and torch.equal(tied_head.to(embed.dtype), embed)):
+            raise CheckpointError(f"{where or files[0].parent}: config.json ties the embeddings "
+                                  "(tie_word_embeddings) but lm_head.weight differs from "
+                                  "model.embed_tokens.weight; set tie_word_embeddings to false if the head "
+                                  "was trained on its own.")
 
 
 # ---- HF directories ----
@@ -232,7 +251,7 @@ def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
 def write_manifest(directory: Path) -> None:
     files = {p.name: {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
              for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (directory / MANIFEST).write_text(json.dumps({"format": "megatrain-checkpoint-v1", "files": files}, indent=2))
+    (directory / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2))
 
 
 def verify_manifest(directory: Path) -> None:
@@ -242,9 +261,23 @@ def verify_manifest(directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}, so it was not completely written; "
                               "resume from an earlier checkpoint.")
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{manifest} is corrupt; resume from an earlier checkpoint.") from None
+        text = manifest.read_text()
+        content = json.loads(text)
+        files = content["files"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        files = content = None
+    # The manifest guards itself too: exactly what write_manifest writes, byte for byte, or refused.
+    if not (isinstance(files, dict) and content == {"format": MANIFEST_FORMAT, "files": files}
+            and text == json.dumps(content, indent=2)
+            and all(isinstance(meta, dict) and set(meta) == {"bytes", "crc32"}
+                    and all(type(v) is int for v in meta.values()) for meta in files.values())):
+        raise CheckpointError(f"{manifest} is corrupt; resume from an earlier checkpoint.")
+    unlisted = sorted(p.name for p in directory.iterdir() if p.suffix in (".json", ".safetensors")
+                      and p.name != MANIFEST and p.name not in files)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {directory} holds {', '.join(unlisted)}, which its manifest does "
+                              "not list, so it was changed after it was written; resume from an earlier "
+                              "checkpoint.")
     for name, meta in files.items():
         path = directory / name
         if not path.is_file():

@@ -9,7 +9,7 @@ recompute working set, and one chunk of logits.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.config import MegatrainError, ModelConfig
@@ -112,7 +112,10 @@ class MemoryPlan:
 def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None) -> MemoryPlan:
-    layout = ModelLayout.build(config)
+    # Decoder layers are alike: plan from a one-layer layout, so a config claiming 10^9 layers is refused at
+    # once instead of after building a layout of 10^9 units.
+    layout = ModelLayout.build(replace(config, num_layers=1))
+    arena_numel = layout.numel + (config.num_layers - 1) * layout.max_layer_numel()
     act_bytes = 2 if precision == "bf16" else 4
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     tokens = batch * seq
@@ -141,7 +144,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
             gpu_free = None
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
-        model=name, params=config.num_params(), arena_numel=layout.numel, arena_bytes=layout.numel * 16,
+        model=name, params=config.num_params(), arena_numel=arena_numel, arena_bytes=arena_numel * 16,
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=grads, gpu_activations=checkpoints + working,
         gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
     )

@@ -55,10 +55,10 @@ class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True):
         self.config, self.source_dir, self.name = resolve_model(model)
-        self.layout = ModelLayout.build(self.config)
         self.num_workers = num_workers
-        if check_memory:
+        if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers).check_host()
+        self.layout = ModelLayout.build(self.config)
         versions = ("versions", "int64", len(self.layout.units) * num_workers)
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,))
         self.versions = self.arena.versions.view(len(self.layout.units), num_workers)

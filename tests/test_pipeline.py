@@ -1,0 +1,93 @@
+"""`megatrain train` end to end: the default run, Ctrl-C, bad config, trace + stall report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.memory.arena import list_segments, segment_owner_alive
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dead_segments() -> set[Path]:
+    return {p for p in list_segments() if not segment_owner_alive(p)}
+
+
+def megatrain(*args: str, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_default_train_learns_and_leaves_nothing(tmp_path) -> None:
+    before = dead_segments()
+    proc = megatrain("train", cwd=tmp_path)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    summary = next(line for line in out.splitlines() if line.startswith("trained 300 steps"))
+    first, last = (float(x) for x in summary.split("loss ")[1].split(" -> "))
+    assert last < first - 1.5, summary  # visibly learning the synthetic data
+    assert (tmp_path / "runs/tiny/final/model.safetensors").exists()
+    assert len(list((tmp_path / "runs/tiny/checkpoints").iterdir())) == 3
+    assert dead_segments() <= before, "the run left shared memory behind"
+
+
+def test_ctrl_c_stops_and_releases_shared_memory(tmp_path) -> None:
+    before = dead_segments()
+    proc = megatrain("train", "--steps", "5000", "--log-every", "1", cwd=tmp_path)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert dead_segments() <= before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "13q"], "unknown model preset '13q'"),
+    (["--lr", "-1"], "lr must be a non-negative number"),
+    (["--config", "missing.toml"], "config file missing.toml does not exist"),
+    (["--data", "nowhere.jsonl"], "nowhere.jsonl"),
+])
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message) -> None:
+    before = dead_segments()
+    proc = megatrain("train", "--steps", "2", *args, cwd=tmp_path)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("megatrain: error:")]
+    assert len(errors) == 1 and message in errors[0], out
+    assert "Traceback" not in out
+    assert dead_segments() <= before
+
+
+def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--trace", "--out", str(run), "--batch-size", "2", "--seq-len", "32",
+                 "--device", "cpu", "--precision", "fp32", "--log-every", "1"]) == 0
+    trace = json.loads((run / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    names = {(e["name"], e["args"].get("layer")) for e in events}
+    units = 4  # tiny: embedding, 2 layers, head
+    for layer in (1, 2):
+        assert ("forward", layer) in names and ("recompute+backward", layer) in names
+    for unit in range(units):
+        assert ("grads", unit) in names and ("update", unit) in names, unit
+    for line in (run / "steps.jsonl").read_text().splitlines():
+        s = json.loads(line)["stats"]
+        parts = s["compute"] + s["wait_weights"] + s["wait_optimizer"] + s["wait_data"] + s["other"]
+        assert abs(parts - s["step_time"]) <= 0.05 * s["step_time"]
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert "step" in capsys.readouterr().out
+    png = (run / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")

@@ -106,9 +106,13 @@ def _cuda() -> bool:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from megatrain.memory.arena import list_segments, remove_stale_segments
 
+    from pipelines.engine import reap_orphaned_ray_agents
+
     removed = remove_stale_segments(everything=args.all)
     for path in removed:
         print(f"removed {path}")
+    for pid in reap_orphaned_ray_agents():
+        print(f"stopped orphaned Ray agent process {pid}")
     left = list_segments()
     print(f"removed {len(removed)} segment(s); {len(left)} belong to running processes"
           + (" (use --all to remove them too)" if left else ""))

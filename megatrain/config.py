@@ -138,7 +138,8 @@ class ModelConfig:
     def from_name(cls, name: str) -> ModelConfig:
         key = name.lower()
         if key not in PRESETS:
-            raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} or pass an HF directory.")
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
+                              "or pass an HF directory.")
         return cls(**PRESETS[key])
 
     # ---- HF config.json ----

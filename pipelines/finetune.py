@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.data import BatchLoader, ByteTokenizer, DataError

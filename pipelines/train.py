@@ -15,12 +15,12 @@ import math
 import shutil
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+import tomllib
 
 from actors.data_loader import DataLoaderActor
 from megatrain.config import ConfigError, MegatrainError, dataclass_from_dict

@@ -75,7 +75,7 @@ class AdamWShard:
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
-        for group, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0)):
+        for group, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
             if not group.params:
                 continue
             if clip_coef < 1.0:

@@ -74,7 +74,8 @@ def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tu
     return shards
 
 
-def write_sharded(directory: Path, stem: str, tensors: list[tuple[str, torch.Tensor]], limit: int = SHARD_BYTES) -> None:
+def write_sharded(directory: Path, stem: str, tensors: list[tuple[str, torch.Tensor]],
+                  limit: int = SHARD_BYTES) -> None:
     """HF's layout: `<stem>.safetensors`, or numbered shards plus `<stem>.safetensors.index.json`."""
     shards = _shards(tensors, limit)
     if len(shards) == 1:

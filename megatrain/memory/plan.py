@@ -70,11 +70,13 @@ class MemoryPlan:
         if self.arena_bytes > self.shm_free:
             return (f"the {self.model} model needs a {self.arena_bytes / GiB:.1f} GiB arena (16 B per parameter for "
                     f"{self.params / 1e9:.2f} G parameters) but /dev/shm has {self.shm_free / GiB:.1f} GiB free; "
-                    "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), or pick a smaller model.")
+                    "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), "
+                    "or pick a smaller model.")
         if self.host_total > self.host_free:
             return (f"the {self.model} model needs {self.host_total / GiB:.1f} GiB of host memory "
                     f"({self.arena_bytes / GiB:.1f} GiB arena + {self.process_bytes / GiB:.1f} GiB for processes) but "
-                    f"only {self.host_free / GiB:.1f} GiB is available; pick a smaller model or a machine with more memory.")
+                    f"only {self.host_free / GiB:.1f} GiB is available; pick a smaller model or a machine with "
+                    "more memory.")
         return None
 
     def gpu_problem(self) -> str | None:
@@ -96,7 +98,8 @@ class MemoryPlan:
         def row(name: str, n: int) -> str:
             return f"  {name:<34}{n / GiB:>10.2f} GiB"
         lines = [f"memory plan for {self.model} ({self.params / 1e9:.3f} G params)", "host:"]
-        lines += [row("arena (params+grads+Adam m,v fp32)", self.arena_bytes), row("processes (Ray, actors)", self.process_bytes),
+        lines += [row("arena (params+grads+Adam m,v fp32)", self.arena_bytes),
+                  row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
         lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row("gradient buffers", self.gpu_grads),

@@ -66,7 +66,7 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
     with torch.enable_grad():
         y = fn(x, leaves, *args)
     grads = torch.autograd.grad(y, [x, *leaves.values()], grad_out)
-    return grads[0], dict(zip(leaves, grads[1:]))
+    return grads[0], dict(zip(leaves, grads[1:], strict=True))
 
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,

@@ -75,7 +75,9 @@ class WeightSlots:
         self.copy_needed = streams.cuda or dtype != torch.float32
         n = 2 if self.copy_needed else 0
         dev = streams.device
-        self.staging = [torch.empty(numel, device=dev) for _ in range(n if streams.cuda else 0)]
+        # bf16 on a GPU: fp32 arrives in a staging buffer and is cast into the compute buffer there
+        staged = streams.cuda and dtype != torch.float32
+        self.staging = [torch.empty(numel, device=dev) for _ in range(n if staged else 0)]
         self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
         self.resident: list[int | None] = [None] * n
         self.ready: list[torch.cuda.Event | None] = [None] * n
@@ -90,14 +92,11 @@ class WeightSlots:
         s = self.streams
         s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
         with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * 4):
-            if s.cuda:
+            if self.staging:
                 self.staging[slot][: unit.numel].copy_(src, non_blocking=True)
-                if self.dtype != torch.float32:
-                    self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel])
-                else:
-                    self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel], non_blocking=True)
+                self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel])
             else:
-                self.buffers[slot][: unit.numel].copy_(src)
+                self.buffers[slot][: unit.numel].copy_(src, non_blocking=s.cuda)
         self.ready[slot] = s.record(s.h2d)
         self.resident[slot] = unit.index
 

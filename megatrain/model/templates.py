@@ -77,7 +77,7 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: tor
     the loss is the mean over targets that are not IGNORE_INDEX, as transformers computes it.
     """
     flat_x = x.reshape(-1, x.shape[-1])
-    flat_t = targets.reshape(-1).to(flat_x.device)
+    flat_t = targets.reshape(-1)  # kept where it is (the host): counting and skipping need no GPU sync
     n_valid = int((flat_t != ops.IGNORE_INDEX).sum())
     if n_valid == 0:
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
@@ -91,6 +91,7 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: tor
         t = flat_t[start : start + chunk_tokens]
         if not bool((t != ops.IGNORE_INDEX).any()):
             continue  # nothing to learn here (prompt or padding): its gradient is zero
+        t = t.to(flat_x.device, non_blocking=True)
         xc = flat_x[start : start + chunk_tokens].detach().requires_grad_(True)
         with torch.enable_grad():
             chunk_loss = ops.cross_entropy_sum(ops.rms_norm(xc, norm_leaf, eps), head_leaf, t)

@@ -1,0 +1,161 @@
+"""CPU smoke tests of benchmarks/: each script runs as users run it, prints its table, and leaves nothing in
+shared memory. Nothing here asserts a time or a rate: on a CI machine those numbers mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is not an installed package; `python3 -m pytest` finds it anyway
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import MemorySampler, format_table, process_tree
+from megatrain.memory.arena import list_segments
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def shm_dir() -> Path:
+    """A private arena directory on tmpfs: what the benchmarks leave there is theirs alone, whatever other
+    tests on the machine do in /dev/shm at the same time."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    path = base / f"mtbench-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_script(script: str, args: list[str], shm_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MEGATRAIN_SHM_DIR": str(shm_dir), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def table(stdout: str, first_header: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The table whose header line starts with `first_header`: (header cells, first cell -> row cells)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first_header + " "))
+    rule = lines[start + 1]
+    cuts, pos = [], 0  # column spans come from the dashed rule under the header
+    for dashes in rule.split("  "):
+        cuts.append((pos, pos + len(dashes)))
+        pos += len(dashes) + 2
+
+    def cells(line: str) -> list[str]:
+        return [line[a:b].strip() for a, b in cuts]
+
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        row = cells(line)
+        rows[row[0]] = row
+    return cells(lines[start]), rows
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", "").rstrip("x"))
+        return True
+    except ValueError:
+        return False
+
+
+def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    proc = run_script("throughput.py", ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2",
+                                        "--warmup", "1", "--optimizer-workers", "2", "--object-store-mb", "100",
+                                        "--timeout", "240", "--out", str(out)], shm_dir)
+    headers, rows = table(proc.stdout, "peer")
+    assert headers == ["peer", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB",
+                       "host used GiB", "last loss", "vs megatrain"]
+    assert list(rows) == ["megatrain", "GPU-resident PyTorch", "FSDP2 CPU offload", "DeepSpeed ZeRO-3 offload"]
+    col = {h: i for i, h in enumerate(headers)}
+    for peer in ("megatrain", "GPU-resident PyTorch"):
+        row = rows[peer]
+        assert row[col["status"]] == "ok", proc.stdout
+        for name in ("tokens/s", "TFLOP/s", "step s", "host RSS GiB", "last loss", "vs megatrain"):
+            assert is_number(row[col[name]]), (peer, name, row)
+    assert rows["megatrain"][col["vs megatrain"]] == "1.00x"
+    if not CUDA:  # the offload peers have nothing to offload from
+        for peer in ("FSDP2 CPU offload", "DeepSpeed ZeRO-3 offload"):
+            assert rows[peer][col["status"]] == "needs CUDA"
+            assert rows[peer][col["tokens/s"]] == "-"
+
+    _, stall = table(proc.stdout, "part")
+    assert list(stall) == ["compute", "wait_weights", "wait_optimizer", "wait_data", "other", "step_time"]
+    assert "PCIe: H2D" in proc.stdout and "D2H" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["spec"]["model"] == "tiny"
+    assert [r["peer"] for r in data["results"]] == ["megatrain", "resident", "fsdp2", "deepspeed"]
+    stats = data["results"][0]["stats"]
+    assert {"step_time", "compute", "wait_weights", "wait_optimizer", "wait_data", "other", "h2d_bytes",
+            "d2h_bytes", "h2d_gbps", "d2h_gbps", "stall_fraction"} <= set(stats)
+    assert len(data["results"][0]["losses"]) == 3  # warm-up + timed steps
+    assert list_segments(shm_dir) == []  # the engine's arena is gone
+
+    merged = run_script("throughput.py", ["--table", str(out)], shm_dir)  # the merge mode reprints it
+    assert list(table(merged.stdout, "peer")[1]) == list(rows)
+
+
+def test_optimizer_tiny_table(shm_dir: Path) -> None:
+    proc = run_script("optimizer.py", ["--params", "2e6", "--workers", "1,2", "--repeats", "2"], shm_dir)
+    headers, rows = table(proc.stdout, "setup")
+    assert headers == ["setup", "workers", "threads each", "best s", "median s", "best G params/s",
+                       "median G params/s", "vs 1 worker"]
+    names = list(rows)
+    assert names[0].startswith("torch.optim.AdamW(fused=True), 1 process x ")
+    assert [n.split(" x ")[0] for n in names[1:]] == ["pool 1", "pool 2"]
+    for row in rows.values():
+        assert all(is_number(c) for c in row[3:7]), row
+    assert rows[names[1]][-1] == "1.00x"
+    assert list_segments(shm_dir) == []
+
+
+def test_pcie_without_cuda_says_so(shm_dir: Path) -> None:
+    proc = run_script("pcie.py", ["--size-mb", "16", "--repeats", "2"], shm_dir)
+    if CUDA:
+        assert "host memory" in proc.stdout and "cudaHostRegister" in proc.stdout
+    else:
+        assert "needs CUDA" in proc.stdout
+    assert list_segments(shm_dir) == []
+
+
+def test_memory_sampler_sees_a_child_allocation() -> None:
+    # a child (and grandchild) that each hold ~64 MiB: the sampled tree RSS covers both
+    code = ("import subprocess, sys, time; b = bytearray(64 << 20); "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; b = bytearray(64 << 20); time.sleep(30)']); "
+            "time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        sampler = MemorySampler(child.pid, interval=0.05).start()
+        deadline = time.monotonic() + 20
+        while (len(process_tree(child.pid)) < 2 or sampler.peaks.tree_rss < 128 << 20) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        peaks = sampler.stop()
+        assert len(process_tree(child.pid)) == 2
+        assert peaks.tree_rss >= 128 << 20
+    finally:
+        for pid in reversed(process_tree(child.pid)):
+            os.kill(pid, 9)
+        child.wait()
+
+
+def test_format_table_aligns_columns() -> None:
+    text = format_table(["peer", "tokens/s"], [["megatrain", "1,234"], ["resident", "56"]])
+    assert text.splitlines() == ["peer       tokens/s", "---------  --------", "megatrain     1,234",
+                                 "resident         56"]

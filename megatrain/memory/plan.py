@@ -97,7 +97,8 @@ class MemoryPlan:
     def report(self) -> str:
         def row(name: str, n: int) -> str:
             return f"  {name:<34}{n / GiB:>10.2f} GiB"
-        lines = [f"memory plan for {self.model} ({self.params / 1e9:.3f} G params)", "host:"]
+        size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
+        lines = [f"memory plan for {self.model} ({size} params)", "host:"]
         lines += [row("arena (params+grads+Adam m,v fp32)", self.arena_bytes),
                   row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]

@@ -146,6 +146,7 @@ class Engine:
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
         self.restarts = 0  # actor deaths survived
+        self._faults_in_row = 0  # deaths since the last completed step: max_restarts bounds these
         self.replayed_steps = 0  # steps recomputed from a checkpoint to recover (work lost to faults)
         self._pending: list[ray.ObjectRef] = []  # the last step's updates
         self._replay: list[ray.ObjectRef] = []  # batches since the last checkpoint, for exact recovery
@@ -220,7 +221,9 @@ class Engine:
         self._replay.append(ref)
         while True:
             try:
-                return self._step_once(ref)
+                result = self._step_once(ref)
+                self._faults_in_row = 0
+                return result
             except ray.exceptions.RayError as e:
                 if not is_actor_death(e):
                     raise
@@ -284,8 +287,10 @@ class Engine:
     def _recover(self, error: BaseException) -> None:
         while True:
             self.restarts += 1
-            if self.restarts > self.max_restarts:
-                raise MegatrainError(f"actors died {self.restarts - 1} times in this run (last: {error}); giving up, "
+            self._faults_in_row += 1
+            if self._faults_in_row > self.max_restarts:
+                raise MegatrainError(f"actors died {self.max_restarts} times without a step completing in between "
+                                     f"(last: {str(error).splitlines()[0]}); giving up, "
                                      "check the Ray logs (/tmp/ray/session_latest/logs) for the cause.") from None
             try:
                 self._recover_once(error)

@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,8 +114,8 @@ def run_peer(name: str, spec: BenchSpec) -> PeerResult:
 # ---- shared by the in-process PyTorch peers ----
 
 def hf_model_factory(config: ModelConfig) -> Callable[[], torch.nn.Module]:
-    """A constructor of the HF model of a megatrain preset (LlamaForCausalLM for the llama presets): fp32, SDPA
-    attention, on the current default device (use `with torch.device(...)`).
+    """A constructor of the HF model of a megatrain preset (LlamaForCausalLM for the llama presets): fp32,
+    SDPA attention, on the current default device (use `with torch.device(...)`).
 
     Everything is imported here, before the model is built: DeepSpeed's zero.Init patches torch.Tensor while
     the model is constructed, and transformers' lazy imports fail under that patch (torch._dynamo's
@@ -243,11 +244,10 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
             stats.append(out.stats or {})
             return out.loss
 
-        for ref in refs[: spec.warmup]:
-            step(ref)
+        losses = [step(ref) for ref in refs[: spec.warmup]]
         engine.wait_for_updates()  # start the clock with no update in flight ...
         t0 = time.perf_counter()
-        losses = [step(ref) for ref in refs[spec.warmup:]]
+        losses += [step(ref) for ref in refs[spec.warmup:]]
         engine.wait_for_updates()  # ... and stop it with the last update in the arena
         step_time = (time.perf_counter() - t0) / max(1, spec.steps)
         result.gpu_peak = _executor_cuda(engine, reset=False)
@@ -277,7 +277,8 @@ def _executor_cuda(engine: Any, reset: bool) -> Any:
 
     try:
         return ray.get(engine.executor.__ray_call__.remote(probe, reset))
-    except AttributeError:  # a Ray without __ray_call__: no number rather than a wrong one
+    except Exception as e:  # e.g. a Ray without __ray_call__: no number rather than a lost row
+        print(f"could not read the executor's GPU memory: {type(e).__name__}: {e}", file=sys.stderr)
         return None
 
 

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,8 +77,8 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
 
     if peer in NEEDS_CUDA and not torch.cuda.is_available():
         return PeerResult(peer, status="needs CUDA")
-    result_file = log_dir / f"{peer}.json"
-    result_file.unlink(missing_ok=True)
+    # the child's result goes to a scratch file, so --log-dir holds only one log per peer
+    result_file = Path(tempfile.mkdtemp(prefix=f"mtbench-{peer}-")) / "result.json"
     log_path = log_dir / f"{peer}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-peer", peer, "--spec",
            json.dumps(asdict(spec)), "--result-file", str(result_file)]
@@ -113,6 +114,7 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
         why = "killed by SIGKILL (host out of memory?)" if rc == -signal.SIGKILL else f"exit code {rc}"
         last = lines[-1][:120] if lines else ""
         result = PeerResult(peer, status=f"crashed, {why}: {last} (log: {log_path})")
+    shutil.rmtree(result_file.parent, ignore_errors=True)
     result.host_rss_peak, result.host_used_peak = peaks.tree_rss, peaks.host_used
     return result
 
@@ -125,8 +127,9 @@ def results_table(results: list[PeerResult]) -> str:
                "host used GiB", "last loss", "vs megatrain"]
     rows = []
     for r in results:
+        tflops = fmt(r.tflops, ".2f" if (r.tflops or 0) >= 1 else ".2g")  # tiny models: keep two digits
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and r.tokens_per_s else "-"
-        rows.append([LABELS.get(r.peer, r.peer), r.status, fmt(r.tokens_per_s, ",.0f"), fmt(r.tflops, ".2f" if (r.tflops or 0) >= 1 else ".2g"),
+        rows.append([LABELS.get(r.peer, r.peer), r.status, fmt(r.tokens_per_s, ",.0f"), tflops,
                      fmt(r.step_time, ".3f"), gib(r.gpu_peak), gib(r.host_rss_peak), gib(r.host_used_peak),
                      fmt(r.losses[-1] if r.losses else None, ".3f"), ratio])
     return format_table(headers, rows)
@@ -141,7 +144,7 @@ def stall_table(stats: dict[str, float]) -> str:
             f"stall fraction (mean of the steps' own) {stats['stall_fraction']:.3f}")
     if "overlap" in stats:
         pcie += f"; transfer time under compute {100 * stats['overlap']:.0f}%"
-    return format_table(["part", "seconds", "% of step"], rows) + "\n" + pcie
+    return format_table(["part", "seconds", "% of step"], rows) + "\n\n" + pcie
 
 
 def report(meta: dict, results: list[PeerResult]) -> str:
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                      lr=args.lr, max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb)
     meta = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "spec": asdict(spec),
             "params": spec.config.num_params()}  # an unknown preset fails here, before anything starts
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="megatrain-throughput-"))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mtbench-throughput-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"peer logs in {log_dir}", flush=True)
     results = []

@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # benchmarks/ is not an installed package; `python3 -m pytest` finds it anyway
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.common import MemorySampler, format_table, process_tree
 from megatrain.memory.arena import list_segments
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is no installed package (`python3 -m pytest` finds it anyway)
+    sys.path.insert(0, str(REPO))
 CUDA = torch.cuda.is_available()
 
 
@@ -47,7 +45,8 @@ def run_script(script: str, args: list[str], shm_dir: Path) -> subprocess.Comple
 def table(stdout: str, first_header: str) -> tuple[list[str], dict[str, list[str]]]:
     """The table whose header line starts with `first_header`: (header cells, first cell -> row cells)."""
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(first_header + " "))
+    start = next(i for i, line in enumerate(lines[:-1])
+                 if line.startswith(first_header + " ") and lines[i + 1].startswith("-"))
     rule = lines[start + 1]
     cuts, pos = [], 0  # column spans come from the dashed rule under the header
     for dashes in rule.split("  "):
@@ -76,13 +75,15 @@ def is_number(text: str) -> bool:
 
 def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    proc = run_script("throughput.py", ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2",
-                                        "--warmup", "1", "--optimizer-workers", "2", "--object-store-mb", "100",
-                                        "--timeout", "240", "--out", str(out)], shm_dir)
+    args = ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
+            "--optimizer-workers", "2", "--object-store-mb", "100", "--timeout", "240", "--out", str(out),
+            "--log-dir", str(tmp_path / "logs")]
+    proc = run_script("throughput.py", args, shm_dir)
     headers, rows = table(proc.stdout, "peer")
     assert headers == ["peer", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB",
                        "host used GiB", "last loss", "vs megatrain"]
-    assert list(rows) == ["megatrain", "GPU-resident PyTorch", "FSDP2 CPU offload", "DeepSpeed ZeRO-3 offload"]
+    assert list(rows) == ["megatrain", "GPU-resident PyTorch", "FSDP2 CPU offload",
+                          "DeepSpeed ZeRO-3 offload"]
     col = {h: i for i, h in enumerate(headers)}
     for peer in ("megatrain", "GPU-resident PyTorch"):
         row = rows[peer]
@@ -136,15 +137,18 @@ def test_pcie_without_cuda_says_so(shm_dir: Path) -> None:
 
 
 def test_memory_sampler_sees_a_child_allocation() -> None:
+    from benchmarks.common import MemorySampler, process_tree
+
     # a child (and grandchild) that each hold ~64 MiB: the sampled tree RSS covers both
+    grandchild = "import time; b = bytearray(64 << 20); time.sleep(30)"
     code = ("import subprocess, sys, time; b = bytearray(64 << 20); "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; b = bytearray(64 << 20); time.sleep(30)']); "
-            "time.sleep(30)")
+            f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         sampler = MemorySampler(child.pid, interval=0.05).start()
         deadline = time.monotonic() + 20
-        while (len(process_tree(child.pid)) < 2 or sampler.peaks.tree_rss < 128 << 20) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (len(process_tree(child.pid)) < 2
+                                               or sampler.peaks.tree_rss < 128 << 20):
             time.sleep(0.05)
         peaks = sampler.stop()
         assert len(process_tree(child.pid)) == 2
@@ -156,6 +160,8 @@ def test_memory_sampler_sees_a_child_allocation() -> None:
 
 
 def test_format_table_aligns_columns() -> None:
+    from benchmarks.common import format_table
+
     text = format_table(["peer", "tokens/s"], [["megatrain", "1,234"], ["resident", "56"]])
     assert text.splitlines() == ["peer       tokens/s", "---------  --------", "megatrain     1,234",
                                  "resident         56"]

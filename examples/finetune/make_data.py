@@ -8,9 +8,11 @@ One conversation per line in the `messages` format that chat models and `megatra
                   {"role": "user", "content": "reverse: red fox sky"},
                   {"role": "assistant", "content": "sky fox red"}]}
 
-The tasks (reverse, repeat, sort a few words; first/last word) are learnable by a tiny model in a few hundred
-steps, so a falling eval loss and sensible generations show the fine-tuning path works. Seeded: the same
-arguments always write the same file.
+The tasks (counting words, a word's fixed "opposite", the first/last word, reversing a few words) go from easy to
+hard for a tiny model: in a few hundred steps the 64-wide example model learns the reply format (one word, or
+as many words as asked, then <|im_end|>), by about a thousand it counts, and the lookups and copies (first,
+last, reverse) take longer or a larger model. So the eval loss falls quickly and the generations show what
+was learned. Seeded: the same arguments always write the same file.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from pathlib import Path
 
 WORDS = ("red", "blue", "green", "gold", "fox", "owl", "cat", "dog", "sun", "moon", "star", "sky", "tree",
          "leaf", "rock", "sand", "rain", "snow", "wind", "fire", "lake", "hill", "road", "ship")
+OPPOSITE = dict(zip(WORDS, WORDS[::-1], strict=True))  # a fixed pairing: red <-> ship, blue <-> road, ...
+NUMBERS = ("zero", "one", "two", "three", "four", "five")
 TASKS: dict[str, Callable[[list[str]], list[str]]] = {
-    "reverse": lambda w: w[::-1],
-    "repeat": lambda w: w,
-    "sort": sorted,
+    "count": lambda w: [NUMBERS[len(w)]],  # the first a tiny model gets right
+    "opposite": lambda w: [OPPOSITE[x] for x in w],
     "first": lambda w: w[:1],
     "last": lambda w: w[-1:],
+    "reverse": lambda w: w[::-1],  # copying needs induction heads: the slowest to learn
 }
 SYSTEM = "You are a careful assistant."
 
@@ -38,7 +42,7 @@ def make_chat(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
     for _ in range(rng.choice((1, 1, 2))):
         task = rng.choice(list(TASKS))
-        words = rng.sample(WORDS, rng.randint(2, 5))
+        words = rng.sample(WORDS, 1 if task == "opposite" else rng.randint(2, 5))
         messages.append({"role": "user", "content": f"{task}: {' '.join(words)}"})
         messages.append({"role": "assistant", "content": " ".join(TASKS[task](words))})
     return {"messages": messages}

@@ -187,7 +187,9 @@ def list_segments(directory: Path | str | None = None) -> list[Path]:
     directory = Path(directory or SHM_DIR)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if p.name.startswith(PREFIX + "-"))
+    # only names an arena writes (prefix-run-pid-start-segment): never someone else's megatrain-* file
+    return sorted(p for p in directory.iterdir()
+                  if p.name.startswith(PREFIX + "-") and _parse_owner(p.name) is not None and p.is_file())
 
 
 def segment_owner_alive(path: Path) -> bool:

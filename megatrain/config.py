@@ -84,8 +84,8 @@ class ModelConfig:
             if not _positive_number(getattr(self, name)):
                 raise ConfigError(f"model config: {name} must be a positive number, "
                                   f"got {getattr(self, name)!r}.")
-        if not (_finite_number(self.initializer_range) and self.initializer_range >= 0):
-            raise ConfigError("model config: initializer_range must be a number >= 0, "
+        if not (_finite_number(self.initializer_range) and 0 <= self.initializer_range <= 1):
+            raise ConfigError("model config: initializer_range (the init std) must be a number in [0, 1], "
                               f"got {self.initializer_range!r}.")
         for name in ("tie_embeddings", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, name), bool):
@@ -100,8 +100,15 @@ class ModelConfig:
             _check_rope_scaling(self.rope_scaling)
         if self.model_type not in ("llama", "mistral", "qwen2"):
             raise ConfigError(f"model config: model_type must be llama, mistral or qwen2, got {self.model_type!r}.")
-        if self.o_bias and (self.model_type == "qwen2" or not self.qkv_bias) or (
-                self.qkv_bias and not self.o_bias and self.model_type != "qwen2"):
+        if self.model_type == "llama" and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model config: a llama model needs hidden_size {self.hidden_size} divisible by num_heads "
+                f"{self.num_heads} (transformers' LlamaConfig refuses others); use model_type='mistral' for an "
+                "explicit head_dim."
+            )
+        # HF layouts: Qwen2 always has q/k/v bias and no o_proj bias; Llama's attention_bias puts one on all four
+        layout = (True, False) if self.model_type == "qwen2" else (self.qkv_bias, self.qkv_bias)
+        if (self.qkv_bias, self.o_bias) != layout:
             raise ConfigError(
                 f"model config: qkv_bias={self.qkv_bias} with o_bias={self.o_bias} is no {self.model_type} "
                 "layout transformers can load; Llama's attention_bias sets both, qwen2 has qkv_bias only."
@@ -463,9 +470,10 @@ class EngineConfig:
 def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
     """Builds a config dataclass from a dict, naming unknown keys instead of raising a TypeError."""
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(map(str, set(values) - known))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(known))}.")
+        names = ", ".join(k if k.isidentifier() else repr(k) for k in unknown)  # a key may hold any character
+        raise ConfigError(f"{where}: unknown key(s) {names}; known keys are {', '.join(sorted(known))}.")
     try:
         return cls(**values)
     except TypeError as e:

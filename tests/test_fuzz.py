@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -72,10 +72,13 @@ def assert_one_sentence(error: BaseException) -> None:
 def attempt(build: Callable[[], T]) -> tuple[T | None, MegatrainError | None]:
     """(result, None), or (None, error) for a MegatrainError of one sentence; anything else propagates."""
     try:
-        return build(), None
+        result = build()
     except MegatrainError as e:
         assert_one_sentence(e)
+        event(f"refused: {type(e).__name__}")
         return None, e
+    event("accepted")
+    return result, None
 
 
 def my_segments() -> set[Path]:
@@ -104,12 +107,14 @@ def scratch_dir() -> Iterator[Path]:
 
 # No '.' in generated text: a '.' followed by a capital would read as a second sentence in a message that
 # quotes the value.
-TEXT = st.text(st.characters(exclude_characters="."), max_size=10)
-NAMES = st.sampled_from(["llama", "mistral", "qwen2", "gpt2", "default", "linear", "llama3", "yarn", ""]) | TEXT
+TEXT = st.text(st.characters(exclude_characters=".", codec="utf-8"), max_size=10)
+NAMES = st.sampled_from(["llama", "mistral", "qwen2", "gpt2", "default", "linear", "llama3", "yarn", ""]) \
+    | TEXT
 SCALARS = (st.none() | st.booleans() | st.integers(-3, 300) | st.integers(-2**80, 2**80)
            | st.sampled_from([0, -1, 2**31, 2**63, 10**400, 0.0, -0.0, 0.5, 1e-300, 1e300])
            | st.floats() | NAMES)
-JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+JUNK = st.recursive(SCALARS,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
                     max_leaves=5)
 
 
@@ -117,7 +122,8 @@ JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dict
 
 POSITIVE_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                  "head_dim", "max_position_embeddings")
-NUMBER = st.sampled_from([1.0, 2.0, 4.0, 8.0, 0.5, 8192, 0, -1.0]) | st.floats(0.1, 100.0) | st.integers(1, 10**5)
+NUMBER = (st.sampled_from([1.0, 2.0, 4.0, 8.0, 0.5, 8192, 0, -1.0]) | st.floats(0.1, 100.0)
+          | st.integers(1, 10**5))
 ROPE_SCALING = st.one_of(
     st.none(),
     st.just({}),
@@ -133,7 +139,8 @@ ROPE_SCALING = st.one_of(
         "rope_theta": NUMBER, "mrope_section": JUNK}),
     JUNK,
 )
-# Values a config might plausibly hold: small sizes (valid or not together), every model type and rope variant.
+# Values a config might plausibly hold: small sizes (valid or not together), every model type and rope
+# variant.
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "vocab_size": st.integers(1, 512),
     "hidden_size": st.sampled_from([2, 4, 6, 8, 12, 16, 24, 32, 64, 100]),
@@ -159,8 +166,8 @@ TINY = dict(PRESETS["tiny"])
 
 
 def check_valid_config(c: ModelConfig) -> None:
-    """What an accepted config promises: sane sizes, and a config.json that means the same model to megatrain and
-    to transformers."""
+    """What an accepted config promises: sane sizes, and a config.json that means the same model to megatrain
+    and to transformers."""
     for name in POSITIVE_INTS:
         value = getattr(c, name)
         assert type(value) is int and value > 0, (name, value)
@@ -178,8 +185,9 @@ def check_valid_config(c: ModelConfig) -> None:
     assert type(n) is int and n > 0
     text = json.dumps(c.to_hf(), allow_nan=False)  # strict JSON: other readers reject NaN and Infinity
     assert ModelConfig.from_hf(json.loads(text)) == c
-    back = AutoConfig.for_model(**json.loads(text))  # what transformers makes of the config.json we write
-    assert ModelConfig.from_hf(back.to_dict()) == c
+    if c.num_layers <= 1024:  # transformers lists every layer's type: 10^12 layers would never finish
+        back = AutoConfig.for_model(**json.loads(text))  # what transformers makes of the config.json we write
+        assert ModelConfig.from_hf(back.to_dict()) == c
 
 
 @fuzz(300)
@@ -197,7 +205,8 @@ NAMED_BY = {"hidden_size": ("hidden_size", "head_dim"), "num_heads": ("num_heads
 
 
 @fuzz(300)
-@given(field=st.sampled_from(sorted(PLAUSIBLE)), value=JUNK, base=st.sampled_from(["tiny", "qwen2", "llama3"]))
+@given(field=st.sampled_from(sorted(PLAUSIBLE)), value=JUNK,
+       base=st.sampled_from(["tiny", "qwen2", "llama3"]))
 def test_model_config_junk_field_is_named(field: str, value: Any, base: str) -> None:
     kwargs = {**TINY, "model_type": "qwen2", "qkv_bias": True} if base == "qwen2" else dict(TINY)
     if base == "llama3":
@@ -230,7 +239,8 @@ HF_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
            "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id",
            "sliding_window")
 HF_KEYS = HF_INTS + ("model_type", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
-                     "tie_word_embeddings", "attention_bias", "mlp_bias", "initializer_range", "use_sliding_window")
+                     "tie_word_embeddings", "attention_bias", "mlp_bias", "initializer_range",
+                     "use_sliding_window")
 # the megatrain field an HF key lands in: a message may name either
 HF_FIELD = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
             "num_key_value_heads": "num_kv_heads", "tie_word_embeddings": "tie_embeddings",
@@ -242,8 +252,9 @@ HF_EDIT = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(HF_KEYS), HF_VALUE),
     st.tuples(st.just("del"), st.sampled_from(HF_KEYS)),
     st.tuples(st.just("set"), TEXT, JUNK),  # extra keys are ignored
-    st.tuples(st.just("set"), st.just("rope_parameters"), st.builds(lambda r, t: {**(r or {}), "rope_theta": t},
-                                                                    ROPE_SCALING.filter(lambda r: isinstance(r, dict)) | st.none(), NUMBER)),
+    st.tuples(st.just("set"), st.just("rope_parameters"),
+              st.builds(lambda r, t: {**(r or {}), "rope_theta": t},
+                        ROPE_SCALING.filter(lambda r: isinstance(r, dict)) | st.none(), NUMBER)),
 )
 
 
@@ -298,10 +309,11 @@ def test_model_config_from_corrupt_config_json(text: bytes) -> None:
 
 @fuzz(150)
 @given(cls=st.sampled_from([ModelConfig, OptimConfig, EngineConfig, DataConfig]),
-       values=st.dictionaries(st.sampled_from(["lr", "betas", "eps", "max_grad_norm", "warmup_steps", "total_steps",
-                                                "weight_decay", "min_lr_ratio", "device", "precision",
-                                                "optimizer_workers", "threads_per_worker", "loss_chunk_tokens",
-                                                "seed", "vocab_size", "hidden_size", "batch_size", "seq_len"])
+       values=st.dictionaries(st.sampled_from(["lr", "betas", "eps", "max_grad_norm", "warmup_steps",
+                                                "total_steps", "weight_decay", "min_lr_ratio", "device",
+                                                "precision", "optimizer_workers", "threads_per_worker",
+                                                "loss_chunk_tokens", "seed", "vocab_size", "hidden_size",
+                                                "batch_size", "seq_len"])
                               | TEXT, JUNK | NUMBER, max_size=4))
 def test_dataclass_from_dict(cls: type, values: dict[str, Any]) -> None:
     attempt(lambda: dataclass_from_dict(cls, values, "[section]"))
@@ -331,8 +343,10 @@ FLOAT = st.floats() | st.sampled_from([0.0, 1e-3, 3e-4, 1.0, 0.5])
 TRAIN_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from(["tiny", "125m", "nope", "no/such/dir", "", "weights.safetensors"]),
     "steps": COUNT, "out_dir": st.sampled_from(["runs/x", ""]), "lr": FLOAT, "weight_decay": FLOAT,
-    "betas": st.lists(st.floats(-0.5, 1.5), max_size=3) | st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)).map(list),
-    "eps": FLOAT, "max_grad_norm": FLOAT, "warmup_steps": COUNT, "decay": st.booleans(), "min_lr_ratio": FLOAT,
+    "betas": st.lists(st.floats(-0.5, 1.5), max_size=3)
+    | st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)).map(list),
+    "eps": FLOAT, "max_grad_norm": FLOAT, "warmup_steps": COUNT, "decay": st.booleans(),
+    "min_lr_ratio": FLOAT,
     "optimizer_workers": COUNT, "precision": st.sampled_from(["fp32", "tf32", "bf16", "fp8"]),
     "device": st.sampled_from(["auto", "cpu", "cuda", "cuda:1", "tpu"]), "loss_chunk_tokens": COUNT,
     "seed": COUNT, "address": st.sampled_from(["auto", "127.0.0.1:6379"]), "checkpoint_every": COUNT,
@@ -340,10 +354,12 @@ TRAIN_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "trace": st.booleans(), "save_final": st.booleans(), "max_nonfinite_steps": COUNT,
 }
 DATA_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
-    "source": st.sampled_from(["synthetic", "data.jsonl"]), "format": st.sampled_from(["jsonl", "text", "csv"]),
+    "source": st.sampled_from(["synthetic", "data.jsonl"]),
+    "format": st.sampled_from(["jsonl", "text", "csv"]),
     "text_field": st.just("text"), "text_split": st.sampled_from(["paragraph", "file", "line"]),
     "tokenizer": st.sampled_from(["byte", "gpt2"]), "batch_size": COUNT, "seq_len": COUNT, "seed": COUNT,
-    "shuffle": st.booleans(), "epochs": COUNT, "eval_fraction": FLOAT, "eval_count": COUNT, "pack": st.booleans(),
+    "shuffle": st.booleans(), "epochs": COUNT, "eval_fraction": FLOAT, "eval_count": COUNT,
+    "pack": st.booleans(),
     "truncation": st.booleans(), "sft": st.booleans(), "vocab_size": COUNT, "synthetic_docs": COUNT,
     "shard_bytes": COUNT,
 }
@@ -364,7 +380,8 @@ OVERRIDE_KEYS = st.sampled_from(sorted(TRAIN_PLAUSIBLE) + [f"data.{k}" for k in 
 
 
 def render_toml(doc: dict[str, Any]) -> str:
-    lines = [f"{json.dumps(k)} = {toml_value(v)}" for k, v in {**doc["top"], **doc.get("unknown", {})}.items()]
+    top = {**doc["top"], **doc.get("unknown", {})}
+    lines = [f"{json.dumps(k)} = {toml_value(v)}" for k, v in top.items()]
     if isinstance(doc.get("data"), dict):
         lines += ["[data]"] + [f"{json.dumps(k)} = {toml_value(v)}" for k, v in doc["data"].items()]
     elif "data" in doc:
@@ -387,8 +404,8 @@ TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens",
 
 
 def check_train_config(cfg: TrainConfig) -> None:
-    """An accepted train config holds what its fields say, and the engine's own configs build from it (or refuse
-    in one sentence) before any actor starts."""
+    """An accepted train config holds what its fields say, and the engine's own configs build from it (or
+    refuse in one sentence) before any actor starts."""
     for name in TRAIN_INTS:
         assert type(getattr(cfg, name)) is int, name
     for name in ("decay", "resume", "trace", "save_final"):
@@ -397,7 +414,8 @@ def check_train_config(cfg: TrainConfig) -> None:
         assert type(getattr(cfg, name)) is str, name
     assert isinstance(cfg.data, DataConfig)
     kw = engine_kwargs(cfg)
-    attempt(lambda: OptimConfig(lr=kw["lr"], weight_decay=kw["weight_decay"], betas=kw["betas"], eps=kw["eps"],
+    attempt(lambda: OptimConfig(lr=kw["lr"], weight_decay=kw["weight_decay"], betas=kw["betas"],
+                                eps=kw["eps"],
                                 max_grad_norm=kw["max_grad_norm"], warmup_steps=kw["warmup_steps"],
                                 total_steps=kw["total_steps"], min_lr_ratio=kw["min_lr_ratio"]))
     attempt(lambda: EngineConfig(device=kw["device"], precision=kw["precision"],
@@ -422,7 +440,8 @@ def test_train_config_load(doc: dict[str, Any], damage: list[tuple[float, int]],
 
 
 @fuzz(30)
-@given(overrides=st.dictionaries(OVERRIDE_KEYS, JUNK | COUNT, max_size=3), where=st.sampled_from(["dir", "none"]))
+@given(overrides=st.dictionaries(OVERRIDE_KEYS, JUNK | COUNT, max_size=3),
+       where=st.sampled_from(["dir", "none"]))
 def test_train_config_path_is_not_a_file(overrides: dict[str, Any], where: str) -> None:
     with scratch_dir() as d:
         path = d if where == "dir" else d / "missing.toml"
@@ -432,15 +451,16 @@ def test_train_config_path_is_not_a_file(overrides: dict[str, Any], where: str) 
 
 # ---- 3. HF model directories ----
 
-HF_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+HF_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
 def hf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two tiny models written by transformers: Llama (untied, GQA) and Qwen2 (tied, q/k/v bias)."""
     sources = {}
-    for name, config in (("llama", LlamaConfig(**HF_SMALL)), ("qwen2", Qwen2Config(**HF_SMALL, tie_word_embeddings=True))):
+    configs = {"llama": LlamaConfig(**HF_SMALL), "qwen2": Qwen2Config(**HF_SMALL, tie_word_embeddings=True)}
+    for name, config in configs.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         sources[name] = tmp_path_factory.mktemp(f"hf-{name}")
@@ -451,11 +471,13 @@ def hf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIX = "rotary_emb.inv_freq"
-DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool]
-HEADER_DTYPES = st.sampled_from(["F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3", "XX", ""])
+DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool]
+HEADER_DTYPES = st.sampled_from(["F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3", "XX",
+                                 ""])
 EXTRA_NAMES = st.sampled_from(["lm_head.weight", "model.layers.2.mlp.up_proj.weight", "model.norm.bias",
-                               f"model.layers.0.self_attn.{IGNORED_SUFFIX}", "model.embed_tokens.weight"]) | TEXT
+                               f"model.layers.0.self_attn.{IGNORED_SUFFIX}",
+                               "model.embed_tokens.weight"]) | TEXT
 SHAPE = st.lists(st.integers(0, 70), max_size=3)
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "head_dim", "tie_word_embeddings", "attention_bias", "model_type",
@@ -469,7 +491,8 @@ HF_MUTATION = st.one_of(
     st.tuples(st.just("truncate"), PICK, FRACTION),
     st.tuples(st.just("flip"), PICK, FRACTION, st.integers(1, 255), st.booleans()),
     st.tuples(st.just("header"), PICK, st.just("dtype"), HEADER_DTYPES | JUNK),
-    st.tuples(st.just("header"), PICK, st.just("shape"), SHAPE | st.lists(st.integers(-2, 2**62), max_size=3) | JUNK),
+    st.tuples(st.just("header"), PICK, st.just("shape"),
+              SHAPE | st.lists(st.integers(-2, 2**62), max_size=3) | JUNK),
     st.tuples(st.just("header"), PICK, st.just("data_offsets"),
               st.lists(st.integers(-10, 2 * 10**6), min_size=2, max_size=2) | JUNK),
     st.tuples(st.just("header"), PICK, st.sampled_from(["drop", "entry", "rename", "metadata"]), JUNK),
@@ -478,12 +501,14 @@ HF_MUTATION = st.one_of(
     st.tuples(st.just("drop"), PICK),
     st.tuples(st.just("extra"), EXTRA_NAMES, SHAPE),
     st.tuples(st.just("lm_head"), st.booleans()),  # an lm_head equal to the embedding, or not
-    st.tuples(st.just("shard"), PICK, st.booleans()),  # two shards plus an index (keeping the single file or not)
+    st.tuples(st.just("shard"), PICK, st.booleans()),  # two shards plus an index (and the single file or not)
     st.tuples(st.just("index"), JUNK | st.builds(lambda m: {"weight_map": m}, JUNK)
-              | st.builds(lambda n, f: {"weight_map": {n: f}}, EXTRA_NAMES, st.sampled_from([WEIGHTS, "x", ""]) | JUNK)),
+              | st.builds(lambda n, f: {"weight_map": {n: f}}, EXTRA_NAMES,
+                          st.sampled_from([WEIGHTS, "x", ""]) | JUNK)),
     st.tuples(st.just("config"), st.sampled_from(CONFIG_KEYS), CONFIG_VALUES),
     st.tuples(st.just("config_del"), st.sampled_from(CONFIG_KEYS)),
-    st.tuples(st.just("config_raw"), st.binary(max_size=30) | st.builds(lambda v: json.dumps(v).encode(), JUNK)),
+    st.tuples(st.just("config_raw"),
+              st.binary(max_size=30) | st.builds(lambda v: json.dumps(v).encode(), JUNK)),
     st.tuples(st.just("remove"), st.sampled_from(["config.json", WEIGHTS])),
 )
 
@@ -551,7 +576,7 @@ def mutate_hf(d: Path, mutation: tuple[Any, ...]) -> None:
         write_header(tensor_file, header, data)
     elif kind == "retype" and names:
         name = names[args[0] % len(names)]
-        rewrite(tensor_file, lambda t: t.update({name: (t[name] * 8).to(args[1])}))
+        rewrite(tensor_file, lambda t: t.update({name: (t[name].float() * 8).to(args[1])}))
     elif kind == "reshape" and names:
         name = names[args[0] % len(names)]
         rewrite(tensor_file, lambda t: t.update({name: random_tensor(args[1])}))
@@ -559,14 +584,15 @@ def mutate_hf(d: Path, mutation: tuple[Any, ...]) -> None:
         rewrite(tensor_file, lambda t: t.pop(names[args[0] % len(names)]))
     elif kind == "extra" and names:
         rewrite(tensor_file, lambda t: t.update({str(args[0]): random_tensor(args[1], seed=1)}))
-    elif kind == "lm_head" and names:
+    elif kind == "lm_head" and "model.embed_tokens.weight" in names:
         embed = "model.embed_tokens.weight"
         rewrite(tensor_file, lambda t: t.update({"lm_head.weight": t[embed].clone() if args[0]
                                                  else random_tensor(list(t[embed].shape), seed=2)}))
     elif kind == "shard" and names:
         tensors = load_file(tensor_file)
         cut = 1 + args[0] % max(1, len(names) - 1)
-        shards = {"model-00001-of-00002.safetensors": names[:cut], "model-00002-of-00002.safetensors": names[cut:]}
+        shards = {"model-00001-of-00002.safetensors": names[:cut],
+                  "model-00002-of-00002.safetensors": names[cut:]}
         for fname, part in shards.items():
             save_file({n: tensors[n] for n in part}, d / fname, metadata={"format": "pt"})
         weight_map = {n: f for f, part in shards.items() for n in part}
@@ -599,7 +625,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_model_is_the_files(model: megatrain.Model, d: Path) -> None:
-    """The loaded weights are the files' tensors, bit for bit (after the exact widening to fp32): every tensor the
+    """The loaded weights are the files' tensors, bit for bit (after the conversion to fp32): every tensor the
     files hold is a parameter of the model and every parameter comes from the files."""
     index = d / INDEX
     if index.is_file():
@@ -609,13 +635,13 @@ def check_model_is_the_files(model: megatrain.Model, d: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for path in paths:
         for name, t in load_file(path).items():
-            assert name not in tensors, f"{name} is in two files: the model depends on which one was read last"
+            assert name not in tensors, f"{name} is in two files: the model depends on which was read last"
             tensors[name] = t
     tensors = {n: t for n, t in tensors.items() if not n.endswith(IGNORED_SUFFIX)}
-    embed = "model.embed_tokens.weight"
-    if model.config.tie_embeddings and "lm_head.weight" in tensors:
-        assert torch.equal(bits(tensors.pop("lm_head.weight").float()), bits(tensors[embed].float())), \
-            "a tied model loaded a checkpoint whose lm_head differs from its embedding"
+    if model.config.tie_embeddings:
+        # A tied model's head is its embedding; megatrain skips an lm_head in the files (test_checkpoint.py's
+        # test_harmless_extras_load pins that, even for an lm_head that differs from the embedding).
+        tensors.pop("lm_head.weight", None)
     params = model.parameters()
     assert sorted(params) == sorted(tensors)
     for name, t in tensors.items():
@@ -626,7 +652,8 @@ def check_model_is_the_files(model: megatrain.Model, d: Path) -> None:
 
 @fuzz(250)
 @given(source=st.sampled_from(["llama", "qwen2"]), mutations=st.lists(HF_MUTATION, min_size=1, max_size=3))
-def test_hf_directory_mutations(hf_sources: dict[str, Path], source: str, mutations: list[tuple[Any, ...]]) -> None:
+def test_hf_directory_mutations(hf_sources: dict[str, Path], source: str,
+                                mutations: list[tuple[Any, ...]]) -> None:
     with scratch_dir() as tmp, no_leaked_segments():
         d = Path(shutil.copytree(hf_sources[source], tmp / "model"))
         for mutation in mutations:
@@ -648,7 +675,8 @@ SAVED = ("params", "exp_avg", "exp_avg_sq")  # the segments a checkpoint holds
 
 
 @pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
     store = ParameterStore("tiny", seed=0)
     try:
         gen = torch.Generator().manual_seed(1)
@@ -667,10 +695,10 @@ def target_store() -> Iterator[ParameterStore]:
     store.close()
 
 
-MANIFEST_PATHS = st.sampled_from([("format",), ("files",), ("files", "config.json"),
-                                  ("files", "model.safetensors", "bytes"), ("files", "optimizer.safetensors", "crc32"),
-                                  ("files", "trainer_state.json", "crc32"), ("files", "model.safetensors", "extra"),
-                                  ("extra",)])
+MANIFEST_PATHS = st.sampled_from([
+    ("format",), ("files",), ("files", "config.json"), ("files", "model.safetensors", "bytes"),
+    ("files", "optimizer.safetensors", "crc32"), ("files", "trainer_state.json", "crc32"),
+    ("files", "model.safetensors", "extra"), ("extra",)])
 CKPT_MUTATION = st.one_of(
     st.tuples(st.just("flip"), PICK, FRACTION, st.integers(1, 255)),
     st.tuples(st.just("truncate"), PICK, FRACTION),
@@ -678,8 +706,10 @@ CKPT_MUTATION = st.one_of(
     st.tuples(st.just("delete"), PICK),
     st.tuples(st.just("manifest"), MANIFEST_PATHS, JUNK),
     st.tuples(st.just("unlist"), PICK),  # the manifest forgets a file
-    st.tuples(st.just("extra"), st.sampled_from([INDEX, "optimizer.safetensors.index.json",
-                                                 "model-00001-of-00002.safetensors"]), st.binary(max_size=16)),
+    st.tuples(st.just("extra"),
+              st.sampled_from([INDEX, "optimizer.safetensors.index.json",
+                               "model-00001-of-00002.safetensors"]),
+              st.binary(max_size=16)),
 )
 
 
@@ -689,7 +719,7 @@ def mutate_checkpoint(d: Path, mutation: tuple[Any, ...]) -> None:
     if kind in ("flip", "truncate", "append", "delete"):
         path = files[args[0] % len(files)]
         blob = bytearray(path.read_bytes())
-        if kind == "flip":
+        if kind == "flip" and blob:
             blob[int(args[1] * len(blob))] ^= args[2]
         elif kind == "truncate":
             blob = blob[: int(args[1] * len(blob))]
@@ -701,20 +731,32 @@ def mutate_checkpoint(d: Path, mutation: tuple[Any, ...]) -> None:
             path.write_bytes(bytes(blob))
     elif kind in ("manifest", "unlist"):
         path = d / "manifest.json"
-        manifest = json.loads(path.read_text())
+        try:
+            manifest = json.loads(path.read_text())
+            assert isinstance(manifest["files"], dict)
+        except Exception:  # already broken by an earlier mutation
+            return
         if kind == "unlist":
+            if not manifest["files"]:
+                return
             listed = sorted(manifest["files"])
             del manifest["files"][listed[args[0] % len(listed)]]
         else:
             keys, value = args
             parent = manifest
             for key in keys[:-1]:
-                parent = parent[key]
+                parent = parent.get(key) if isinstance(parent, dict) else None
+            if not isinstance(parent, dict):
+                return
             assume(parent.get(keys[-1], object()) != value)
             parent[keys[-1]] = value
         path.write_text(json.dumps(manifest, indent=2))  # as the writer formats it
     elif kind == "extra":
         (d / args[0]).write_bytes(args[1])
+
+
+def contents(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir()}
 
 
 @fuzz(200)
@@ -729,6 +771,7 @@ def test_damaged_training_checkpoint_is_refused(saved_checkpoint: tuple[Path, di
         d = Path(shutil.copytree(source, tmp / source.name))
         for mutation in mutations:
             mutate_checkpoint(d, mutation)
+        assume(contents(d) != contents(source))  # two flips of one byte cancel out
         before = {name: target_store.arena.tensors[name].clone() for name in SAVED}
         state, error = attempt(lambda: target_store.load_checkpoint(d))
         assert error is not None, f"a damaged checkpoint loaded: {mutations}"
@@ -738,7 +781,8 @@ def test_damaged_training_checkpoint_is_refused(saved_checkpoint: tuple[Path, di
 
 def test_undamaged_checkpoint_loads(saved_checkpoint: tuple[Path, dict[str, torch.Tensor]],
                                     target_store: ParameterStore) -> None:
-    """The control for the test above: the same copy, unharmed, loads exactly (harmless extra files included)."""
+    """The control for the test above: the same copy, unharmed, loads exactly (a harmless extra file
+    included)."""
     source, expected = saved_checkpoint
     with scratch_dir() as tmp:
         d = Path(shutil.copytree(source, tmp / source.name))

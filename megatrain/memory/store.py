@@ -114,8 +114,10 @@ class ParameterStore:
         ckpt.verify_manifest(directory)
         ckpt.check_config_matches(directory, self.config)
         state = ckpt.read_json(directory / "trainer_state.json", "trainer state")
-        ckpt.load_into(self.layout, self.arena.params, ckpt.weight_files(directory, "model"), where=str(directory))
+        # every check that can fail comes before the arena changes
+        model_files = ckpt.weight_files(directory, "model")
         opt_files = ckpt.weight_files(directory, "optimizer")
+        ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory))
         ckpt.load_into(self.layout, self.arena.exp_avg, opt_files, prefix="exp_avg.", where=str(directory))
         ckpt.load_into(self.layout, self.arena.exp_avg_sq, opt_files, prefix="exp_avg_sq.", where=str(directory))
         self.arena.grads.zero_()

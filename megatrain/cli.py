@@ -105,7 +105,6 @@ def _cuda() -> bool:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from megatrain.memory.arena import list_segments, remove_stale_segments
-
     from pipelines.engine import reap_orphaned_ray_agents
 
     removed = remove_stale_segments(everything=args.all)

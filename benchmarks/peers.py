@@ -195,6 +195,11 @@ def _train_hf(name: str, spec: BenchSpec, model: torch.nn.Module, optimizer: Any
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return _timed_torch_run(step, spec, device, result)
+
+
+def _timed_torch_run(step, spec, device: torch.device, result):  # noqa: ANN001 - the peers' shared tail
+    """Times `step` over the spec's batches; a CUDA OOM becomes the row's status instead of a crash."""
     try:
         step_time, losses = time_steps(step, make_batches(spec), spec.warmup, _sync(device))
     except torch.OutOfMemoryError:
@@ -411,12 +416,4 @@ def _train_deepspeed(spec: BenchSpec, deepspeed: Any, device: torch.device) -> P
         engine.step()  # clipping (gradient_clipping) and the CPU Adam update
         return loss.detach()
 
-    try:
-        step_time, losses = time_steps(step, make_batches(spec), spec.warmup, _sync(device))
-    except torch.OutOfMemoryError:
-        result.status = "out of GPU memory"
-        result.gpu_peak = torch.cuda.max_memory_allocated(device)
-        return result
-    if device.type == "cuda":
-        result.gpu_peak = torch.cuda.max_memory_allocated(device)
-    return result.finish(spec, step_time, losses)
+    return _timed_torch_run(step, spec, device, result)

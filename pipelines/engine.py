@@ -88,6 +88,19 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
+def is_cuda_error(e: BaseException) -> bool:
+    """A CUDA error inside an actor: its context is unusable afterwards, so the actor must be replaced."""
+    for _ in range(8):
+        if isinstance(e, getattr(torch, "AcceleratorError", ())) or (
+                isinstance(e, RuntimeError) and "CUDA error" in str(e)):
+            return True
+        cause = getattr(e, "cause", None)
+        if cause is None:
+            return False
+        e = cause
+    return False
+
+
 RAY_AGENTS = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
 
 
@@ -225,7 +238,7 @@ class Engine:
                 self._faults_in_row = 0
                 return result
             except ray.exceptions.RayError as e:
-                if not is_actor_death(e):
+                if not (is_actor_death(e) or is_cuda_error(e)):
                     raise
                 self._recover(e)
 
@@ -302,7 +315,7 @@ class Engine:
 
     def _recover_once(self, error: BaseException) -> None:
         dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
-        if not dead_workers and _alive(self.executor):
+        if not dead_workers and _alive(self.executor) and not is_cuda_error(error):
             raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
         if not _alive(self.store):
             raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "

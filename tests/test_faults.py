@@ -125,3 +125,16 @@ def _megatrain_actor_processes() -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_cuda_errors_count_as_executor_faults() -> None:
+    from pipelines.engine import is_actor_death, is_cuda_error
+
+    class Wrapped(Exception):  # the shape of Ray's RayTaskError: the original error under .cause
+        def __init__(self, cause: BaseException):
+            super().__init__(str(cause))
+            self.cause = cause
+
+    assert is_cuda_error(Wrapped(RuntimeError("CUDA error: an illegal memory access was encountered")))
+    assert not is_cuda_error(Wrapped(RuntimeError("shape mismatch")))
+    assert not is_actor_death(Wrapped(ValueError("bad token")))

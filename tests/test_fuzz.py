@@ -201,7 +201,8 @@ def test_model_config_from_plausible_values(kwargs: dict[str, Any]) -> None:
 
 # A junk value must be refused with a message that names its field (or the size it derives, for the shapes).
 NAMED_BY = {"hidden_size": ("hidden_size", "head_dim"), "num_heads": ("num_heads", "head_dim"),
-            "rope_scaling": ("rope_scaling", "rope scaling")}
+            "rope_scaling": ("rope_scaling", "rope scaling"),
+            "model_type": ("model_type", "qkv_bias")}  # a valid type may not fit the base's bias layout
 
 
 @fuzz(300)

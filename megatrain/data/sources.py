@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,14 +56,14 @@ class Doc:
     where: str  # for error messages, e.g. "data.jsonl line 7"
 
 
-class Source:
+class Source(ABC):
     """A list of shards; `read_shard(i)` returns the shard's documents in storage order."""
 
     name: str
     num_shards: int
 
-    def read_shard(self, index: int) -> list[Doc]:
-        raise NotImplementedError
+    @abstractmethod
+    def read_shard(self, index: int) -> list[Doc]: ...
 
 
 # ---- synthetic ----

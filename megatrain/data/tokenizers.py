@@ -22,6 +22,7 @@ masked-in tokens. (With the byte tokenizer `<|role|>` is plain bytes, not a spec
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ class DataError(MegatrainError):
     """Bad data, a bad tokenizer, or data that does not fit the model: one sentence saying what to fix."""
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """The common interface. Subclasses set the ids and implement `encode`, `decode` and `_encode_offsets`."""
 
     vocab_size: int
@@ -46,15 +47,15 @@ class Tokenizer:
     # strings the Jinja template sees as bos_token / eos_token / pad_token
     special_strings: dict[str, str] = {}
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str: ...
 
+    @abstractmethod
     def _encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
         """Token ids and, for each token, the index of its first character in `text`."""
-        raise NotImplementedError
 
     def apply_chat(self, messages: list[Message]) -> tuple[list[int], list[bool]]:
         """Token ids of a conversation and a mask that is True on the tokens of assistant turns."""

@@ -182,9 +182,12 @@ def test_harmless_extras_load(hf_dir: Path) -> None:
             assert torch.equal(p, expected[name]), name
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    embed = "model.embed_tokens.weight"
+    with pytest.raises(MegatrainError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        megatrain.from_pretrained(hf_dir)  # a separately trained head must not be dropped silently
+    rewrite_weights(hf_dir, lambda t: t.update({"lm_head.weight": t[embed].clone()}))
     with megatrain.from_pretrained(hf_dir) as model:
         assert "lm_head.weight" not in model.parameters()
-        embed = "model.embed_tokens.weight"
         assert torch.equal(model.parameters()[embed], expected[embed])
 
 

@@ -134,12 +134,16 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
     slots = layout.slots_by_hf_name()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
+    tied_head = None
     for name, t in iter_safetensors(files):
         if prefix and not name.startswith(prefix):
             continue
         hf_name = name[len(prefix):]
-        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
-            continue  # tied checkpoints may carry lm_head too: it is the embedding
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and hf_name == "lm_head.weight":
+            tied_head = t  # tied checkpoints may carry lm_head too: it must be the embedding
+            continue
         if hf_name in seen:
             raise CheckpointError(f"{where or files[0].parent} holds tensor {hf_name} more than once, so "
                                   "which copy to load is ambiguous; re-export the checkpoint.")
@@ -162,6 +166,15 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{where or files[0].parent} lacks tensor(s) {', '.join(missing[:3])}{more}; "
                               "the checkpoint is incomplete or its config.json describes another model.")
+    if tied_head is not None:
+        unit, slot = slots["model.embed_tokens.weight"]
+        embed = flat[unit.offset + slot.offset : unit.offset + slot.offset + slot.numel].view(slot.shape)
+        if not (tied_head.is_floating_point() and tuple(tied_head.shape) == slot.shape
+                and torch.equal(tied_head.to(embed.dtype), embed)):
+            # loading would silently drop a separately trained head (transformers keeps the two apart)
+            raise CheckpointError(f"{where or files[0].parent}: config.json ties the embeddings "
+                                  "(tie_word_embeddings) but lm_head.weight differs from model.embed_tokens.weight; "
+                                  "set tie_word_embeddings to false if the head was trained on its own.")
 
 
 # ---- HF directories ----

@@ -11,18 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import MegatrainError
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The user's error inside Ray's wrappers (RayTaskError.cause, possibly nested). Ray's wrapper is also an
-    instance of the wrapped class, with a traceback for a message, so always go down to the cause."""
-    for _ in range(8):
-        cause = getattr(e, "cause", None)
-        if not isinstance(cause, BaseException):
-            break
-        e = cause
-    return e
+from megatrain.config import MegatrainError, cause_chain
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -169,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: shared memory released", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - turned into one sentence unless --verbose
-        cause = _unwrap(e)
+        cause = cause_chain(e)[-1]  # Ray's wrapper is also the wrapped class, with a traceback for a message
         if isinstance(cause, MegatrainError) and not args.verbose:
             print(f"megatrain: error: {cause}", file=sys.stderr)
             return 2

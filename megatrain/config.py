@@ -17,6 +17,14 @@ class MegatrainError(Exception):
     """An error a user can fix: the message is one sentence saying what is wrong and what to do."""
 
 
+def cause_chain(e: BaseException, depth: int = 8) -> list[BaseException]:
+    """`e` and the errors Ray wrapped inside it (RayTaskError.cause, possibly nested), outermost first."""
+    chain = [e]
+    while len(chain) < depth and isinstance(getattr(chain[-1], "cause", None), BaseException):
+        chain.append(chain[-1].cause)  # type: ignore[attr-defined]
+    return chain
+
+
 class ConfigError(MegatrainError):
     pass
 

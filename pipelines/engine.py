@@ -42,7 +42,7 @@ import torch
 from actors.executor import GPUExecutor
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, remove_stale_segments
 from megatrain.memory.store import resolve_model
@@ -60,14 +60,7 @@ ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError, ray.
 
 def is_actor_death(e: BaseException) -> bool:
     """An actor process died (possibly seen through another actor's task), as opposed to a user error."""
-    for _ in range(8):
-        if isinstance(e, ACTOR_DEATH):
-            return True
-        cause = getattr(e, "cause", None)
-        if cause is None:
-            return False
-        e = cause
-    return False
+    return any(isinstance(c, ACTOR_DEATH) for c in cause_chain(e))
 
 
 @dataclass
@@ -90,15 +83,9 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 def is_cuda_error(e: BaseException) -> bool:
     """A CUDA error inside an actor: its context is unusable afterwards, so the actor must be replaced."""
-    for _ in range(8):
-        if isinstance(e, getattr(torch, "AcceleratorError", ())) or (
-                isinstance(e, RuntimeError) and "CUDA error" in str(e)):
-            return True
-        cause = getattr(e, "cause", None)
-        if cause is None:
-            return False
-        e = cause
-    return False
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return any(isinstance(c, accelerator_error) or (isinstance(c, RuntimeError) and "CUDA error" in str(c))
+               for c in cause_chain(e))
 
 
 RAY_AGENTS = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")

@@ -63,16 +63,7 @@ class GPUExecutor:
         rec.begin_step(step, self.executor.device)
 
         def wait_weights(unit: Unit) -> None:
-            row = self.versions[unit.index]
-            if int(row.min()) >= expected_version:
-                return
-            with rec.wait("optimizer", unit.index):
-                last_check = time.monotonic()
-                while int(row.min()) < expected_version:
-                    time.sleep(POLL_SECONDS)
-                    if time.monotonic() - last_check > 0.1:
-                        self._raise_failed_updates()
-                        last_check = time.monotonic()
+            self._wait_for_version(unit, expected_version)
 
         def grads_landed(unit: Unit, norm_sq: float) -> None:
             if self.clipping:
@@ -99,16 +90,24 @@ class GPUExecutor:
                  ) -> dict[str, Any]:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
         self.pending = list(pending)
-        row_min = lambda unit: int(self.versions[unit.index].min())  # noqa: E731
-
-        def wait_weights(unit: Unit) -> None:
-            while row_min(unit) < expected_version:
-                time.sleep(POLL_SECONDS)
-                self._raise_failed_updates()
-
         input_ids, labels = _batch_tensors(batch)
-        out = self.executor.run(input_ids, labels, wait_weights, loss_ready=lambda loss: False)
+        out = self.executor.run(input_ids, labels, lambda unit: self._wait_for_version(unit, expected_version),
+                                loss_ready=lambda loss: False)
         return {"loss": out.loss, "tokens": out.tokens}
+
+    def _wait_for_version(self, unit: Unit, expected_version: int) -> None:
+        """Blocks until every worker's update of `unit` reaches `expected_version` (the shared version table),
+        looking every 0.1 s whether a worker failed instead."""
+        row = self.versions[unit.index]
+        if int(row.min()) >= expected_version:
+            return
+        with self.executor.rec.wait("optimizer", unit.index):
+            last_check = time.monotonic()
+            while int(row.min()) < expected_version:
+                time.sleep(POLL_SECONDS)
+                if time.monotonic() - last_check > 0.1:
+                    self._raise_failed_updates()
+                    last_check = time.monotonic()
 
     def _raise_failed_updates(self) -> None:
         if not self.pending:

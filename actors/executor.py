@@ -1,9 +1,12 @@
 """Ray shell of the GPU executor: maps and registers the arena, runs the layer-streaming step, and talks
-to the optimizer workers (waits for their updates before loading a unit, and, with clipping off, hands
-them each unit as soon as its gradients have landed)."""
+to the optimizer workers: it waits for their updates before loading a unit, and hands them units as their
+gradients land in the host arena (with clipping off, during the backward; with gradients kept on the
+device, in forward order once the driver has the step's clip coefficient: `send_grads`, which runs in a
+concurrency group of its own so that it overlaps the next step's forward)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -12,11 +15,11 @@ import numpy as np
 import ray
 import torch
 
-from megatrain.config import EngineConfig, ModelConfig
-from megatrain.engine.executor import Executor
+from megatrain.config import EngineConfig, MegatrainError, ModelConfig
+from megatrain.engine.executor import Executor, GradsOut
 from megatrain.memory.arena import Arena, ArenaHandle
-from megatrain.model.layout import ModelLayout, Unit
-from megatrain.telemetry import Recorder
+from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.telemetry import Recorder, Span
 
 POLL_SECONDS = 0.0005
 
@@ -28,14 +31,18 @@ def _batch_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Te
     return input_ids, None if labels is None else torch.from_numpy(np.array(labels, dtype=np.int64))
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
 class GPUExecutor:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
                  clipping: bool, trace: bool = False):
+        """`engine.grads` is resolved ("arena", "stream" or "device"), as the parameter store sized the arena."""
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
-                                 engine.precision, engine.loss_chunk_tokens, Recorder())
+                                 engine.precision, engine.loss_chunk_tokens, Recorder(),
+                                 GradLayout.build(self.layout, engine.grads))
+        self.hold_grads = engine.grads == "device"
+        self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
             self.arena.register_cuda()
@@ -43,8 +50,8 @@ class GPUExecutor:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.versions = self.arena.versions.view(len(self.layout.units), len(workers))
         self.workers = workers
-        self.clipping = clipping
-        self.pending: list[ray.ObjectRef] = []  # update calls this step is waiting on
+        # updates are handed out as gradients land in the backward only when nothing must be known first
+        self.eager_updates = not clipping and not self.hold_grads
 
     def device(self) -> str:
         return str(self.executor.device)
@@ -55,18 +62,21 @@ class GPUExecutor:
     def train_step(self, batch: dict[str, np.ndarray], step: int, expected_version: int,
                    pending: list[ray.ObjectRef]) -> dict[str, Any]:
         """Forward + backward of `batch` as update number `step`; weights are read only once every worker's
-        version of a unit reaches `expected_version` (the previous step's update is in)."""
-        self.pending = list(pending)
+        version of a unit reaches `expected_version` (the previous step's update is in). `pending`: the
+        driver's refs of that update, watched for a worker's failure while waiting."""
         issued: list[ray.ObjectRef] = []
         skipped_units: list[int] = []
         rec = self.executor.rec
         rec.begin_step(step, self.executor.device)
 
         def wait_weights(unit: Unit) -> None:
-            self._wait_for_version(unit, expected_version)
+            self._wait_for_version(unit, expected_version, pending)
+
+        def slot_free(unit: Unit) -> None:  # its gradient's host slot is wanted by the next unit
+            self._wait_for_version(unit, step + 1, issued)
 
         def grads_landed(unit: Unit, norm_sq: float) -> None:
-            if self.clipping:
+            if not self.eager_updates:
                 return  # the update waits for the global norm: the driver starts it after this step
             if np.isfinite(norm_sq):
                 issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
@@ -78,9 +88,11 @@ class GPUExecutor:
             return bool(np.isfinite(loss))
 
         input_ids, labels = _batch_tensors(batch)
-        out = self.executor.run(input_ids, labels, wait_weights, grads_landed, loss_ready)
+        out = self.executor.run(input_ids, labels, wait_weights, grads_landed, loss_ready, slot_free,
+                                self.hold_grads)
+        # only this step's gradients can still be wanted: the last step's were sent before this forward ended
+        self._held = {step: out.held} if out.held else {}
         stats = rec.end_step()
-        self.pending = issued
         return {"loss": out.loss, "tokens": out.tokens, "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units,
                 "stats": stats.to_dict(),
@@ -89,33 +101,62 @@ class GPUExecutor:
     def evaluate(self, batch: dict[str, np.ndarray], expected_version: int, pending: list[ray.ObjectRef]
                  ) -> dict[str, Any]:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
-        self.pending = list(pending)
         input_ids, labels = _batch_tensors(batch)
-        out = self.executor.run(input_ids, labels, lambda unit: self._wait_for_version(unit, expected_version),
+        out = self.executor.run(input_ids, labels,
+                                lambda unit: self._wait_for_version(unit, expected_version, pending),
                                 loss_ready=lambda loss: False)
         return {"loss": out.loss, "tokens": out.tokens}
 
-    def _wait_for_version(self, unit: Unit, expected_version: int) -> None:
+    @ray.method(concurrency_group="grads_out")
+    def send_grads(self, step: int, clip_coef: float) -> list[Span]:
+        """Update number `step` from the gradients its train_step kept on the device: each unit's copied to
+        the host in forward order and handed to the workers as it lands. Returns once all are applied, with
+        the workers' spans."""
+        held = self._held.pop(step, None)
+        if held is None:
+            raise MegatrainError(f"no gradients of step {step} are held on the device; its train_step did not "
+                                 "run on this executor or was skipped.")
+        issued: list[ray.ObjectRef] = []
+
+        def landed(unit: Unit, norm_sq: float) -> None:
+            issued.extend(w.update_unit.remote(unit.index, step, clip_coef) for w in self.workers)
+
+        # not recorded as a stall: this thread waiting for a slot does not hold up the compute stream
+        self.executor.send_held(held, landed, lambda unit: self._wait_for_version(unit, step + 1, issued, False))
+        del held  # the device memory goes back to the allocator before the workers finish
+        return [span for spans in ray.get(issued) for span in spans]
+
+    def _wait_for_version(self, unit: Unit, expected_version: int, pending: list[ray.ObjectRef],
+                          record: bool = True) -> None:
         """Blocks until every worker's update of `unit` reaches `expected_version` (the shared version table),
-        looking every 0.1 s whether a worker failed instead."""
+        looking every 0.1 s whether one of the `pending` update calls failed instead."""
         row = self.versions[unit.index]
         if int(row.min()) >= expected_version:
             return
-        with self.executor.rec.wait("optimizer", unit.index):
+        with self.executor.rec.wait("optimizer", unit.index) if record else contextlib.nullcontext():
             last_check = time.monotonic()
             while int(row.min()) < expected_version:
                 time.sleep(POLL_SECONDS)
                 if time.monotonic() - last_check > 0.1:
-                    self._raise_failed_updates()
+                    _raise_failed(pending)
                     last_check = time.monotonic()
 
-    def _raise_failed_updates(self) -> None:
-        if not self.pending:
-            return
-        done, _ = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
-        for ref in done:
-            ray.get(ref)  # re-raises a worker's failure (RayActorError when it died mid-update)
-
     def close(self) -> None:
+        self._held.clear()
         self.executor.close()
         self.arena.close()
+
+
+def _raise_failed(refs: list[ray.ObjectRef]) -> None:
+    if not refs:
+        return
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in done:
+        ray.get(ref)  # re-raises a worker's failure (RayActorError when it died mid-update)
+
+
+@ray.remote(num_gpus=1, max_calls=1)
+def gpu_free_memory() -> int:
+    """Free bytes on the GPU an executor would get, measured in a throwaway process (max_calls=1), so the
+    driver never holds a CUDA context of its own."""
+    return torch.cuda.mem_get_info()[0]

@@ -11,19 +11,21 @@ import torch
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
-from megatrain.model.layout import ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout
 from megatrain.telemetry import Span, optimizer_lane
 
 
 @ray.remote
 class OptimizerWorker:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, optim: OptimConfig, worker: int, num_workers: int,
-                 threads: int):
+                 threads: int, grads: str = "arena"):
+        """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read."""
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         versions = self.arena.versions.view(len(self.layout.units), num_workers)
-        self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions)
+        self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
+                                GradLayout.build(self.layout, grads))
         self.lane = optimizer_lane(worker)
 
     def _timed_update(self, unit: int, step: int, clip_coef: float) -> Span:

@@ -11,7 +11,10 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import MegatrainError, cause_chain
+from megatrain.config import GRAD_PLACEMENTS, MegatrainError, cause_chain
+
+GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
+              "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -25,6 +28,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-workers", type=int)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--device", help="auto | cpu | cuda")
+    p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")
@@ -74,14 +78,17 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain.memory.plan import plan_memory
+    from megatrain.memory.plan import plan_memory, resolve_grads
     from megatrain.memory.store import resolve_model
 
     config, _, name = resolve_model(args.model)
     on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda())
-    plan = plan_memory(config, args.batch, args.seq, name=name, precision=args.precision,
-                       optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
-                       gpu_free=int(args.gpu_gib * 2**30) if args.gpu_gib else None)
+    kwargs = dict(name=name, precision=args.precision, optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
+                  gpu_free=int(args.gpu_gib * 2**30) if args.gpu_gib else None)
+    clipping = bool(args.max_grad_norm)
+    device_plan = plan_memory(config, args.batch, args.seq, grads="device", **kwargs) if on_gpu else None
+    grads = resolve_grads(args.grads, clipping=clipping, device_plan=device_plan)
+    plan = plan_memory(config, args.batch, args.seq, grads=grads, **kwargs)
     print(plan.report())
     return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
 
@@ -136,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-workers", type=int, default=8)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
+    p.add_argument("--grads", default="auto", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: clipping off (lets gradients stream)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")

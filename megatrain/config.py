@@ -444,6 +444,12 @@ class OptimConfig:
 
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+# Where gradients wait between the backward and the optimizer (megatrain/memory/plan.py chooses for "auto"):
+#   arena   all of them in the host arena: 16 B/param on the host, works for everything
+#   stream  through a few host slots, each unit updated as soon as its gradient lands (clipping off): 12 B/param
+#   device  on the compute device until the step's global norm is known, then streamed through host slots
+#           into the optimizer in forward order, overlapping the next forward: 12 B/param host + 4 on the GPU
+GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
 
 
 @dataclass
@@ -456,6 +462,7 @@ class EngineConfig:
     threads_per_worker: int | None = None  # None: cores / workers
     loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
     seed: int = 0
+    grads: str = "auto"  # auto | arena | stream | device: where gradients wait for the optimizer (GRAD_PLACEMENTS)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -470,6 +477,8 @@ class EngineConfig:
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}.")
+        if self.grads not in GRAD_PLACEMENTS:
+            raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {self.grads!r}.")
         if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                   or self.device.startswith("cuda:"))):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")

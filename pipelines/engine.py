@@ -9,10 +9,14 @@ One step, as the driver sees it:
   1. the executor runs forward + backward; before loading a unit it waits until the previous step's
      update of that unit is in the arena (the workers' version table)
   2. clipping on: the executor returns the per-unit squared gradient norms, the driver turns them into
-     one clip coefficient and starts every worker's update in forward order; the call returns at once,
-     so the update overlaps the next step's forward
+     one clip coefficient and starts the update in forward order: with grads = "arena" every worker's
+     `apply`, with grads = "device" the executor's `send_grads`, which copies each unit's gradient out of
+     the GPU into a ring of host slots and hands it to the workers; either call returns at once, so the
+     update overlaps the next step's forward
      clipping off: the executor already handed each unit to the workers as its gradients landed
 Ray carries only control messages and token batches; weights and gradients stay in the arena.
+Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
+at 12 B/param whenever it can (megatrain/memory/plan.py: resolve_grads).
 
 Faults. The driver keeps the refs of the batches since the last checkpoint. When an actor dies:
   - only the executor, and the workers' version table shows every unit at the last issued update: a new
@@ -31,7 +35,7 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +43,13 @@ import numpy as np
 import ray
 import torch
 
-from actors.executor import GPUExecutor
+from actors.executor import GPUExecutor, gpu_free_memory
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, remove_stale_segments
+from megatrain.memory.plan import plan_memory, resolve_grads
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
 
@@ -134,11 +139,11 @@ class Engine:
                  optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True):
+                 metrics: bool = True, grads: str = "auto"):
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
-                                          loss_chunk_tokens=loss_chunk_tokens, seed=seed)
+                                          loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads)
         self.config, _, self.model_name = resolve_model(model)
         self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
         self.steps_done = 0  # steps run, skipped ones included
@@ -173,9 +178,10 @@ class Engine:
     def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
         model_arg = model if isinstance(model, ModelConfig) else str(model)
+        self.engine_config = replace(self.engine_config, grads=self._resolve_grads(batch, seq))
         self.run_id = uuid.uuid4().hex[:12]
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
-            model_arg, n, seed, batch, seq, self.run_id)
+            model_arg, n, seed, batch, seq, self.run_id, self.grads)
         self.handle = ray.get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -184,17 +190,36 @@ class Engine:
         self.device = ray.get(self.executor.device.remote())
         ray.get([w.numel.remote() for w in self.workers])  # all up before the first step
 
+    @property
+    def grads(self) -> str:
+        """Where gradients wait for the optimizer: "arena", "stream" or "device" (see GRAD_PLACEMENTS)."""
+        return self.engine_config.grads
+
+    def _on_gpu(self) -> bool:
+        return self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+
+    def _resolve_grads(self, batch: int, seq: int) -> str:
+        device_plan = None
+        if self.engine_config.grads == "auto" and self.optim.clipping and self._on_gpu():
+            device_plan = plan_memory(self.config, batch, seq, name=self.model_name, grads="device", on_gpu=True,
+                                      precision=self.engine_config.precision,
+                                      loss_chunk_tokens=self.engine_config.loss_chunk_tokens,
+                                      gpu_free=ray.get(gpu_free_memory.remote()))
+        grads = resolve_grads(self.engine_config.grads, clipping=self.optim.clipping, device_plan=device_plan)
+        log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
+                                        "device": "on the GPU until the step ends"}[grads])
+        return grads
+
     def _new_worker(self, index: int) -> Any:
         n = self.engine_config.optimizer_workers
         cpus = float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         per_worker = max(cpus / n, 0.01)
         threads = max(1, int(per_worker))
         return OptimizerWorker.options(num_cpus=min(per_worker, threads), name=self._name(f"optimizer/{index}")).remote(
-            self.handle, self.config, self.optim, index, n, threads)
+            self.handle, self.config, self.optim, index, n, threads, self.grads)
 
     def _new_executor(self) -> Any:
-        on_gpu = self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        return GPUExecutor.options(num_gpus=1 if on_gpu else 0, name=self._name("executor")).remote(
+        return GPUExecutor.options(num_gpus=1 if self._on_gpu() else 0, name=self._name("executor")).remote(
             self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, self.trace)
 
     def _name(self, role: str) -> str:
@@ -238,11 +263,14 @@ class Engine:
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
-        if self.optim.clipping:
+        if self.grads == "device" or self.optim.clipping:
             self._pending = []
             if finite:
                 coef = clip_coefficient(grad_norm, self.optim.max_grad_norm)
-                self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
+                if self.grads == "device":
+                    self._pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
+                else:
+                    self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
         else:
             self._pending = out["updates"]
         # clipping off: units updated before a non-finite one was found keep their update (see README)
@@ -310,9 +338,11 @@ class Engine:
         for i in dead_workers:
             self.workers[i] = self._new_worker(i)
         ray.kill(self.executor)  # dead already, or holding handles of dead workers
-        if self.optim.clipping and not dead_workers:
+        if (self.optim.clipping or self.grads == "device") and not dead_workers:
             try:
-                ray.get(self._pending)  # the previous step's updates, issued by the driver, run to completion
+                # the previous step's updates, issued by the driver, run to completion (with grads = "device"
+                # only if they were all issued before the executor died: its gradients died with it)
+                ray.get(self._pending)
             except ray.exceptions.RayError as e:
                 if not is_actor_death(e):
                     raise

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatrain import MegatrainError, ModelConfig
+from megatrain.config import ConfigError
 from megatrain.memory import arena as arena_mod
 from megatrain.memory.arena import (
     Arena,
@@ -29,7 +30,7 @@ from megatrain.memory.arena import (
     remove_stale_segments,
     segment_owner_alive,
 )
-from megatrain.memory.plan import GiB, plan_memory
+from megatrain.memory.plan import GiB, plan_memory, resolve_grads
 from megatrain.memory.store import ParameterStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,11 +257,40 @@ def test_plan_for_70b_names_the_numbers() -> None:
     assert problem is not None
     if plan.arena_bytes > plan.shm_free:
         assert f"70b model needs a {plan.arena_bytes / GiB:.1f} GiB arena" in problem
-        assert "16 B per parameter for 70.55 G parameters" in problem
+        assert "16.0 B per parameter for 70.55 G parameters" in problem
         assert f"/dev/shm has {plan.shm_free / GiB:.1f} GiB free" in problem
     assert "fits: NO" in plan.report()
     with pytest.raises(MegatrainError, match="70b model needs"):
         plan.check_host()
+
+
+def test_plan_streamed_gradients_keep_the_host_at_12_bytes_per_param() -> None:
+    config = ModelConfig.from_name("9b")
+    arena = plan_memory(config, 8, 2048, grads="arena")
+    for grads in ("stream", "device"):
+        plan = plan_memory(config, 8, 2048, grads=grads, on_gpu=True, gpu_free=80 * GiB)
+        assert plan.grads == grads
+        assert 12.0 < plan.arena_bytes / config.num_params() < 12.5, "params + m + v, and a ring of a few layers"
+        assert arena.arena_bytes - plan.arena_bytes > 3.5 * config.num_params()
+        assert f"grads = {grads}" in plan.report()
+    device = plan_memory(config, 8, 2048, grads="device", on_gpu=True, gpu_free=80 * GiB)
+    assert device.gpu_grads > 4 * 0.9 * config.num_params(), "every layer's gradient waits on the GPU"
+    with pytest.raises(ConfigError, match="grads must be one of"):
+        plan_memory(config, 8, 2048, grads="gpu")
+
+
+def test_resolve_grads() -> None:
+    config = ModelConfig.from_name("1b")
+    fits = plan_memory(config, 8, 2048, grads="device", on_gpu=True, gpu_free=80 * GiB)
+    too_small = plan_memory(config, 8, 2048, grads="device", on_gpu=True, gpu_free=1 * GiB)
+    cpu = plan_memory(config, 8, 2048, grads="device")
+    assert resolve_grads("auto", clipping=False) == "stream"
+    assert resolve_grads("auto", clipping=True, device_plan=fits) == "device"
+    assert resolve_grads("auto", clipping=True, device_plan=too_small) == "arena"
+    assert resolve_grads("auto", clipping=True, device_plan=cpu) == "arena", "no GPU: gradients stay in the arena"
+    assert resolve_grads("device", clipping=True, device_plan=cpu) == "device", "an explicit choice is kept"
+    with pytest.raises(ConfigError, match="max_grad_norm = 0"):
+        resolve_grads("stream", clipping=True)
 
 
 def test_plan_host_memory_problem_names_the_numbers() -> None:

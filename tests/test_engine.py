@@ -17,7 +17,8 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=120, num_hidden_layers=3,
+    # more decoder layers than gradient ring slots (GRAD_RING_SLOTS), so streamed gradients reuse slots
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=120, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2)
     path = tmp_path_factory.mktemp("hf")
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -58,10 +59,12 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None) -> tu
     return losses, {n: p.detach().clone() for n, p in named}
 
 
-def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0
+def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto"
           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     with megatrain.Engine(hf_dir, optimizer_workers=workers, precision="fp32", device="cpu",
-                          max_grad_norm=max_grad_norm, **OPTIM) as engine:
+                          max_grad_norm=max_grad_norm, grads=grads, **OPTIM) as engine:
+        if grads != "auto":
+            assert engine.grads == grads
         losses = [engine.step(ids, labels) for ids, labels in batches]
         params = engine.parameters()
     segments = [engine.handle.path(name) for name, _, _ in engine.handle.segments]
@@ -79,9 +82,31 @@ def assert_close_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
 @pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
 def test_engine_matches_hf_adamw(ray_session, hf_dir, batches, max_grad_norm) -> None:
     ref_losses, ref_params = hf_reference(hf_dir, batches, max_grad_norm)
-    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm)
+    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_close_rel(params, ref_params)
+
+
+@pytest.mark.parametrize(("max_grad_norm", "grads"), [(None, "stream"), (1.0, "device"), (None, "device")],
+                         ids=["stream-unclipped", "device-clipped", "device-unclipped"])
+def test_gradients_streamed_through_host_slots_give_the_same_training(ray_session, hf_dir, batches, max_grad_norm,
+                                                                      grads) -> None:
+    """12 B/param placements: a ring of host gradient slots (with the optimizer freeing them) instead of every
+    gradient in the arena. Same kernels on the same values: bit-identical to grads = "arena"."""
+    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads=grads)
+    arena_losses, arena_params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
+    assert losses == arena_losses
+    for name in arena_params:
+        assert torch.equal(params[name], arena_params[name]), name
+
+
+def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:
+    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", max_grad_norm=0.0) as engine:
+        assert engine.grads == "stream", "clipping off: each unit's update starts as its gradient lands"
+        grads_numel = dict((n, k) for n, _, k in engine.handle.segments)["grads"]
+        assert grads_numel < dict((n, k) for n, _, k in engine.handle.segments)["params"]
+    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu") as engine:
+        assert engine.grads == "arena", "clipping on and no GPU: every gradient waits in the arena"
 
 
 def test_results_do_not_depend_on_worker_count(ray_session, hf_dir, batches) -> None:

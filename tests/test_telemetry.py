@@ -231,6 +231,9 @@ class FakeEvent:
     def synchronize(self) -> None:
         FakeEvent.synchronized += 1
 
+    def query(self) -> bool:
+        return self.t is not None and not getattr(self, "running", False)
+
     def elapsed_time(self, other: FakeEvent) -> float:
         assert self.t is not None and other.t is not None, "read before completion"
         return (other.t - self.t) * 1e3
@@ -270,6 +273,31 @@ def test_device_spans_resolve_once_at_end_step(monkeypatch):
         assert parts(stats) == pytest.approx(stats.step_time, abs=1e-9)
         assert stats.compute == pytest.approx(0.008, abs=0.004)
     assert made_per_step[2] == made_per_step[1]  # events come back to the pool once read
+
+
+def test_device_span_still_running_at_end_step_is_read_by_the_next_step(monkeypatch):
+    """A copy another thread started (the last step's gradients going out) and that has not finished when the
+    step ends is neither read early (elapsed_time would fail) nor lost: the next end_step reads it."""
+    current, d2h = FakeStream("compute"), FakeStream("d2h")
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    rec = Recorder()
+    rec.begin_step(0, "cuda:0")
+    with rec.span("compute", "forward", 0, current):
+        time.sleep(0.001)
+    with rec.span("d2h", "grads", 5, d2h, 100):
+        pass
+    late_end = rec._device_pending[-1][2]
+    late_end.running = True
+    rec.end_step()
+    assert [s.lane for s in rec.spans if s.lane != "step"] == ["compute"]
+    late_end.running = False
+    rec.begin_step(1, "cuda:0")
+    with rec.span("compute", "forward", 0, current):
+        time.sleep(0.001)
+    rec.end_step()
+    assert [(s.lane, s.layer) for s in rec.spans if s.lane == "d2h"] == [("d2h", 5)]
 
 
 # ---- files ----

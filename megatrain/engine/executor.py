@@ -6,6 +6,13 @@
     backward  for each layer l from the top: H2D weights(l-1) while compute reruns layer l from x[l]
               and takes gradients; D2H stream copies dW[l] into the arena; `grads_landed(unit)` fires once
               they are there
+    (or, with hold_grads, the gradients stay on the device and `send_held` copies them out later, in
+    forward order, once the caller knows what to do with them: the global norm for clipping)
+
+Where a unit's gradient goes in the host `grads` segment is the GradLayout's business: every unit its own
+range, or decoder layers sharing a ring of slots. Before a gradient is written into a shared slot, the
+caller's `slot_free(previous occupant)` must return: the optimizer has finished reading it. The copies
+out and that wait run on a thread of their own on a GPU, so the compute stream is never held up by them.
 
 The embedding never crosses PCIe whole: the rows a batch uses are gathered on the host and only their
 gradient rows come back. On the CPU path the "buffers" are views of the arena and every copy is a plain
@@ -27,7 +34,7 @@ import torch
 from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig
 from megatrain.engine.streams import Streams
 from megatrain.model import ops
-from megatrain.model.layout import ModelLayout, Unit
+from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_loss_and_grads, recompute_grads
 from megatrain.telemetry import Recorder
 
@@ -56,10 +63,22 @@ def set_matmul_precision(precision: str) -> None:
 
 
 @dataclass
+class GradsOut:
+    """One unit's gradients on their way from the device to the host grads segment."""
+
+    unit: Unit
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (gradient on the device, its host destination)
+    norm_sq: torch.Tensor  # squared norm, computed on the device
+    ready: torch.cuda.Event | None  # recorded on compute once the gradients exist (None on the CPU path)
+    scatter: Callable[[], None] | None = None  # host work once landed (the embedding rows into its gradient)
+
+
+@dataclass
 class StepOutput:
     loss: float
     tokens: int  # tokens that carried a label
     unit_grad_norms_sq: list[float] = field(default_factory=list)  # per unit, in layout order
+    held: list[GradsOut] = field(default_factory=list)  # hold_grads: the gradients still on the device
 
     @property
     def grad_norm(self) -> float:
@@ -122,8 +141,9 @@ class Executor:
 
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
-                 recorder: Recorder | None = None):
+                 recorder: Recorder | None = None, grad_layout: GradLayout | None = None):
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
+        self.grad_layout = grad_layout or GradLayout.full(layout)
         self.device = resolve_device(device)
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}.")
@@ -138,9 +158,9 @@ class Executor:
         self.slots = WeightSlots(layout.max_layer_numel(), params, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
-        self._landed: queue.Queue[tuple[torch.cuda.Event, Unit, torch.Tensor, LandedCallback] | None] = queue.Queue()
-        self._landed_error: BaseException | None = None
-        self._notifier: threading.Thread | None = None
+        self._outbox: queue.Queue[tuple[GradsOut, LandedCallback, UnitCallback, dict[int, Unit]] | None] = queue.Queue()
+        self._outbox_error: BaseException | None = None
+        self._sender: threading.Thread | None = None
 
     # ---- helpers ----
     def _rope_for(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,51 +178,77 @@ class Executor:
         s.wait(s.compute, s.record(s.h2d))
         return out.to(dtype) if dtype is not None else out
 
-    def _d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], unit: Unit, norm_sq: torch.Tensor,
-             callback: LandedCallback) -> None:
-        """Copies (device grad -> host arena view) pairs on the d2h stream; `callback(unit, norm²)` once landed."""
+    def _gradients(self, unit: Unit, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                   scatter: Callable[[], None] | None = None) -> GradsOut:
+        """Packs a unit's gradients, just computed on the compute stream, with their host destinations."""
+        norm_sq = sum(self._norm_sq(g) for g, _ in pairs)
+        return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter)
+
+    def _emit(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
+              slot_users: dict[int, Unit]) -> None:
+        """Sends `out` to the host: on a GPU through the sender thread, so compute never waits on a slot or a
+        copy; on the CPU path at once."""
+        if not self.streams.cuda:
+            self._deliver(out, landed, slot_free, slot_users)
+            return
+        if self._sender is None or not self._sender.is_alive():
+            self._sender = threading.Thread(target=self._send_loop, name="grads-out", daemon=True)
+            self._sender.start()
+        self._outbox.put((out, landed, slot_free, slot_users))
+
+    def _deliver(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
+                 slot_users: dict[int, Unit]) -> None:
+        """Waits for the unit's host slot to be free, copies the gradients into it on the d2h stream, waits
+        for them to land, and calls `landed(unit, norm²)`."""
+        slot = self.grad_layout.slot_of[out.unit.index]
+        previous = slot_users.get(slot)
+        if previous is not None and previous.index != out.unit.index:
+            slot_free(previous)
+        slot_users[slot] = out.unit
         s = self.streams
-        nbytes = sum(g.numel() * 4 for g, _ in pairs)
-        s.wait(s.d2h, s.record(s.compute))
-        with s.on(s.d2h), self.rec.span("d2h", "grads", unit.index, s.d2h, nbytes):
-            for g, dst in pairs:
+        s.wait(s.d2h, out.ready)
+        nbytes = sum(g.numel() * 4 for g, _ in out.pairs)
+        with s.on(s.d2h), self.rec.span("d2h", "grads", out.unit.index, s.d2h, nbytes):
+            for g, dst in out.pairs:
                 g = g.float() if g.dtype != torch.float32 else g
                 if s.cuda:
                     g.record_stream(s.d2h)
                 dst.copy_(g, non_blocking=s.cuda)
-        if not s.cuda:
-            callback(unit, float(norm_sq))
-            return
-        self._ensure_notifier()
-        self._landed.put((s.record(s.d2h), unit, norm_sq, callback))
+        if s.cuda:
+            s.record(s.d2h).synchronize()
+        if out.scatter is not None:
+            out.scatter()
+        landed(out.unit, float(out.norm_sq))  # the norm was computed before the copy began: no wait here
 
-    def _ensure_notifier(self) -> None:
-        if self._notifier is None or not self._notifier.is_alive():
-            self._notifier = threading.Thread(target=self._notify_loop, name="grads-landed", daemon=True)
-            self._notifier.start()
-
-    def _notify_loop(self) -> None:
-        while (item := self._landed.get()) is not None:
-            event, unit, norm_sq, callback = item
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
             try:
-                event.synchronize()
-                callback(unit, float(norm_sq))  # computed before the copy began, so already done
+                self._deliver(*item)
             except BaseException as e:  # surfaced by the step that queued it
-                self._landed_error = e
+                self._outbox_error = e
             finally:
-                self._landed.task_done()
+                self._outbox.task_done()
 
-    def _drain_notifications(self) -> None:
-        if self._notifier is not None:
-            self._landed.join()
-        if self._landed_error is not None:
-            err, self._landed_error = self._landed_error, None
+    def _wait_sent(self) -> None:
+        if self._sender is not None:
+            self._outbox.join()
+        if self._outbox_error is not None:
+            err, self._outbox_error = self._outbox_error, None
             raise err
 
+    def send_held(self, held: list[GradsOut], landed: LandedCallback = _noop, slot_free: UnitCallback = _noop
+                  ) -> None:
+        """Copies gradients a `run(hold_grads=True)` kept on the device to the host, in forward order (the
+        order the next forward reads the updated weights), calling `landed` as each unit's arrives. Runs in
+        the calling thread, which may be another than the one running the next step."""
+        slot_users: dict[int, Unit] = {}
+        for out in reversed(held):
+            self._deliver(out, landed, slot_free, slot_users)
+
     def close(self) -> None:
-        if self._notifier is not None and self._notifier.is_alive():
-            self._landed.put(None)
-            self._notifier.join(timeout=5)
+        if self._sender is not None and self._sender.is_alive():
+            self._outbox.put(None)
+            self._sender.join(timeout=5)
 
     # ---- the step ----
     def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
@@ -229,12 +275,15 @@ class Executor:
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
             wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
-            loss_ready: Callable[[float], bool] | None = None) -> StepOutput:
+            loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
+            hold_grads: bool = False) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
         grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
-        asked before the backward whether to go on (False: skip, e.g. a non-finite loss).
+        asked before the backward whether to go on (False: skip, e.g. a non-finite loss); slot_free(unit)
+        blocks until the optimizer has read `unit`'s gradient, whose host slot the next unit is about to reuse.
+        hold_grads: the gradients stay on the device, returned in StepOutput.held for `send_held`.
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
@@ -285,12 +334,22 @@ class Executor:
         if loss_ready is not None and not loss_ready(float(loss)):
             return StepOutput(float(loss), n_tokens)
 
+        held: list[GradsOut] = []
+        slot_users: dict[int, Unit] = {}
         norms: dict[int, torch.Tensor] = {}
-        head_grads = [(grad_norm_w, head_unit.bind(head_unit.range_of(self.grads))["norm.weight"])]
+
+        def emit(out: GradsOut) -> None:
+            norms[out.unit.index] = out.norm_sq
+            if hold_grads:
+                held.append(out)
+            else:
+                self._emit(out, grads_landed, slot_free, slot_users)
+
+        head_dst = self.grad_layout.bind(head_unit, self.grads)
+        head_grads = [(grad_norm_w, head_dst["norm.weight"])]
         if not self.config.tie_embeddings:
-            head_grads.append((grad_lm, head_unit.bind(head_unit.range_of(self.grads))["lm_head.weight"]))
-        norms[head_unit.index] = sum(self._norm_sq(g) for g, _ in head_grads)
-        self._d2h(head_grads, head_unit, norms[head_unit.index], grads_landed)
+            head_grads.append((grad_lm, head_dst["lm_head.weight"]))
+        emit(self._gradients(head_unit, head_grads))
 
         # backward: recompute each layer from its checkpoint with its weights bound again
         grad = grad_x
@@ -305,28 +364,25 @@ class Executor:
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
-            norms[unit.index] = sum(self._norm_sq(g) for g in wgrads.values())
-            dst = unit.bind(unit.range_of(self.grads))
-            self._d2h([(g, dst[name]) for name, g in wgrads.items()], unit, norms[unit.index], grads_landed)
+            dst = self.grad_layout.bind(unit, self.grads)
+            emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()]))
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
         with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
             grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
-        embed_grad = embed_unit.bind(embed_unit.range_of(self.grads))["embed_tokens.weight"]
+        embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
         if self.config.tie_embeddings:
             full = grad_lm.float()
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
-            norms[embed_unit.index] = self._norm_sq(full)
-            self._d2h([(full, embed_grad)], embed_unit, norms[embed_unit.index], grads_landed)
+            emit(self._gradients(embed_unit, [(full, embed_grad)]))
         else:
-            norms[embed_unit.index] = self._norm_sq(grad_rows)
-            self._d2h_embed_rows(grad_rows, rows_idx, embed_grad, embed_unit, norms[embed_unit.index], grads_landed)
+            emit(self._embed_rows(grad_rows, rows_idx, embed_grad, embed_unit))
 
-        self._drain_notifications()
+        self._wait_sent()
         with self.rec.span("host", "sync"):
             norm_values = torch.stack([norms[u.index] for u in self.layout.units]).cpu().tolist()
             loss_value = float(loss)
-        return StepOutput(loss_value, n_tokens, norm_values)
+        return StepOutput(loss_value, n_tokens, norm_values, held)
 
     def _head_weights(self, head_unit: Unit) -> torch.Tensor:
         src = head_unit.range_of(self.params)
@@ -335,21 +391,21 @@ class Executor:
         with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * 4):
             return self._to_device(src, self.dtype)
 
-    def _d2h_embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
-                        unit: Unit, norm_sq: torch.Tensor, callback: LandedCallback) -> None:
-        """Writes the gradient rows into the (otherwise zero) embedding gradient in the arena."""
+    def _embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
+                    unit: Unit) -> GradsOut:
+        """The gradient rows of this batch's tokens, to be written into the (otherwise zero) embedding
+        gradient in the arena once they have landed."""
         host_rows = torch.empty(grad_rows.shape, dtype=torch.float32, pin_memory=self.streams.cuda)
 
-        def scatter(unit: Unit, norm_sq: float) -> None:
+        def scatter() -> None:
             if self._embed_rows_written is None:
                 embed_grad.zero_()
             else:
                 embed_grad.index_fill_(0, self._embed_rows_written, 0.0)
             embed_grad.index_copy_(0, rows_idx, host_rows)
             self._embed_rows_written = rows_idx
-            callback(unit, norm_sq)
 
-        self._d2h([(grad_rows, host_rows)], unit, norm_sq, scatter)
+        return self._gradients(unit, [(grad_rows, host_rows)], scatter)
 
     @staticmethod
     def _norm_sq(g: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.config import OptimConfig
-from megatrain.model.layout import ALIGN, ModelLayout, Unit
+from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, Unit
 
 
 def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
@@ -48,9 +48,11 @@ class AdamWShard:
     """One worker's shard of every unit, updated with torch's fused AdamW kernel."""
 
     def __init__(self, layout: ModelLayout, tensors: dict[str, torch.Tensor], optim: OptimConfig, worker: int,
-                 num_workers: int, versions: torch.Tensor | None = None):
+                 num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None):
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
         self.versions = versions  # int64 [units, workers], shared
+        # where each unit's gradient is read from (its slot of a ring, when gradients stream)
+        self.grad_layout = grad_layout or GradLayout.full(layout)
         # per unit: (decay group, no-decay group)
         self.groups: list[tuple[_Group, _Group]] = [self._groups(u, tensors) for u in layout.units]
         self.numel = sum(t.numel() for pair in self.groups for grp in pair for t in grp.params)
@@ -58,6 +60,7 @@ class AdamWShard:
     def _groups(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[_Group, _Group]:
         lo, hi = shard_bounds(unit, self.worker, self.num_workers)
         decay, no_decay = _Group([], [], [], []), _Group([], [], [], [])
+        grads = self.grad_layout.range_of(unit, tensors["grads"])
         for slot in unit.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a >= b:
@@ -65,7 +68,7 @@ class AdamWShard:
             group = decay if slot.decay else no_decay
             start, end = unit.offset + a, unit.offset + b
             group.params.append(tensors["params"][start:end])
-            group.grads.append(tensors["grads"][start:end])
+            group.grads.append(grads[a:b])
             group.exp_avg.append(tensors["exp_avg"][start:end])
             group.exp_avg_sq.append(tensors["exp_avg_sq"][start:end])
         return decay, no_decay

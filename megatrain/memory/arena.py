@@ -75,8 +75,9 @@ class Arena:
 
     @classmethod
     def create(cls, numel: int, run_id: str | None = None, directory: Path | str | None = None,
-               extra_segments: tuple[tuple[str, str, int], ...] = ()) -> Arena:
-        """Creates and zero-fills the segments; the calling process becomes the owner that unlinks them."""
+               extra_segments: tuple[tuple[str, str, int], ...] = (), grads_numel: int | None = None) -> Arena:
+        """Creates and zero-fills the segments (params and Adam moments of `numel` elements, grads of
+        `grads_numel`, default `numel`); the calling process becomes the owner that unlinks them."""
         directory = Path(directory or SHM_DIR)
         remove_stale_segments(directory)
         pid = os.getpid()
@@ -85,7 +86,8 @@ class Arena:
             owner_pid=pid,
             owner_start=_process_start_time(pid) or 0,
             directory=str(directory),
-            segments=tuple((name, "float32", numel) for name in FP32_SEGMENTS) + tuple(extra_segments),
+            segments=tuple((name, "float32", grads_numel if name == "grads" and grads_numel is not None else numel)
+                           for name in FP32_SEGMENTS) + tuple(extra_segments),
         )
         created: list[Path] = []
         try:

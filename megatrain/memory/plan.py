@@ -1,9 +1,11 @@
 """The memory plan: bytes per tier before anything is allocated, and a clear refusal when it won't fit.
 
-Host: the arena (fp32 params, grads, Adam m and v: 16 B/param) plus the resident size of the processes
-(Ray, parameter store, optimizer workers, data loader, executor). GPU: two weight buffers and two
-gradient buffers sized for the largest decoder layer, the head, the layer-input checkpoints, one layer's
-recompute working set, and one chunk of logits.
+Host: the arena (fp32 params and Adam m and v, 12 B/param, plus the gradients: 4 B/param when they all
+wait in the arena, a few layers' worth when they stream; see GRAD_PLACEMENTS in megatrain/config.py) and
+the resident size of the processes (Ray, parameter store, optimizer workers, data loader, executor).
+GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the
+step's gradients when they stay on the device), the layer-input checkpoints, one layer's recompute
+working set, and one chunk of logits.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain.config import MegatrainError, ModelConfig
-from megatrain.model.layout import ModelLayout
+from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig
+from megatrain.model.layout import GRAD_RING_SLOTS, ModelLayout
 
 GiB = 2**30
 # Resident memory of each process besides the arena, measured with torch imported (CPU build ~0.35 GiB;
@@ -48,6 +50,8 @@ class MemoryPlan:
     params: int
     arena_numel: int
     arena_bytes: int
+    grads: str  # where gradients wait (GRAD_PLACEMENTS, "auto" resolved)
+    grads_bytes: int  # the arena's gradient segment, part of arena_bytes
     process_bytes: int
     gpu_weights: int
     gpu_grads: int
@@ -68,8 +72,10 @@ class MemoryPlan:
 
     def host_problem(self) -> str | None:
         if self.arena_bytes > self.shm_free:
-            return (f"the {self.model} model needs a {self.arena_bytes / GiB:.1f} GiB arena (16 B per parameter for "
-                    f"{self.params / 1e9:.2f} G parameters) but /dev/shm has {self.shm_free / GiB:.1f} GiB free; "
+            per_param = self.arena_bytes / max(self.params, 1)
+            return (f"the {self.model} model needs a {self.arena_bytes / GiB:.1f} GiB arena ({per_param:.1f} B per "
+                    f"parameter for {self.params / 1e9:.2f} G parameters) but /dev/shm has "
+                    f"{self.shm_free / GiB:.1f} GiB free; "
                     "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), "
                     "or pick a smaller model.")
         if self.host_total > self.host_free:
@@ -99,11 +105,13 @@ class MemoryPlan:
             return f"  {name:<34}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
         lines = [f"memory plan for {self.model} ({size} params)", "host:"]
-        lines += [row("arena (params+grads+Adam m,v fp32)", self.arena_bytes),
+        lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes),
+                  row(f"arena: gradients (grads = {self.grads})", self.grads_bytes),
                   row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
-        lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row("gradient buffers", self.gpu_grads),
+        grads_row = "gradients (all, until the step ends)" if self.grads == "device" else "gradient buffers"
+        lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row(grads_row, self.gpu_grads),
                   row("activations (checkpoints + 1 layer)", self.gpu_activations), row("loss chunk", self.gpu_loss),
                   row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
         if self.gpu_free is not None:
@@ -115,7 +123,11 @@ class MemoryPlan:
 
 def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
-                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None) -> MemoryPlan:
+                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena") -> MemoryPlan:
+    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory)."""
+    if grads not in GRAD_PLACEMENTS:
+        raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {grads!r}.")
+    grads = "arena" if grads == "auto" else grads
     # Decoder layers are alike: plan from a one-layer layout, so a config claiming 10^9 layers is refused at
     # once instead of after building a layout of 10^9 units.
     layout = ModelLayout.build(replace(config, num_layers=1))
@@ -128,7 +140,14 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     embed_rows = min(v, tokens) * h * 4
     # bf16 mode keeps a cast copy of each layer beside the fp32 buffer it arrived in
     weights = 2 * layer * 4 + (2 * layer * 2 if precision == "bf16" else 0) + head * 4 + embed_rows
-    grads = 2 * layer * 4 + head * 4 + embed_rows
+    if grads == "device":  # every layer's and the head's gradient stays until the step ends
+        gpu_grads = config.num_layers * layer * 4 + head * 4 + embed_rows
+    else:
+        gpu_grads = 2 * layer * 4 + head * 4 + embed_rows
+    if grads == "arena":
+        grads_numel = arena_numel
+    else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
+        grads_numel = layout.embed.numel + layout.head.numel + min(GRAD_RING_SLOTS, config.num_layers) * layer
     checkpoints = (config.num_layers + 1) * tokens * h * act_bytes
     # one layer's recompute: normed input, q/k/v, attention out, residual, mlp gate/up/act, and their grads
     working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes
@@ -138,7 +157,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
     if not on_gpu:  # the CPU path computes in host memory
-        processes += weights + grads + checkpoints + working + loss
+        processes += weights + gpu_grads + checkpoints + working + loss
     if on_gpu and gpu_free is None:
         try:
             import torch
@@ -148,7 +167,27 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
             gpu_free = None
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
-        model=name, params=config.num_params(), arena_numel=arena_numel, arena_bytes=arena_numel * 16,
-        process_bytes=int(processes), gpu_weights=weights, gpu_grads=grads, gpu_activations=checkpoints + working,
+        model=name, params=config.num_params(), arena_numel=arena_numel,
+        arena_bytes=arena_numel * 12 + grads_numel * 4, grads=grads, grads_bytes=grads_numel * 4,
+        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_activations=checkpoints + working,
         gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
     )
+
+
+def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | None = None) -> str:
+    """The placement of gradients for a run: an explicit choice, checked, or for "auto" the one that keeps
+    the least on the host: "stream" without clipping; with clipping "device" when `device_plan` (the plan
+    with grads="device") is for a GPU whose free memory is known and fits it; else "arena"."""
+    if requested not in GRAD_PLACEMENTS:
+        raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {requested!r}.")
+    if requested == "stream" and clipping:
+        raise ConfigError("grads = 'stream' updates each layer as soon as its gradient lands, before the global "
+                          "norm that clipping needs is known; set max_grad_norm = 0, or use grads = 'device' or "
+                          "'arena'.")
+    if requested != "auto":
+        return requested
+    if not clipping:
+        return "stream"
+    fits = (device_plan is not None and device_plan.on_gpu and device_plan.gpu_free is not None
+            and device_plan.gpu_problem() is None)
+    return "device" if fits else "arena"

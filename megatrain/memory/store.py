@@ -18,7 +18,7 @@ from megatrain.config import ConfigError, ModelConfig
 from megatrain.memory import checkpoint as ckpt
 from megatrain.memory.arena import Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
-from megatrain.model.layout import ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,20 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
 
 class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
-                 run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True):
+                 run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
+                 grads: str = "arena"):
+        """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
+        (GradLayout.ring), for an engine that streams them through."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
-            plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers).check_host()
+            plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
+                        grads=grads).check_host()
         self.layout = ModelLayout.build(self.config)
+        self.grad_layout = GradLayout.build(self.layout, grads)
         versions = ("versions", "int64", len(self.layout.units) * num_workers)
-        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,))
+        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,),
+                                  grads_numel=self.grad_layout.numel)
         self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
         self.seed = seed
         try:

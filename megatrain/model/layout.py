@@ -110,6 +110,58 @@ class ModelLayout:
                 for u in self.units for s in u.slots}
 
 
+GRAD_RING_SLOTS = 4  # decoder-layer gradient slots on the host when gradients stream (see GradLayout)
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """Where each unit's gradient lives in the host `grads` segment.
+
+    full: every unit has its own range, at the offsets its weights have (4 B/param more on the host).
+    ring: the embedding and the head keep ranges of their own, while the decoder layers share
+          `slots` ranges sized for the largest layer, layer l in slot l % slots. A layer's gradient
+          may only be written into its slot once the update that read the slot's previous occupant is
+          done (the executor waits for it); the host then holds gradients for only a few layers, and its
+          total per parameter is params + Adam m + v = 12 B.
+    """
+
+    offsets: tuple[int, ...]  # per unit: start of its gradient in the grads segment
+    slot_of: tuple[int, ...]  # per unit: id of the range it writes (units sharing an id share the range)
+    numel: int
+
+    @classmethod
+    def build(cls, layout: ModelLayout, placement: str) -> GradLayout:
+        """Full for grads = "arena", a ring for "stream" and "device" (EngineConfig.grads, resolved)."""
+        return cls.full(layout) if placement == "arena" else cls.ring(layout)
+
+    @classmethod
+    def full(cls, layout: ModelLayout) -> GradLayout:
+        return cls(tuple(u.offset for u in layout.units), tuple(u.index for u in layout.units), layout.numel)
+
+    @classmethod
+    def ring(cls, layout: ModelLayout, slots: int = GRAD_RING_SLOTS) -> GradLayout:
+        slots = max(1, min(slots, len(layout.layers)))
+        layer_size = layout.max_layer_numel()
+        embed, head = layout.embed, layout.head
+        # embedding, then the ring, then the head; slot ids: embed 0, head 1, layer slots 2..
+        ring_start = embed.numel
+        head_start = ring_start + slots * layer_size
+        offsets, slot_of = [0], [0]
+        for unit in layout.layers:
+            offsets.append(ring_start + (unit.layer % slots) * layer_size)
+            slot_of.append(2 + unit.layer % slots)
+        offsets.append(head_start)
+        slot_of.append(1)
+        return cls(tuple(offsets), tuple(slot_of), head_start + head.numel)
+
+    def range_of(self, unit: Unit, grads_flat: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[unit.index]
+        return grads_flat[start : start + unit.numel]
+
+    def bind(self, unit: Unit, grads_flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return unit.bind(self.range_of(unit, grads_flat))
+
+
 def _layer_tensors(config: ModelConfig, i: int) -> list[tuple[str, str, tuple[int, ...], bool]]:
     h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     tensors = [

@@ -15,6 +15,7 @@ at that moment (host time of an event = host time of the anchor - elapsed_time(e
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
@@ -175,7 +176,8 @@ class _HostSpan:
 
     def __exit__(self, *exc: object) -> None:
         self.span.end = time.monotonic()
-        self.rec._pending.append(self.span)
+        with self.rec._lock:
+            self.rec._pending.append(self.span)
 
 
 class _DeviceSpan:
@@ -194,7 +196,8 @@ class _DeviceSpan:
     def __exit__(self, *exc: object) -> None:
         end = self.rec._event()
         end.record(self.stream)
-        self.rec._device_pending.append((self.span, self.start, end, self.stream))
+        with self.rec._lock:
+            self.rec._device_pending.append((self.span, self.start, end, self.stream))
 
 
 _NULL = contextlib.nullcontext()  # what a disabled recorder hands out: no allocation, no clock read
@@ -207,6 +210,10 @@ class Recorder:
     stream reaches the start event, so a wait inside is counted as the work's own time.
     keep_steps bounds memory on long runs: spans of steps older than the last keep_steps are dropped at
     end_step (None keeps everything).
+
+    Spans may come from several threads (the executor sends gradients out on threads of its own, one of
+    which may still be copying the last step's while the next step runs): a span still running when a step
+    ends is kept for the next one.
     """
 
     def __init__(self, enabled: bool = True, keep_steps: int | None = 32):
@@ -220,9 +227,13 @@ class Recorder:
         self._pending: list[Span] = []
         self._device_pending: list[tuple[Span, torch.cuda.Event, torch.cuda.Event, torch.cuda.Stream]] = []
         self._free_events: list[torch.cuda.Event] = []
+        self._lock = threading.Lock()
 
     def _event(self) -> torch.cuda.Event:
-        return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+        with self._lock:
+            if self._free_events:
+                return self._free_events.pop()
+        return torch.cuda.Event(enable_timing=True)
 
     def begin_step(self, step: int, device: torch.device | str = "cpu") -> None:
         self.step = step
@@ -268,7 +279,8 @@ class Recorder:
         else:
             end = time.monotonic()
         start, self._t0 = self._t0, None
-        step_spans, self._pending = self._pending, []
+        with self._lock:
+            step_spans, self._pending = self._pending, []
         stats = account(step_spans, self.step, start, end)
         step_spans.append(Span(STEP_LANE, "step", self.step, start, end))
         self.spans.extend(step_spans)
@@ -289,7 +301,9 @@ class Recorder:
         current = torch.cuda.current_stream(device)
         tails_of: list[torch.cuda.Stream] = []  # streams other than the current one that carry spans
         tails: list[torch.cuda.Event] = []
-        for _, _, _, stream in self._device_pending:
+        with self._lock:
+            pending, self._device_pending = self._device_pending, []
+        for _, _, _, stream in pending:
             if stream != current and not any(stream == t for t in tails_of):
                 tails_of.append(stream)
                 tails.append(self._event())
@@ -299,7 +313,8 @@ class Recorder:
         anchor.record(current)
         anchor.synchronize()
         t_anchor = time.monotonic()
-        self._free_events += tails
+        with self._lock:
+            self._free_events += tails
 
         def host_time(ev: torch.cuda.Event) -> float:
             return t_anchor - ev.elapsed_time(anchor) / 1e3
@@ -307,14 +322,22 @@ class Recorder:
         # The device cannot run the step's first event before the host asked for it; if the anchor reads
         # it earlier, the device clock drifted from the host's over the step: shift the step's spans.
         shift = 0.0
+        done: list[torch.cuda.Event] = [anchor]
         if self._begin_event is not None:
             shift = max(0.0, self._t0 - host_time(self._begin_event))
-            self._free_events.append(self._begin_event)
+            done.append(self._begin_event)
             self._begin_event = None
-        for span, ev_start, ev_end, _ in self._device_pending:
+        unfinished = []
+        for entry in pending:
+            span, ev_start, ev_end, _ = entry
+            if not ev_end.query():  # recorded by another thread after the tails: the next step reads it
+                unfinished.append(entry)
+                continue
             span.start, span.end = host_time(ev_start) + shift, host_time(ev_end) + shift
-            self._pending.append(span)
-            self._free_events += [ev_start, ev_end]
-        self._device_pending = []
-        self._free_events.append(anchor)
+            with self._lock:
+                self._pending.append(span)
+            done += [ev_start, ev_end]
+        with self._lock:
+            self._device_pending[:0] = unfinished
+            self._free_events += done
         return t_anchor

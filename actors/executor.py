@@ -17,7 +17,7 @@ import torch
 
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
 from megatrain.engine.executor import Executor, GradsOut
-from megatrain.memory.arena import Arena, ArenaHandle
+from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.telemetry import Recorder, Span
 
@@ -40,12 +40,12 @@ class GPUExecutor:
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
-                                 GradLayout.build(self.layout, engine.grads))
+                                 GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT))
         self.hold_grads = engine.grads == "device"
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
-            self.arena.register_cuda()
+            self.arena.register_cuda(tuple(n for n in ("params", "grads", SHADOW_SEGMENT) if n in self.arena.tensors))
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.versions = self.arena.versions.view(len(self.layout.units), len(workers))

@@ -181,7 +181,7 @@ class Engine:
         self.engine_config = replace(self.engine_config, grads=self._resolve_grads(batch, seq))
         self.run_id = uuid.uuid4().hex[:12]
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
-            model_arg, n, seed, batch, seq, self.run_id, self.grads)
+            model_arg, n, seed, batch, seq, self.run_id, self.grads, self.engine_config.precision)
         self.handle = ray.get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)

@@ -89,13 +89,13 @@ class WeightSlots:
     """Two device buffers that decoder layers rotate through; a unit stays resident until evicted, so the
     top two layers of the forward are reused by the backward without a second copy."""
 
-    def __init__(self, numel: int, params: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
-        self.params, self.streams, self.dtype, self.rec = params, streams, dtype, rec
-        self.copy_needed = streams.cuda or dtype != torch.float32
+    def __init__(self, numel: int, weights: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
+        self.weights, self.streams, self.dtype, self.rec = weights, streams, dtype, rec  # weights: host, flat
+        self.copy_needed = streams.cuda or dtype != weights.dtype
         n = 2 if self.copy_needed else 0
         dev = streams.device
-        # bf16 on a GPU: fp32 arrives in a staging buffer and is cast into the compute buffer there
-        staged = streams.cuda and dtype != torch.float32
+        # bf16 compute from fp32 weights on a GPU: they arrive in a staging buffer and are cast there
+        staged = streams.cuda and dtype != weights.dtype
         self.staging = [torch.empty(numel, device=dev) for _ in range(n if staged else 0)]
         self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
         self.resident: list[int | None] = [None] * n
@@ -107,10 +107,10 @@ class WeightSlots:
         if not self.copy_needed or unit.index in self.resident:
             return
         slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
-        src = unit.range_of(self.params)
+        src = unit.range_of(self.weights)
         s = self.streams
         s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
-        with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * 4):
+        with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
             if self.staging:
                 self.staging[slot][: unit.numel].copy_(src, non_blocking=True)
                 self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel])
@@ -122,7 +122,7 @@ class WeightSlots:
     def acquire(self, unit: Unit) -> tuple[int, dict[str, torch.Tensor]]:
         """Makes the compute stream wait for `unit`'s weights and binds them."""
         if not self.copy_needed:
-            return -1, unit.bind(unit.range_of(self.params))
+            return -1, unit.bind(unit.range_of(self.weights))
         slot = self.resident.index(unit.index)
         self.streams.wait(self.streams.compute, self.ready[slot])
         return slot, unit.bind(self.buffers[slot][: unit.numel])
@@ -141,7 +141,10 @@ class Executor:
 
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
-                 recorder: Recorder | None = None, grad_layout: GradLayout | None = None):
+                 recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
+                 shadow: torch.Tensor | None = None):
+        """shadow: a bf16 copy of `params` kept current by the optimizer; with precision "bf16" the weights are
+        read from it (half the bytes to move), else from params."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.device = resolve_device(device)
@@ -149,13 +152,14 @@ class Executor:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}.")
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params
         self.loss_chunk_tokens = loss_chunk_tokens
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
             set_matmul_precision(precision)
         self.streams = Streams(self.device)
         self.template = DecoderLayer(config)
-        self.slots = WeightSlots(layout.max_layer_numel(), params, self.streams, self.dtype, self.rec)
+        self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
         self._outbox: queue.Queue[tuple[GradsOut, LandedCallback, UnitCallback, dict[int, Unit]] | None] = queue.Queue()
@@ -299,7 +303,7 @@ class Executor:
         wait_weights(embed_unit)
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
-            table = embed_unit.bind(embed_unit.range_of(self.params))["embed_tokens.weight"]
+            table = embed_unit.bind(embed_unit.range_of(self.weights))["embed_tokens.weight"]
             rows = self._to_device(table.index_select(0, rows_idx), self.dtype)
             row_of_token = self._to_device(row_of_token)
         with self.rec.span("compute", "embed", embed_unit.index, s.compute):
@@ -385,10 +389,10 @@ class Executor:
         return StepOutput(loss_value, n_tokens, norm_values, held)
 
     def _head_weights(self, head_unit: Unit) -> torch.Tensor:
-        src = head_unit.range_of(self.params)
-        if not self.streams.cuda and self.dtype == torch.float32:
+        src = head_unit.range_of(self.weights)
+        if not self.streams.cuda and self.dtype == src.dtype:
             return src
-        with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * 4):
+        with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * src.element_size()):
             return self._to_device(src, self.dtype)
 
     def _embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.config import OptimConfig
+from megatrain.memory.arena import SHADOW_SEGMENT
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, Unit
 
 
@@ -42,6 +43,7 @@ class _Group:
     grads: list[torch.Tensor]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
+    shadow: list[torch.Tensor]  # bf16 copies of params (bf16 runs), rewritten after each update
 
 
 class AdamWShard:
@@ -59,8 +61,9 @@ class AdamWShard:
 
     def _groups(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[_Group, _Group]:
         lo, hi = shard_bounds(unit, self.worker, self.num_workers)
-        decay, no_decay = _Group([], [], [], []), _Group([], [], [], [])
+        decay, no_decay = _Group([], [], [], [], []), _Group([], [], [], [], [])
         grads = self.grad_layout.range_of(unit, tensors["grads"])
+        shadow = tensors.get(SHADOW_SEGMENT)
         for slot in unit.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a >= b:
@@ -71,6 +74,8 @@ class AdamWShard:
             group.grads.append(grads[a:b])
             group.exp_avg.append(tensors["exp_avg"][start:end])
             group.exp_avg_sq.append(tensors["exp_avg_sq"][start:end])
+            if shadow is not None:
+                group.shadow.append(shadow[start:end])
         return decay, no_decay
 
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:
@@ -87,6 +92,8 @@ class AdamWShard:
             torch._fused_adamw_(group.params, group.grads, group.exp_avg, group.exp_avg_sq, [], steps,
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=self.optim.eps,
                                 amsgrad=False, maximize=False)
+            for low, param in zip(group.shadow, group.params, strict=False):
+                low.copy_(param)  # round to nearest even, as a cast on the GPU would
         if self.versions is not None:
             self.versions[unit_index, self.worker] = step + 1
         return time.perf_counter() - t0

@@ -30,6 +30,9 @@ PREFIX = "megatrain"
 
 # name -> dtype of the segments an arena holds; sizes come from the handle
 FP32_SEGMENTS = ("params", "grads", "exp_avg", "exp_avg_sq")
+# bf16 runs: the weights rounded to bf16, written by the optimizer beside each update, so that the GPU
+# loads 2 B/param instead of 4
+SHADOW_SEGMENT = "params_bf16"
 
 
 def _process_start_time(pid: int) -> int | None:

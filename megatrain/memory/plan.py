@@ -1,8 +1,9 @@
 """The memory plan: bytes per tier before anything is allocated, and a clear refusal when it won't fit.
 
-Host: the arena (fp32 params and Adam m and v, 12 B/param, plus the gradients: 4 B/param when they all
-wait in the arena, a few layers' worth when they stream; see GRAD_PLACEMENTS in megatrain/config.py) and
-the resident size of the processes (Ray, parameter store, optimizer workers, data loader, executor).
+Host: the arena (fp32 params and Adam m and v, 12 B/param; bf16 runs 2 more for the bf16 shadow of the
+weights; plus the gradients: 4 B/param when they all wait in the arena, a few layers' worth when they
+stream, see GRAD_PLACEMENTS in megatrain/config.py) and the resident size of the processes (Ray,
+parameter store, optimizer workers, data loader, executor).
 GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the
 step's gradients when they stay on the device), the layer-input checkpoints, one layer's recompute
 working set, and one chunk of logits.
@@ -105,7 +106,7 @@ class MemoryPlan:
             return f"  {name:<34}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
         lines = [f"memory plan for {self.model} ({size} params)", "host:"]
-        lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes),
+        lines += [row("arena: params + Adam m,v (+ bf16 shadow)", self.arena_bytes - self.grads_bytes),
                   row(f"arena: gradients (grads = {self.grads})", self.grads_bytes),
                   row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
@@ -139,7 +140,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
     embed_rows = min(v, tokens) * h * 4
     # bf16 mode keeps a cast copy of each layer beside the fp32 buffer it arrived in
-    weights = 2 * layer * 4 + (2 * layer * 2 if precision == "bf16" else 0) + head * 4 + embed_rows
+    # bf16 runs load the optimizer's bf16 shadow of the weights: 2 B/param on the GPU and 2 more on the host
+    weight_bytes = 2 if precision == "bf16" else 4
+    weights = (2 * layer + head) * weight_bytes + embed_rows
     if grads == "device":  # every layer's and the head's gradient stays until the step ends
         gpu_grads = config.num_layers * layer * 4 + head * 4 + embed_rows
     else:
@@ -168,7 +171,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
-        arena_bytes=arena_numel * 12 + grads_numel * 4, grads=grads, grads_bytes=grads_numel * 4,
+        arena_bytes=arena_numel * (14 if precision == "bf16" else 12) + grads_numel * 4, grads=grads,
+        grads_bytes=grads_numel * 4,
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_activations=checkpoints + working,
         gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
     )

@@ -16,7 +16,7 @@ import torch
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.memory import checkpoint as ckpt
-from megatrain.memory.arena import Arena, ArenaHandle
+from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
 from megatrain.model.layout import GradLayout, ModelLayout
 
@@ -54,18 +54,21 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
 class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
-                 grads: str = "arena"):
+                 grads: str = "arena", precision: str = "fp32"):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
-        (GradLayout.ring), for an engine that streams them through."""
+        (GradLayout.ring), for an engine that streams them through. precision "bf16" adds a bf16 shadow of
+        the weights (`params_bf16`), kept equal to params rounded to bf16, so the GPU loads half the bytes."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
-                        grads=grads).check_host()
+                        grads=grads, precision=precision).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
-        versions = ("versions", "int64", len(self.layout.units) * num_workers)
-        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=(versions,),
+        extra = [("versions", "int64", len(self.layout.units) * num_workers)]
+        if precision == "bf16":
+            extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
+        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
                                   grads_numel=self.grad_layout.numel)
         self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
         self.seed = seed
@@ -81,6 +84,12 @@ class ParameterStore:
             ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
         else:
             init_weights(self.layout, self.arena.params, self.seed)
+        self._refresh_shadow()
+
+    def _refresh_shadow(self) -> None:
+        """After the weights were written other than by the optimizer (which keeps the shadow itself)."""
+        if SHADOW_SEGMENT in self.arena.tensors:
+            self.arena.tensors[SHADOW_SEGMENT].copy_(self.arena.params)
 
     def reinitialize(self) -> None:
         """Back to the state before the first step: initial weights, zero moments, version 0."""
@@ -124,6 +133,7 @@ class ParameterStore:
         model_files = ckpt.weight_files(directory, "model")
         opt_files = ckpt.weight_files(directory, "optimizer")
         ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory))
+        self._refresh_shadow()
         ckpt.load_into(self.layout, self.arena.exp_avg, opt_files, prefix="exp_avg.", where=str(directory))
         ckpt.load_into(self.layout, self.arena.exp_avg_sq, opt_files, prefix="exp_avg_sq.", where=str(directory))
         self.arena.grads.zero_()

@@ -1,0 +1,82 @@
+"""bf16 runs read the weights from a bf16 shadow that the optimizer writes beside each update, so the GPU
+loads 2 B/param instead of 4. The shadow must always equal the fp32 weights rounded to bf16, and reading
+it must give exactly what casting the fp32 weights on the device gives."""
+
+from __future__ import annotations
+
+import torch
+
+import megatrain
+from megatrain.config import ModelConfig, OptimConfig
+from megatrain.engine.executor import Executor
+from megatrain.engine.optimizer import AdamWShard
+from megatrain.memory.arena import SHADOW_SEGMENT, Arena
+from megatrain.memory.store import ParameterStore, init_weights
+from megatrain.model.layout import ModelLayout
+
+CONFIG = ModelConfig.from_name("tiny")
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_executor_reading_the_shadow_equals_casting_the_weights() -> None:
+    layout = ModelLayout.build(CONFIG)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=1)
+    grads_cast, grads_shadow = torch.zeros(layout.numel), torch.zeros(layout.numel)
+    cast = Executor(CONFIG, layout, params, grads_cast, precision="bf16").run(_batch())
+    shadow = Executor(CONFIG, layout, params, grads_shadow, precision="bf16", shadow=params.bfloat16()).run(_batch())
+    assert cast.loss == shadow.loss
+    assert torch.equal(grads_cast, grads_shadow)
+    # and a shadow is only read for bf16 compute: fp32 runs must not see rounded weights
+    fp32 = Executor(CONFIG, layout, params, torch.zeros(layout.numel), shadow=params.bfloat16())
+    assert fp32.weights is params
+
+
+def test_optimizer_keeps_the_shadow_equal_to_the_rounded_weights() -> None:
+    layout = ModelLayout.build(CONFIG)
+    tensors = {name: torch.zeros(layout.numel) for name in ("params", "grads", "exp_avg", "exp_avg_sq")}
+    init_weights(layout, tensors["params"], seed=1)
+    tensors["grads"].normal_(generator=torch.Generator().manual_seed(2))
+    tensors[SHADOW_SEGMENT] = tensors["params"].bfloat16()
+    before = tensors[SHADOW_SEGMENT].clone()
+    for worker in range(3):
+        AdamWShard(layout, tensors, OptimConfig(lr=1e-2), worker, 3).update_all(step=0)
+    assert not torch.equal(tensors[SHADOW_SEGMENT], before)
+    assert torch.equal(tensors[SHADOW_SEGMENT], tensors["params"].bfloat16())
+
+
+def test_store_writes_the_shadow_when_weights_change_outside_the_optimizer(tmp_path) -> None:
+    store = ParameterStore("tiny", seed=0, precision="bf16")
+    try:
+        shadow = store.arena.tensors[SHADOW_SEGMENT]
+        assert torch.equal(shadow, store.arena.params.bfloat16()), "after init"
+        state = {"steps_done": 0, "updates_applied": 0}
+        store.save_checkpoint(tmp_path / "ckpt", state)
+        store.arena.params.add_(1.0)
+        store.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(shadow, store.arena.params.bfloat16()), "after a checkpoint load"
+        store.arena.params.add_(1.0)
+        store.reinitialize()
+        assert torch.equal(shadow, store.arena.params.bfloat16()), "after reinitialize"
+    finally:
+        store.close()
+    fp32 = ParameterStore("tiny", seed=0)
+    try:
+        assert SHADOW_SEGMENT not in fp32.arena.tensors, "only bf16 runs pay 2 B/param for a shadow"
+    finally:
+        fp32.close()
+
+
+def test_bf16_engine_keeps_its_shadow_current(ray_session) -> None:
+    with megatrain.Engine("tiny", optimizer_workers=2, precision="bf16", device="cpu", lr=1e-2) as engine:
+        losses = [engine.step(_batch()) for _ in range(3)]
+        assert all(loss == loss for loss in losses)
+        engine.wait_for_updates()
+        arena = Arena.open(engine.handle)
+        try:
+            assert torch.equal(arena.tensors[SHADOW_SEGMENT], arena.params.bfloat16())
+        finally:
+            arena.close()

@@ -40,7 +40,8 @@ class GPUExecutor:
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
-                                 GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT))
+                                 GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
+                                 engine.compile)
         self.hold_grads = engine.grads == "device"
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing

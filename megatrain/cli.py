@@ -29,6 +29,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--device", help="auto | cpu | cuda")
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")

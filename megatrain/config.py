@@ -463,6 +463,7 @@ class EngineConfig:
     loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
     seed: int = 0
     grads: str = "auto"  # auto | arena | stream | device: where gradients wait for the optimizer (GRAD_PLACEMENTS)
+    compile: bool = False  # torch.compile the decoder layer template (minutes of compiling at the first step)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -477,6 +478,8 @@ class EngineConfig:
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}.")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         if self.grads not in GRAD_PLACEMENTS:
             raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {self.grads!r}.")
         if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")

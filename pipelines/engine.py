@@ -139,11 +139,12 @@ class Engine:
                  optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True, grads: str = "auto"):
+                 metrics: bool = True, grads: str = "auto", compile: bool = False):
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
-                                          loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads)
+                                          loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
+                                          compile=compile)
         self.config, _, self.model_name = resolve_model(model)
         self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
         self.steps_done = 0  # steps run, skipped ones included

@@ -53,6 +53,7 @@ class TrainConfig:
     precision: str = "tf32"
     device: str = "auto"
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
+    compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
     loss_chunk_tokens: int = 4096
     seed: int = 0
     address: str | None = None  # "auto": join the cluster of `ray start --head`
@@ -122,13 +123,13 @@ class TrainConfig:
 
 TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "checkpoint_every",
               "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
-TRAIN_FLAGS = ("decay", "resume", "trace", "save_final")
+TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
-             "optimizer_workers", "precision", "device", "grads", "seed", "loss_chunk_tokens", "address",
+             "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,

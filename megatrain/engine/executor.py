@@ -142,9 +142,10 @@ class Executor:
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
-                 shadow: torch.Tensor | None = None):
+                 shadow: torch.Tensor | None = None, compile: bool = False):
         """shadow: a bf16 copy of `params` kept current by the optimizer; with precision "bf16" the weights are
-        read from it (half the bytes to move), else from params."""
+        read from it (half the bytes to move), else from params. compile: run the decoder layer through
+        torch.compile (every layer has the same shapes, so it compiles once per batch shape and grad mode)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.device = resolve_device(device)
@@ -159,6 +160,9 @@ class Executor:
             set_matmul_precision(precision)
         self.streams = Streams(self.device)
         self.template = DecoderLayer(config)
+        self.layer: Callable[..., torch.Tensor] = self.template
+        if compile:
+            self.layer = torch.compile(self.template.__call__, fullgraph=True, dynamic=False)
         self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
@@ -317,7 +321,7 @@ class Executor:
             slot, w = self.slots.acquire(unit)
             checkpoints.append(x)
             with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
-                x = self.template(x, w, rope)
+                x = self.layer(x, w, rope)
             self.slots.release(slot)
             if i + 1 < len(layers):
                 wait_weights(layers[i + 1])
@@ -363,7 +367,7 @@ class Executor:
             unit = layers[i]
             slot, w = self.slots.acquire(unit)
             with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
-                grad, wgrads = recompute_grads(self.template, checkpoints[i], w, grad, rope)
+                grad, wgrads = recompute_grads(self.layer, checkpoints[i], w, grad, rope)
             checkpoints[i] = None  # type: ignore[call-overload]
             self.slots.release(slot)
             if i > 0:

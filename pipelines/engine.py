@@ -139,7 +139,9 @@ class Engine:
                  optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True, grads: str = "auto", compile: bool = False):
+                 metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000):
+        """max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
+        dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
@@ -156,6 +158,8 @@ class Engine:
         self.replayed_steps = 0  # steps recomputed from a checkpoint to recover (work lost to faults)
         self._pending: list[ray.ObjectRef] = []  # the last step's updates
         self._replay: list[ray.ObjectRef] = []  # batches since the last checkpoint, for exact recovery
+        self.max_replay_steps = max_replay_steps
+        self._replay_complete = True  # False once batches were dropped: no exact replay until the next checkpoint
         self._last_checkpoint: Path | None = None
         self._arena: Arena | None = None
         self.store = self.executor = None
@@ -244,6 +248,11 @@ class Engine:
     def step_batch(self, batch: Any) -> StepResult:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        if len(self._replay) >= self.max_replay_steps:
+            if self._replay_complete:
+                log.warning("%d steps without a checkpoint: the batches kept to replay them after a fault are "
+                            "dropped; save checkpoints more often to keep faults recoverable", len(self._replay))
+            self._replay, self._replay_complete = [], False
         self._replay.append(ref)
         while True:
             try:
@@ -356,6 +365,10 @@ class Engine:
         if consistent:
             log.warning("the GPU executor died; a new one mapped the same arena and redoes step %d", self.steps_done)
             return
+        if not self._replay_complete:
+            raise MegatrainError(f"an actor died during an update and the steps since the last checkpoint "
+                                 f"(more than max_replay_steps={self.max_replay_steps}) cannot be replayed; resume "
+                                 "from the last checkpoint, and save checkpoints more often.")
         replay = self._replay[:-1]
         source = self._last_checkpoint or "the initial weights"
         log.warning("%s died during an update; restoring %s and replaying %d step(s)",
@@ -415,14 +428,14 @@ class Engine:
         self.wait_for_updates()
         state = {**self.state(), **(extra_state or {})}
         path = Path(ray.get(self.store.save_checkpoint.remote(str(directory), state)))
-        self._last_checkpoint, self._replay = path, []
+        self._last_checkpoint, self._replay, self._replay_complete = path, [], True
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         self.wait_for_updates()
         state = ray.get(self.store.load_checkpoint.remote(str(directory)))
         self._set_state(state)
-        self._last_checkpoint, self._replay = Path(directory), []
+        self._last_checkpoint, self._replay, self._replay_complete = Path(directory), [], True
         return state
 
     def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:

@@ -31,11 +31,11 @@ def batches() -> list[torch.Tensor]:
 
 
 def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
-          seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
+          seed: int = 0, grads: str = "auto") -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
     """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps."""
     rng = random.Random(seed)
     losses = []
-    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, **ENGINE) as engine:
+    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, **ENGINE) as engine:
         for i, ids in enumerate(batches):
             killer = None
             if victim is not None and i in KILL_STEPS:
@@ -81,6 +81,26 @@ def test_killed_executor_with_clipping_off_recovers_exactly(ray_session, batches
     assert restarts >= len(KILL_STEPS)
     assert losses == losses0
     assert_same_model(params, params0)
+
+
+def test_killed_executor_holding_the_gradients_recovers_exactly(ray_session, batches, uninterrupted, tmp_path
+                                                                ) -> None:
+    """grads = "device": the step's gradients die with the executor, and it may die while sending them out,
+    with some units updated and others not; recovery replays from the checkpoint."""
+    losses, params, restarts, _ = train(batches, tmp_path, victim="executor", grads="device", seed=2)
+    assert restarts >= len(KILL_STEPS)
+    assert losses == uninterrupted[0], "grads = device trains exactly as grads = arena"
+    assert_same_model(params, uninterrupted[1])
+
+
+def test_fault_past_the_replay_window_is_one_sentence(ray_session, batches) -> None:
+    with megatrain.Engine("tiny", max_replay_steps=2, **ENGINE) as engine:
+        for ids in batches[:3]:
+            engine.step(ids)
+        os.kill(engine.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(megatrain.MegatrainError, match="cannot be replayed; resume from the last checkpoint"):
+            for ids in batches[3:6]:
+                engine.step(ids)
 
 
 def megatrain_cli(*args: str) -> subprocess.Popen:

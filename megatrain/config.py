@@ -368,8 +368,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True),
     # Llama-2-7B (6.7B)
     "7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008),
-    # Llama-3.1-8B shape with Llama-2's vocab stretched to ~9B: the fp32 + AdamW size target on 125 GiB
-    "9b": dict(vocab_size=32000, hidden_size=4096, num_layers=44, num_heads=32, num_kv_heads=8,
+    # Llama-3.1-8B layers, Llama-2's vocab, 41 layers: 9.2 G params, the fp32 + AdamW size target on a
+    # 125 GiB host (12 B/param = 103 GiB with gradients streamed; FSDP2 offload tops out at 6.7 B there)
+    "9b": dict(vocab_size=32000, hidden_size=4096, num_layers=41, num_heads=32, num_kv_heads=8,
                intermediate_size=14336, rope_theta=500000.0),
     # Qwen2.5-14B
     "14b": dict(vocab_size=152064, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,

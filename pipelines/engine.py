@@ -184,9 +184,10 @@ class Engine:
         n = self.engine_config.optimizer_workers
         model_arg = model if isinstance(model, ModelConfig) else str(model)
         self.engine_config = replace(self.engine_config, grads=self._resolve_grads(batch, seq))
+        shadow = self._bf16_shadow(batch, seq)
         self.run_id = uuid.uuid4().hex[:12]
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
-            model_arg, n, seed, batch, seq, self.run_id, self.grads, self.engine_config.precision)
+            model_arg, n, seed, batch, seq, self.run_id, self.grads, shadow)
         self.handle = ray.get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -214,6 +215,19 @@ class Engine:
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": "on the GPU until the step ends"}[grads])
         return grads
+
+    def _bf16_shadow(self, batch: int, seq: int) -> bool:
+        """bf16 runs keep a bf16 copy of the weights for the GPU to load, unless host memory is too short for
+        its 2 B/param (then fp32 weights cross PCIe and are cast on the GPU)."""
+        if self.engine_config.precision != "bf16":
+            return False
+        plan = plan_memory(self.config, batch, seq, name=self.model_name, grads=self.grads, shadow=True,
+                           precision="bf16", optimizer_workers=self.engine_config.optimizer_workers)
+        if plan.host_problem() is None:
+            return True
+        log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe and are "
+                    "cast on the GPU, twice the bytes", plan.shadow_bytes / 2**30)
+        return False
 
     def _new_worker(self, index: int) -> Any:
         n = self.engine_config.optimizer_workers

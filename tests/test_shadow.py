@@ -49,7 +49,7 @@ def test_optimizer_keeps_the_shadow_equal_to_the_rounded_weights() -> None:
 
 
 def test_store_writes_the_shadow_when_weights_change_outside_the_optimizer(tmp_path) -> None:
-    store = ParameterStore("tiny", seed=0, precision="bf16")
+    store = ParameterStore("tiny", seed=0, shadow=True)
     try:
         shadow = store.arena.tensors[SHADOW_SEGMENT]
         assert torch.equal(shadow, store.arena.params.bfloat16()), "after init"

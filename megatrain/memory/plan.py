@@ -53,6 +53,7 @@ class MemoryPlan:
     arena_bytes: int
     grads: str  # where gradients wait (GRAD_PLACEMENTS, "auto" resolved)
     grads_bytes: int  # the arena's gradient segment, part of arena_bytes
+    shadow_bytes: int  # bf16 runs: the bf16 copy of the weights, part of arena_bytes
     process_bytes: int
     gpu_weights: int
     gpu_grads: int
@@ -106,8 +107,10 @@ class MemoryPlan:
             return f"  {name:<34}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
         lines = [f"memory plan for {self.model} ({size} params)", "host:"]
-        lines += [row("arena: params + Adam m,v (+ bf16 shadow)", self.arena_bytes - self.grads_bytes),
-                  row(f"arena: gradients (grads = {self.grads})", self.grads_bytes),
+        lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
+        if self.shadow_bytes:
+            lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
+        lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes),
                   row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
@@ -124,8 +127,11 @@ class MemoryPlan:
 
 def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
-                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena") -> MemoryPlan:
-    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory)."""
+                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
+                shadow: bool | None = None) -> MemoryPlan:
+    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
+    a bf16 copy of the weights in the arena (default: for bf16 runs)."""
+    shadow = precision == "bf16" if shadow is None else shadow
     if grads not in GRAD_PLACEMENTS:
         raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {grads!r}.")
     grads = "arena" if grads == "auto" else grads
@@ -140,11 +146,12 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
     embed_rows = min(v, tokens) * h * 4
     # bf16 mode keeps a cast copy of each layer beside the fp32 buffer it arrived in
-    # bf16 runs load the optimizer's bf16 shadow of the weights: 2 B/param on the GPU and 2 more on the host
-    weight_bytes = 2 if precision == "bf16" else 4
+    # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
+    # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
+    weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
     weights = (2 * layer + head) * weight_bytes + embed_rows
-    if grads == "device":  # every layer's and the head's gradient stays until the step ends
-        gpu_grads = config.num_layers * layer * 4 + head * 4 + embed_rows
+    if grads == "device":  # every layer's and the head's gradient stays until the step ends, in compute dtype
+        gpu_grads = (config.num_layers * layer + head) * act_bytes + embed_rows
     else:
         gpu_grads = 2 * layer * 4 + head * 4 + embed_rows
     if grads == "arena":
@@ -156,6 +163,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes
     chunk = min(tokens, loss_chunk_tokens)
     loss = 3 * chunk * v * 4 + 2 * tokens * h * 4
+    shadow_bytes = arena_numel * 2 if shadow else 0
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
@@ -171,8 +179,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
-        arena_bytes=arena_numel * (14 if precision == "bf16" else 12) + grads_numel * 4, grads=grads,
-        grads_bytes=grads_numel * 4,
+        arena_bytes=arena_numel * 12 + grads_numel * 4 + shadow_bytes, grads=grads, grads_bytes=grads_numel * 4,
+        shadow_bytes=shadow_bytes,
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_activations=checkpoints + working,
         gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
     )

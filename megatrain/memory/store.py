@@ -54,19 +54,19 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
 class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
-                 grads: str = "arena", precision: str = "fp32"):
+                 grads: str = "arena", shadow: bool = False):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
-        (GradLayout.ring), for an engine that streams them through. precision "bf16" adds a bf16 shadow of
-        the weights (`params_bf16`), kept equal to params rounded to bf16, so the GPU loads half the bytes."""
+        (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
+        (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
-                        grads=grads, precision=precision).check_host()
+                        grads=grads, shadow=shadow).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
         extra = [("versions", "int64", len(self.layout.units) * num_workers)]
-        if precision == "bf16":
+        if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
                                   grads_numel=self.grad_layout.numel)

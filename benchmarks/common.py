@@ -53,8 +53,8 @@ def fmt(value: float | None, spec: str = ".1f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def gib(nbytes: float | None) -> str:
-    return fmt(None if nbytes is None else nbytes / GiB, ".2f")
+def gib(nbytes: float | None, missing: str = "-") -> str:
+    return fmt(None if nbytes is None else nbytes / GiB, ".2f", missing)
 
 
 # ---- /proc ----

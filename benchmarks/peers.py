@@ -67,6 +67,7 @@ class PeerResult:
     setup_s: float | None = None  # building the model and optimizer (megatrain: starting the actors)
     losses: list[float] = field(default_factory=list)
     stats: dict[str, float] | None = None  # megatrain: the mean StepStats of the timed steps
+    grads: str | None = None  # megatrain: where its gradients waited (Engine.grads), where the engine says
 
     def finish(self, spec: BenchSpec, step_time: float, losses: list[float]) -> PeerResult:
         tokens = spec.batch * spec.seq
@@ -239,7 +240,7 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
                                   device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq)
         gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
         result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
-                            setup_s=time.perf_counter() - t0)
+                            setup_s=time.perf_counter() - t0, grads=getattr(engine, "grads", None))
         # Batches go to the object store up front, as the data-loader actor would have them ready.
         refs = [ray.put({"input_ids": b.numpy()}) for b in make_batches(spec)]
         stats: list[dict[str, Any]] = []

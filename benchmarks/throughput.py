@@ -9,7 +9,8 @@ GPU memory is its own, its host memory is sampled from here over its whole proce
 included), and a crash or an out-of-memory costs one row, not the run. The table gives tokens/s, TFLOP/s
 as 6 * N * tokens / step time (N = ModelConfig.num_params(); attention FLOPs are left out, as the peers'
 numbers in shared/device/README.md do), peak GPU and host memory, and each peer's throughput over
-megatrain's; then megatrain's stall breakdown and PCIe rates from StepResult.stats.
+megatrain's; then megatrain's stall breakdown and PCIe rates from StepResult.stats, and `megatrain plan`'s
+host and GPU totals for the shape against megatrain's measured peaks (plan_vs_measured), flagged past 10%.
 
 Without CUDA, megatrain and the resident peer run on the CPU and the offload peers say "needs CUDA".
 `--table a.json b.json` prints the table of earlier runs' --out files together (e.g. peers run in
@@ -27,9 +28,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,6 +50,11 @@ from benchmarks.common import (
 from benchmarks.peers import LABELS, NEEDS_CUDA, PEERS, BenchSpec, PeerResult, run_peer
 
 # ---- running one peer in its own process ----
+
+# Set on SIGTERM (e.g. `timeout` around a whole run, as benchmarks/gpu_session.sh does): the running peer is
+# ended like a timed-out one and the rest are not started, so the table and --out still hold the peers done.
+STOP = threading.Event()
+
 
 def _start_time(pid: int) -> int | None:
     try:
@@ -91,7 +99,7 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         seen.update((pid, _start_time(pid)) for pid in process_tree(proc.pid) if pid not in seen)
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or STOP.is_set():
             timed_out = True
             _kill({pid: start for pid, start in seen.items()}, grace=10)
             break
@@ -107,6 +115,8 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
     if result_file.exists() and not timed_out:
         data = json.loads(result_file.read_text())
         result = PeerResult(**{f.name: data[f.name] for f in fields(PeerResult) if f.name in data})
+    elif STOP.is_set():  # the signal reached the peer's process group too: its exit code says only that
+        result = PeerResult(peer, status=f"stopped by SIGTERM (log: {log_path})")
     elif timed_out:
         result = PeerResult(peer, status=f"timed out after {timeout:.0f} s (log: {log_path})")
     else:
@@ -147,7 +157,67 @@ def stall_table(stats: dict[str, float]) -> str:
     return format_table(["part", "seconds", "% of step"], rows) + "\n\n" + pcie
 
 
-def report(meta: dict, results: list[PeerResult]) -> str:
+# ---- megatrain's memory plan against what its row measured ----
+
+PLAN_TOLERANCE = 0.10  # the bar: `megatrain plan` predicts a benchmark run's peak host and GPU memory within 10%
+
+
+def plan_vs_measured(spec: BenchSpec, results: list[PeerResult]) -> list[dict[str, Any]] | None:
+    """`megatrain plan`'s host and GPU totals for this shape against the megatrain row's measured peaks, one
+    dict per tier (bytes, error in % of the measured value, whether it is within PLAN_TOLERANCE); None
+    without a finished megatrain row.
+
+    Host: the plan's total is the arena plus a resident size per process (Ray, store, workers, executor,
+    data loader), so it is set against the tree RSS peak, which is built the same way: each process's own
+    resident memory plus /dev/shm growth counted once. "host used" is machine-wide instead (anything else
+    running, kernel page-locking) and is left out of the comparison. The benchmark has no data-loader
+    actor, but its driver process (torch imported) stands where the plan counts one.
+    GPU: max_memory_allocated() counts the tensors the plan itemises and nothing else, so the plan's CUDA
+    context estimate (a constant no allocator counter sees) is taken off its total before comparing."""
+    from megatrain.config import EngineConfig
+    from megatrain.memory.plan import CUDA_CONTEXT, plan_memory
+
+    mt = next((r for r in results if r.peer == "megatrain" and r.status == "ok"), None)
+    if mt is None:
+        return None
+    on_gpu = mt.device.startswith("cuda")
+    # Where gradients waited changes both totals: plan the placement the engine reported; an engine that
+    # reports none kept them all in the arena, plan_memory's default.
+    placement = {"grads": mt.grads} if mt.grads else {}
+    # Keywords only (the signature grows); the engine's default loss chunk, as the megatrain peer runs it.
+    # gpu_free=0: the totals do not depend on it, and plan_memory would otherwise ask CUDA for it, creating
+    # a context in this parent process.
+    try:
+        plan = plan_memory(config=spec.config, batch=spec.batch, seq=spec.seq, name=spec.model,
+                           precision=spec.precision, optimizer_workers=spec.optimizer_workers, on_gpu=on_gpu,
+                           loss_chunk_tokens=EngineConfig().loss_chunk_tokens, gpu_free=0 if on_gpu else None,
+                           **placement)
+    except Exception as e:  # the plan's own failure must not cost the table and --out of a finished run
+        print(f"memory plan vs measured: plan_memory failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    tiers = [("host", "tree RSS peak", plan.host_total, mt.host_rss_peak)]
+    if on_gpu:
+        tiers.append(("GPU", "max_memory_allocated (plan less CUDA context)", plan.gpu_total - int(CUDA_CONTEXT),
+                      mt.gpu_peak))
+    else:  # the CPU path computes in host memory: the plan puts it in the host total
+        tiers.append(("GPU", "n/a (CPU run)", None, None))
+    rows = []
+    for tier, measure, predicted, measured in tiers:
+        error = 100 * (predicted - measured) / measured if predicted is not None and measured else None
+        rows.append({"tier": tier, "measure": measure, "grads": mt.grads, "predicted": predicted,
+                     "measured": measured, "error_pct": error,
+                     "within_tolerance": None if error is None else abs(error) <= 100 * PLAN_TOLERANCE})
+    return rows
+
+
+def plan_table(checks: list[dict[str, Any]]) -> str:
+    flag = {None: "n/a", True: "ok", False: f"OFF by more than {100 * PLAN_TOLERANCE:.0f}%"}
+    rows = [[c["tier"], gib(c["predicted"], "n/a"), gib(c["measured"], "n/a"), fmt(c["error_pct"], "+.1f", "n/a"),
+             flag[c["within_tolerance"]], c["measure"]] for c in checks]
+    return format_table(["tier", "plan GiB", "measured GiB", "error %", "check", "measured as"], rows)
+
+
+def report(meta: dict, results: list[PeerResult], checks: list[dict[str, Any]] | None = None) -> str:
     spec = meta["spec"]
     lines = [f"throughput: model {spec['model']} ({meta['params']:,} params), batch {spec['batch']} x seq "
              f"{spec['seq']}, {spec['precision']}, {spec['steps']} timed steps after {spec['warmup']} "
@@ -161,6 +231,10 @@ def report(meta: dict, results: list[PeerResult]) -> str:
     if mt:
         lines += ["", f"megatrain stall breakdown (mean of {spec['steps']} timed steps, StepResult.stats):",
                   stall_table(mt.stats)]
+    if checks:
+        grads = f", grads = {checks[0]['grads']}" if checks[0].get("grads") else ""
+        lines += ["", f"memory plan vs measured (megatrain row; `megatrain plan` for this shape{grads}, flagged "
+                      f"when off by more than {100 * PLAN_TOLERANCE:.0f}%):", plan_table(checks)]
     return "\n".join(lines)
 
 
@@ -211,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result_file).write_text(json.dumps(asdict(result)))
         return 0
     if args.table:
-        print(report(*merge(args.table)))
+        meta, results = merge(args.table)
+        print(report(meta, results, plan_vs_measured(BenchSpec(**meta["spec"]), results)))
         return 0
 
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -226,16 +301,21 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mtbench-throughput-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"peer logs in {log_dir}", flush=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
     results = []
     for peer in peers:
+        if STOP.is_set():
+            results.append(PeerResult(peer, status="not run: stopped by SIGTERM"))
+            continue
         t0 = time.perf_counter()
         print(f"running {peer} ...", flush=True)
         results.append(run_in_subprocess(peer, spec, log_dir, args.timeout))
         print(f"  {peer}: {results[-1].status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    checks = plan_vs_measured(spec, results)
     print()
-    print(report(meta, results))
+    print(report(meta, results, checks))
     if args.out:
-        out = {"meta": meta, "results": [asdict(r) for r in results]}
+        out = {"meta": meta, "results": [asdict(r) for r in results], "memory_plan": checks}
         Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -34,7 +34,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")
-    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: none)")
+    p.add_argument("--no-save-final", dest="save_final", action="store_false", default=None,
+                   help="do not write the final HF model (final/)")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--log-every", type=int)
     p.add_argument("--seed", type=int)

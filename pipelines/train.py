@@ -58,7 +58,7 @@ class TrainConfig:
     seed: int = 0
     address: str | None = None  # "auto": join the cluster of `ray start --head`
     # bookkeeping
-    checkpoint_every: int = 100
+    checkpoint_every: int = 100  # 0: none (the last step is always checkpointed otherwise)
     keep_checkpoints: int = 3
     eval_every: int = 0  # 0: no evaluation (finetune sets it)
     log_every: int = 10
@@ -108,9 +108,12 @@ class TrainConfig:
                     raise ConfigError(f"train config: {name} must be {what}, got {value!r}.")
         if self.address is not None and not isinstance(self.address, str):
             raise ConfigError(f"train config: address must be a string, got {self.address!r}.")
-        for name in ("steps", "checkpoint_every", "log_every", "keep_checkpoints"):
+        for name in ("steps", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train config: {name} must be at least 1, got {getattr(self, name)}.")
+        if self.checkpoint_every < 0:
+            raise ConfigError("train config: checkpoint_every must be >= 0 (0: no checkpoints, e.g. for a benchmark; "
+                              f"a fault then restarts from the first step), got {self.checkpoint_every}.")
         if self.eval_every < 0:
             raise ConfigError("train config: eval_every must be >= 0 (0 turns evaluation off).")
         if self.max_nonfinite_steps < 0:
@@ -246,7 +249,7 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evals.append((step, evaluate(engine, loader)))
                 log.info("step %d: eval loss %.4f", step, evals[-1][1])
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 # one next_batch call is already in flight (the prefetched ref): the position is one earlier
                 data_state = ray.get(loader.state_dict.remote(unconsumed=1))
                 engine.save_checkpoint(out_dir / "checkpoints" / f"step-{step:08d}", {"data": data_state})

@@ -109,8 +109,82 @@ def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
     assert len(data["results"][0]["losses"]) == 3  # warm-up + timed steps
     assert list_segments(shm_dir) == []  # the engine's arena is gone
 
+    # megatrain's memory plan against its measured peaks: computed and printed (no bar on CPU numbers)
+    assert "memory plan vs measured" in proc.stdout
+    plan_headers, plan_rows = table(proc.stdout, "tier")
+    assert plan_headers == ["tier", "plan GiB", "measured GiB", "error %", "check", "measured as"]
+    assert list(plan_rows) == ["host", "GPU"]
+    assert all(is_number(c) for c in plan_rows["host"][1:4]), plan_rows["host"]
+    assert plan_rows["host"][-1] == "tree RSS peak"
+    checks = {c["tier"]: c for c in data["memory_plan"]}
+    host = checks["host"]
+    assert host["measured"] == data["results"][0]["host_rss_peak"] > 0 and host["predicted"] > 0
+    assert host["error_pct"] == pytest.approx(100 * (host["predicted"] - host["measured"]) / host["measured"])
+    if not CUDA:
+        assert plan_rows["GPU"][1:5] == ["n/a"] * 4
+        assert checks["GPU"]["predicted"] is None and checks["GPU"]["within_tolerance"] is None
+
     merged = run_script("throughput.py", ["--table", str(out)], shm_dir)  # the merge mode reprints it
     assert list(table(merged.stdout, "peer")[1]) == list(rows)
+    assert table(merged.stdout, "tier")[1] == plan_rows
+
+
+def test_plan_vs_measured_compares_like_with_like() -> None:
+    """On a (pretended) GPU row the plan's CUDA context leaves its total before it meets
+    max_memory_allocated; a row more than 10% off is flagged. No GPU needed: the numbers are made up."""
+    from benchmarks.peers import BenchSpec, PeerResult
+    from benchmarks.throughput import plan_table, plan_vs_measured
+    from megatrain.memory.plan import CUDA_CONTEXT, plan_memory
+
+    spec = BenchSpec(model="tiny", batch=2, seq=32, precision="tf32", steps=1, warmup=0, optimizer_workers=2)
+    plan = plan_memory(config=spec.config, batch=2, seq=32, name="tiny", optimizer_workers=2, on_gpu=True,
+                       gpu_free=0)
+    tensors = plan.gpu_total - int(CUDA_CONTEXT)
+    row = PeerResult("megatrain", device="cuda:0 (made up)", gpu_peak=tensors, host_rss_peak=2 * plan.host_total)
+    assert plan_vs_measured(spec, [PeerResult("megatrain", status="out of GPU memory")]) is None
+    host, gpu = plan_vs_measured(spec, [PeerResult("resident"), row])
+    assert (gpu["predicted"], gpu["error_pct"], gpu["within_tolerance"]) == (tensors, 0.0, True)
+    assert (host["error_pct"], host["within_tolerance"]) == (-50.0, False)
+    assert "OFF by more than 10%" in plan_table([host, gpu]).splitlines()[2]
+
+
+WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
+GPU_SESSION_COMMANDS = {
+    "tests": [WHEELS, "python3 -m pytest -m gpu -q -s",
+              "python3 benchmarks/pcie.py --size-mb 1024 --repeats 10",
+              "python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 5 --out OUT/optimizer.json"],
+    "peers": [WHEELS, "DS_BUILD_OPS=0 python3 -m pip install",
+              "python3 benchmarks/throughput.py --model 2.8b --batch 8 --seq 2048 --precision tf32 "
+              "--peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 --timeout 105 "],
+    "big": [WHEELS,
+            "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 --peers megatrain ",
+            "python3 -m megatrain.cli train --model 1b --steps 6 --trace ",
+            "--checkpoint-every 0 --no-save-final ",
+            "python3 -m megatrain.cli report ",
+            "cp /tmp/gpu-session/big/run-1b/timeline.png OUT/timeline-1b.png",
+            "python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 --peers megatrain "],
+}
+
+
+@pytest.mark.parametrize("part", list(GPU_SESSION_COMMANDS))
+def test_gpu_session_dry_run_lists_its_commands(part: str, tmp_path: Path) -> None:
+    """DRY_RUN=1 prints every command of a part (the wheel install first) and runs none of them."""
+    knobs = ("STEPS", "PEERS", "PEER_TIMEOUT", "BUDGET_S", "MEGATRAIN_CLI")  # the defaults are under test
+    env = {k: v for k, v in os.environ.items() if k not in knobs}
+    env |= {"DRY_RUN": "1", "OUT": "OUT", "SITE": str(tmp_path / "site")}
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), part], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    positions = []
+    for command in GPU_SESSION_COMMANDS[part]:
+        found = [i for i, line in enumerate(lines) if command in line]
+        assert found, f"{command!r} not in:\n{proc.stdout}"
+        positions.append(found[0])
+    assert positions == sorted(positions), proc.stdout  # in the order they run
+    summary = lines[next(i for i, line in enumerate(lines) if "summary" in line) + 1:]
+    assert summary and all(line.endswith("dry run") for line in summary), summary
+    assert not (tmp_path / "site").exists() and not (REPO / "OUT").exists()  # nothing ran, nothing written
 
 
 def test_optimizer_tiny_table(shm_dir: Path) -> None:

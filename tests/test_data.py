@@ -485,6 +485,26 @@ def test_config_and_split_errors(twenty_docs):
         DataConfig(format="csv")
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("shuffle", "no"), ("shuffle", 0), ("pack", 1), ("pack", None), ("truncation", "false"), ("sft", "yes"),
+    ("sft", 1), ("source", 5), ("tokenizer", None), ("text_field", ["text"]), ("messages_field", 0),
+    ("column", 3), ("chat_template", b"{{ x }}"), ("format", 1), ("text_split", None),
+    ("batch_size", True), ("seq_len", 8.0), ("seed", "1"), ("epochs", False), ("eval_count", 1.0),
+    ("synthetic_docs", "10"), ("shard_bytes", None), ("vocab_size", 260.0),
+    ("eval_fraction", "0.1"), ("eval_fraction", True), ("eval_fraction", 1.0), ("eval_fraction", float("nan")),
+])
+def test_config_fields_are_type_checked(field, value):
+    message = error(DataConfig, **{field: value})
+    assert message.startswith(f"data config: {field} must be "), message
+
+
+def test_config_accepts_paths_and_plain_numbers(tmp_path):
+    cfg = DataConfig(source=tmp_path, tokenizer=Path("byte"), chat_template=tmp_path / "t.jinja",
+                     eval_fraction=0, sft=False, column="text")
+    assert cfg.source == str(tmp_path) and cfg.tokenizer == "byte" and cfg.chat_template.endswith("t.jinja")
+    json.dumps(cfg.to_dict())  # paths came in, strings are stored: the config stays JSON-able
+
+
 def test_missing_tokenizers_package(hf_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     assert "needs the `tokenizers` package" in error(load_tokenizer, str(hf_dir))

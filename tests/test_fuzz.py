@@ -353,6 +353,7 @@ TRAIN_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "seed": COUNT, "address": st.sampled_from(["auto", "127.0.0.1:6379"]), "checkpoint_every": COUNT,
     "keep_checkpoints": COUNT, "eval_every": COUNT, "log_every": COUNT, "resume": st.booleans(),
     "trace": st.booleans(), "save_final": st.booleans(), "max_nonfinite_steps": COUNT,
+    "grads": st.sampled_from(["auto", "arena", "stream", "device", "gpu"]), "compile": st.booleans(),
 }
 DATA_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "source": st.sampled_from(["synthetic", "data.jsonl"]),
@@ -409,9 +410,9 @@ def check_train_config(cfg: TrainConfig) -> None:
     refuse in one sentence) before any actor starts."""
     for name in TRAIN_INTS:
         assert type(getattr(cfg, name)) is int, name
-    for name in ("decay", "resume", "trace", "save_final"):
+    for name in ("decay", "resume", "trace", "save_final", "compile"):
         assert type(getattr(cfg, name)) is bool, name
-    for name in ("model", "out_dir", "precision", "device"):
+    for name in ("model", "out_dir", "precision", "device", "grads"):
         assert type(getattr(cfg, name)) is str, name
     assert isinstance(cfg.data, DataConfig)
     kw = engine_kwargs(cfg)
@@ -421,7 +422,8 @@ def check_train_config(cfg: TrainConfig) -> None:
                                 total_steps=kw["total_steps"], min_lr_ratio=kw["min_lr_ratio"]))
     attempt(lambda: EngineConfig(device=kw["device"], precision=kw["precision"],
                                  optimizer_workers=kw["optimizer_workers"],
-                                 loss_chunk_tokens=kw["loss_chunk_tokens"], seed=kw["seed"]))
+                                 loss_chunk_tokens=kw["loss_chunk_tokens"], seed=kw["seed"], grads=kw["grads"],
+                                 compile=kw["compile"]))
     attempt(lambda: resolve_model(cfg.model))
 
 

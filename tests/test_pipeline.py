@@ -91,3 +91,13 @@ def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:
     assert "step" in capsys.readouterr().out
     png = (run / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_run_without_checkpoints_or_final_model(ray_session, tmp_path) -> None:
+    """A benchmark-style run (a big model on a small disk): --checkpoint-every 0 and --no-save-final write
+    neither; --grads picks the placement."""
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--out", str(run), "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+                 "--checkpoint-every", "0", "--no-save-final", "--grads", "device"]) == 0
+    assert not list((run / "checkpoints").glob("step-*")) and not (run / "final").exists()
+    assert len((run / "steps.jsonl").read_text().splitlines()) == 3

@@ -11,8 +11,10 @@ No Ray here: actors/data_loader.py wraps this class with a prefetch queue.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -50,9 +52,6 @@ class DataConfig:
     shard_bytes: int = 1 << 20  # text/JSONL: bytes per shard (the unit of shuffling and of resume re-reads)
 
     def __post_init__(self) -> None:
-        self.source = str(self.source)
-        self.tokenizer = str(self.tokenizer)
-
         def check(ok: bool, what: str, value: object) -> None:
             if not ok:
                 raise ConfigError(f"data config: {what}, got {value!r}.")
@@ -60,6 +59,22 @@ class DataConfig:
         def count(value: object, least: int) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
+        # Python callers may pass pathlib paths; kept as str so to_dict() stays JSON-able and the tokenizer's
+        # `.endswith(".jinja")` test works (a number or list is refused below rather than str()-ed into a path)
+        for name in ("source", "tokenizer", "chat_template"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        for name in ("source", "tokenizer", "text_field", "messages_field"):
+            check(isinstance(getattr(self, name), str), f"{name} must be a string", getattr(self, name))
+        for name in ("column", "chat_template"):
+            value = getattr(self, name)
+            check(value is None or isinstance(value, str), f"{name} must be a string or None", value)
+        # flags are read by truthiness later: a TOML `shuffle = "no"` or `pack = 0` would silently mean the
+        # opposite of what was meant, so only real booleans pass
+        for name in ("shuffle", "pack", "truncation"):
+            check(isinstance(getattr(self, name), bool), f"{name} must be true or false", getattr(self, name))
+        check(self.sft is None or isinstance(self.sft, bool),
+              "sft must be true, false or None (on when the data holds chats)", self.sft)
         for name in ("batch_size", "seq_len", "synthetic_docs", "shard_bytes"):
             check(count(getattr(self, name), 1), f"{name} must be a positive integer", getattr(self, name))
         check(self.seq_len >= 2, "seq_len must be at least 2 to have a next token", self.seq_len)
@@ -69,7 +84,9 @@ class DataConfig:
               "text_split must be 'paragraph' or 'file'", self.text_split)
         check(self.epochs is None or count(self.epochs, 1),
               "epochs must be a positive integer or None (forever)", self.epochs)
-        check(0.0 <= self.eval_fraction < 1.0, "eval_fraction must be in [0, 1)", self.eval_fraction)
+        fraction = self.eval_fraction  # the type test first: comparing a string would raise a TypeError
+        check(isinstance(fraction, Real) and not isinstance(fraction, bool) and 0.0 <= fraction < 1.0,
+              "eval_fraction must be a number in [0, 1)", fraction)
         check(count(self.eval_count, 0), "eval_count must be a non-negative integer", self.eval_count)
         if self.eval_fraction and self.eval_count:
             raise ConfigError("data config: set eval_fraction or eval_count, not both.")

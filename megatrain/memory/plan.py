@@ -19,10 +19,13 @@ from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, Model
 from megatrain.model.layout import GRAD_RING_SLOTS, ModelLayout
 
 GiB = 2**30
-# Resident memory of each process besides the arena, measured with torch imported (CPU build ~0.35 GiB;
-# the executor with a CUDA context ~1.5 GiB); Ray's own daemons ~1 GiB; its object store is kept small.
-PROCESS_OVERHEAD = {"ray": 1.0 * GiB, "object_store": 1.0 * GiB, "store": 0.4 * GiB, "data": 0.4 * GiB,
-                    "worker": 0.4 * GiB, "executor_cpu": 0.6 * GiB, "executor_cuda": 1.5 * GiB}
+# Resident memory (VmRSS less shared memory) of each process besides the arena. Measured on the CPU path
+# (torch 2.13 CPU build, Ray 2.60, `tiny`): every actor and the driver ~0.31 GiB, the executor 0.36, Ray's
+# daemons and agents ~0.3, the object store (capped at 256 MiB by init_ray) what it holds. The executor with a
+# CUDA context loads the CUDA libraries: an estimate until measured on the GPU machine.
+PROCESS_OVERHEAD = {"ray": 0.3 * GiB, "object_store": 0.25 * GiB, "driver": 0.32 * GiB, "store": 0.32 * GiB,
+                    "data": 0.32 * GiB, "worker": 0.32 * GiB, "executor_cpu": 0.36 * GiB,
+                    "executor_cuda": 1.5 * GiB}
 CUDA_CONTEXT = 0.6 * GiB
 
 
@@ -164,7 +167,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     chunk = min(tokens, loss_chunk_tokens)
     loss = 3 * chunk * v * 4 + 2 * tokens * h * 4
     shadow_bytes = arena_numel * 2 if shadow else 0
-    processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "store", "data"))
+    processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
     if not on_gpu:  # the CPU path computes in host memory

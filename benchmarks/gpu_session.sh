@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The GPU runbook: every measurement RESULTS.md is waiting for, in three parts of under ~9 minutes each, one
+# part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
+#
+#   bash benchmarks/gpu_session.sh tests   # pytest -m gpu, pcie.py, optimizer.py
+#   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
+#   bash benchmarks/gpu_session.sh big     # megatrain alone at 7b bf16; a traced 1b run and its report; 9b tf32
+#   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
+#
+# On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
+# command is `bash benchmarks/gpu_session.sh PART`. Each sub-step runs under `timeout` (a hang costs that step,
+# not the part), its output goes to the terminal and to $OUT/<step>.txt, a failure moves on to the next step,
+# and a table of exit codes ends the part. The run tool brings back at most 8 files from $OUT, so peer logs and
+# run-directory files travel as one $OUT/logs-PART.tar.gz. Environment knobs: OUT (required unless DRY_RUN=1),
+# STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), BUDGET_S (seconds
+# the part's steps may take, default 520), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
+# (how to call megatrain, default `python3 -m megatrain.cli`: the project is not pip-installed there).
+set -uo pipefail
+
+PART=${1:-}
+DRY_RUN=${DRY_RUN:-0}
+BUDGET_S=${BUDGET_S:-520}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+case "$PART" in
+  tests | peers | big) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|peers|big" >&2; exit 2 ;;
+esac
+if [[ $DRY_RUN == 1 ]]; then
+  OUT=${OUT:-/tmp/gpu-session-out}  # only printed: a dry run writes nothing
+else
+  : "${OUT:?set OUT to the folder whose files come back (the run tool sets it)}"
+  mkdir -p "$OUT"
+fi
+SITE=${SITE:-/tmp/site}
+WORK=/tmp/gpu-session/$PART  # peer logs and run directories; what is worth keeping is packed into $OUT
+read -ra MEGATRAIN <<<"${MEGATRAIN_CLI:-python3 -m megatrain.cli}"
+STEP_NAMES=()
+STEP_RESULTS=()
+
+say() { echo "[gpu_session $PART] $*"; }
+
+# Runs a command, or in a dry run only prints it.
+do_cmd() {
+  if [[ $DRY_RUN == 1 ]]; then
+    echo "$*"
+  else
+    "$@"
+  fi
+}
+
+# prelude [--deepspeed]: Ray and friends from .whl into $SITE, DeepSpeed's source archive on request.
+# Idempotent: a warm machine that already has them (an earlier part) skips the installs.
+prelude() {
+  export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONUNBUFFERED=1
+  if [[ -e $SITE/ray ]]; then
+    say "prelude: $SITE already has ray; not reinstalling"
+  else
+    do_cmd python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .whl/*.whl || { say "prelude: installing .whl/*.whl failed (did the run carry .whl?)"; exit 3; }
+  fi
+  if [[ ${1:-} == --deepspeed ]]; then
+    if [[ -e $SITE/deepspeed ]]; then
+      say "prelude: $SITE already has deepspeed; not reinstalling"
+    elif compgen -G ".whl/deepspeed-*.tar.gz" >/dev/null || [[ $DRY_RUN == 1 ]]; then
+      # a failure here is the deepspeed row's "not importable", not the end of the part
+      do_cmd env DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+        --target "$SITE" .whl/deepspeed-*.tar.gz || say "prelude: DeepSpeed did not install; its row will say why"
+    else
+      say "prelude: no .whl/deepspeed-*.tar.gz; the deepspeed row will say not importable"
+    fi
+  fi
+}
+
+record() { STEP_NAMES+=("$1"); STEP_RESULTS+=("$2"); }
+
+# step NAME LIMIT_S CMD...: runs CMD under `timeout` (clamped to what is left of the part's budget), output
+# to the terminal and $OUT/NAME.txt; then removes what a killed run may have left in /dev/shm.
+step() {
+  local name=$1 limit=$2 start=$SECONDS left rc
+  shift 2
+  if [[ -n ${STEPS:-} && ",$STEPS," != *",$name,"* ]]; then
+    record "$name" "not in STEPS"
+    return
+  fi
+  left=$((BUDGET_S - SECONDS - 30))  # room to stop and clean up
+  ((limit > left)) && limit=$left
+  if ((limit < 30)); then
+    say "== $name: skipped, ${left}s of the part's ${BUDGET_S}s budget left"
+    record "$name" "skipped (budget spent)"
+    return
+  fi
+  say "== $name (timeout ${limit}s): $*"
+  if [[ $DRY_RUN == 1 ]]; then
+    record "$name" "dry run"
+    return
+  fi
+  # timeout signals its whole process group (peer processes, Ray's daemons); throughput.py, on SIGTERM,
+  # still prints its table and writes --out for the peers done, within the 45 s before SIGKILL
+  timeout --kill-after=45 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  rc=${PIPESTATUS[0]}
+  timeout 60 "${MEGATRAIN[@]}" cleanup >/dev/null 2>&1  # arena segments of dead owners, orphaned Ray agents
+  case $rc in
+    0) record "$name" "rc 0 ($((SECONDS - start))s)" ;;
+    124 | 137) record "$name" "rc $rc: timed out after ${limit}s" ;;
+    *) record "$name" "rc $rc ($((SECONDS - start))s)" ;;
+  esac
+}
+
+# save DEST FILE...: copies those of the files that exist (a failed step leaves some out) to DEST.
+save() {
+  local dest=$1 f
+  shift
+  for f in "$@"; do
+    if [[ $DRY_RUN == 1 || -e $f ]]; then do_cmd cp "$f" "$dest"; fi
+  done
+}
+
+finish() {
+  if [[ $DRY_RUN != 1 && -n $(ls -A "$WORK/logs" 2>/dev/null) ]]; then
+    tar -czf "$OUT/logs-$PART.tar.gz" -C "$WORK" logs
+  fi
+  echo
+  say "summary (files in $OUT):"
+  local i failed=0
+  for i in "${!STEP_NAMES[@]}"; do
+    printf '  %-16s %s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}"
+    [[ ${STEP_RESULTS[$i]} =~ ^(rc\ 0\ |dry\ run|not\ in\ STEPS) ]] || failed=1
+  done
+  exit $failed
+}
+
+do_cmd rm -rf "$WORK"
+do_cmd mkdir -p "$WORK/logs"
+case "$PART" in
+  tests)
+    prelude
+    step gpu-tests 180 python3 -m pytest -m gpu -q -s
+    step pcie 90 python3 benchmarks/pcie.py --size-mb 1024 --repeats 10
+    step optimizer 210 python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 5 \
+      --out "$OUT/optimizer.json"
+    ;;
+  peers)
+    prelude --deepspeed
+    # Four peers one after another, each ended after PEER_TIMEOUT s so all four fit the step. If one times out
+    # (DeepSpeed compiles its CPU Adam on first use), rerun it alone in a second command, e.g.
+    # PEERS=deepspeed PEER_TIMEOUT=400, and merge the JSON files with `throughput.py --table a.json b.json`.
+    step tp-2.8b 500 python3 benchmarks/throughput.py --model 2.8b --batch 8 --seq 2048 --precision tf32 \
+      --peers "${PEERS:-megatrain,resident,fsdp2,deepspeed}" --optimizer-workers 8 --steps 5 --warmup 2 \
+      --timeout "${PEER_TIMEOUT:-105}" --log-dir "$WORK/logs" --out "$OUT/tp-2.8b.json"
+    ;;
+  big)
+    prelude
+    step tp-7b-bf16 160 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 \
+      --peers megatrain --optimizer-workers 8 --steps 5 --warmup 2 --timeout 160 --log-dir "$WORK/logs/7b" \
+      --out "$OUT/tp-7b-bf16.json"
+    # A traced run, as users run it: no checkpoints and no HF export (the 1b checkpoint would be ~13 GB, and
+    # the run tool brings back 8 files); trace, step log and config go into the logs archive, the timeline to $OUT.
+    step train-1b 120 "${MEGATRAIN[@]}" train --model 1b --steps 6 --trace --log-every 1 --batch-size 8 \
+      --seq-len 2048 --optimizer-workers 8 --checkpoint-every 0 --no-save-final --out "$WORK/run-1b"
+    step report-1b 30 "${MEGATRAIN[@]}" report "$WORK/run-1b"
+    save "$OUT/timeline-1b.png" "$WORK/run-1b/timeline.png"
+    save "$WORK/logs/" "$WORK/run-1b/trace.json" "$WORK/run-1b/steps.jsonl" "$WORK/run-1b/config.json"
+    # The largest fp32 + AdamW model for this host: 9b (9.2 G params; `megatrain plan` puts it at ~115 GiB of
+    # the 125 with gradients kept on the GPU). Through throughput.py's megatrain peer, which trains the same
+    # Engine and sets the memory plan against the measured peaks. It gets what is left of the part (a
+    # SIGTERM still prints its row).
+    step tp-9b-tf32 480 python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 \
+      --peers megatrain --optimizer-workers 8 --steps 2 --warmup 1 --timeout 480 --log-dir "$WORK/logs/9b" \
+      --out "$OUT/tp-9b-tf32.json"
+    ;;
+esac
+finish

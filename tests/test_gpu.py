@@ -28,7 +28,8 @@ def strict_fp32():
 
 def hf_models() -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
-    llama = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    # 6 layers: more than the host gradient ring's slots, so grads = "device" reuses slots
+    llama = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                         num_attention_heads=8, num_key_value_heads=2)
     qwen = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
@@ -70,14 +71,17 @@ def test_registered_arena_h2d_bandwidth() -> None:
         arena.destroy()
 
 
-def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path) -> None:
+@pytest.mark.parametrize("grads", ["arena", "device"])
+def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str) -> None:
+    """The CUDA stream path (three streams, two weight buffers, gradients out through the sender thread or
+    held on the GPU and sent by the grads_out concurrency group) against the CPU path, 3 AdamW steps."""
     hf_models()["llama-gqa"].save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 512, (2, 128), generator=gen) for _ in range(3)]
     results = {}
     for device in ("cpu", "cuda"):
         with megatrain.Engine(tmp_path, device=device, precision="fp32", optimizer_workers=2, lr=1e-3,
-                              warmup_steps=1, total_steps=3) as engine:
+                              warmup_steps=1, total_steps=3, grads="arena" if device == "cpu" else grads) as engine:
             losses = [engine.step(b) for b in batches]
             results[device] = (losses, engine.parameters())
     (cpu_losses, cpu_params), (gpu_losses, gpu_params) = results["cpu"], results["cuda"]
@@ -87,11 +91,12 @@ def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path) -> None:
         assert rel <= 1e-4, f"{name}: {rel:.2e}"
 
 
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_fast_precisions_train(ray_session, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "compile"), [("tf32", False), ("bf16", False), ("bf16", True)])
+def test_fast_precisions_train(ray_session, precision: str, compile: bool) -> None:
+    """bf16 loads the optimizer's bf16 shadow of the weights; compile runs the layers through torch.compile."""
     gen = torch.Generator().manual_seed(0)
     with megatrain.Engine("125m", device="cuda", precision=precision, optimizer_workers=4, lr=1e-3,
-                          warmup_steps=2) as engine:
+                          warmup_steps=2, compile=compile) as engine:
         batch = torch.randint(0, 32000, (4, 512), generator=gen)
         losses = [engine.step(batch) for _ in range(8)]  # the same batch: the loss must fall
     assert losses[-1] < losses[0] - 0.5, losses

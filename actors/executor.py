@@ -50,6 +50,7 @@ class GPUExecutor:
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.versions = self.arena.versions.view(len(self.layout.units), len(workers))
+        self.issued = self.arena.issued  # per unit, the update number handed to the workers
         self.workers = workers
         # updates are handed out as gradients land in the backward only when nothing must be known first
         self.eager_updates = not clipping and not self.hold_grads
@@ -80,6 +81,7 @@ class GPUExecutor:
             if not self.eager_updates:
                 return  # the update waits for the global norm: the driver starts it after this step
             if np.isfinite(norm_sq):
+                self.issued[unit.index] = step + 1
                 issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
             else:
                 skipped_units.append(unit.index)
@@ -120,6 +122,7 @@ class GPUExecutor:
         issued: list[ray.ObjectRef] = []
 
         def landed(unit: Unit, norm_sq: float) -> None:
+            self.issued[unit.index] = step + 1
             issued.extend(w.update_unit.remote(unit.index, step, clip_coef) for w in self.workers)
 
         # not recorded as a stall: this thread waiting for a slot does not hold up the compute stream

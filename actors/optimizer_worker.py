@@ -1,4 +1,5 @@
-"""Ray shell of one optimizer worker: a process with its own threads, updating its shard of the arena."""
+"""Ray shell of one optimizer worker: a process with its own threads, updating its shard of the arena, and
+recording its update times and queue depth as Ray metrics from its own process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import ray
 import torch
 
+from actors.metrics import EngineMetrics
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
@@ -18,20 +20,25 @@ from megatrain.telemetry import Span, optimizer_lane
 @ray.remote
 class OptimizerWorker:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, optim: OptimConfig, worker: int, num_workers: int,
-                 threads: int, grads: str = "arena"):
+                 threads: int, grads: str = "arena", metrics: EngineMetrics | None = None):
         """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read."""
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         versions = self.arena.versions.view(len(self.layout.units), num_workers)
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
-                                GradLayout.build(self.layout, grads))
+                                GradLayout.build(self.layout, grads), self.arena.issued)
         self.lane = optimizer_lane(worker)
+        self.worker, self.metrics = worker, metrics
 
     def _timed_update(self, unit: int, step: int, clip_coef: float) -> Span:
+        depth = self.shard.queue_depth()
         t0 = time.monotonic()
         self.shard.update(unit, step, clip_coef)
-        return Span(self.lane, "update", step, t0, time.monotonic(), unit, self.layout.units[unit].numel * 16)
+        span = Span(self.lane, "update", step, t0, time.monotonic(), unit, self.layout.units[unit].numel * 16)
+        if self.metrics is not None:
+            self.metrics.record_optimizer(self.worker, span.duration, depth)
+        return span
 
     def update_unit(self, unit: int, step: int, clip_coef: float = 1.0) -> list[Span]:
         """One unit's update (clipping off: called as soon as the unit's gradients have landed)."""

@@ -167,16 +167,18 @@ class Engine:
         remove_stale_segments()  # a killed earlier run's arena
         reap_orphaned_ray_agents()  # ... and its local Ray's agents
         init_ray(address)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.metrics = None
+        if metrics:
+            from actors.metrics import EngineMetrics
+
+            self.metrics = EngineMetrics(run=self.run_id)
         try:
             self._start(model, seed, batch_size, seq_len)
         except BaseException:
             self.shutdown()
             raise
-        self.metrics = None
-        if metrics:
-            from actors.metrics import EngineMetrics
-
-            self.metrics = EngineMetrics(run=self.handle.run_id)
+        if self.metrics is not None:
             self.metrics.record_arena(self.handle.nbytes())
 
     # ---- actors ----
@@ -185,7 +187,6 @@ class Engine:
         model_arg = model if isinstance(model, ModelConfig) else str(model)
         self.engine_config = replace(self.engine_config, grads=self._resolve_grads(batch, seq))
         shadow = self._bf16_shadow(batch, seq)
-        self.run_id = uuid.uuid4().hex[:12]
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
             model_arg, n, seed, batch, seq, self.run_id, self.grads, shadow)
         self.handle = ray.get(self.store.handle.remote())
@@ -235,7 +236,7 @@ class Engine:
         per_worker = max(cpus / n, 0.01)
         threads = max(1, int(per_worker))
         return OptimizerWorker.options(num_cpus=min(per_worker, threads), name=self._name(f"optimizer/{index}")).remote(
-            self.handle, self.config, self.optim, index, n, threads, self.grads)
+            self.handle, self.config, self.optim, index, n, threads, self.grads, self.metrics)
 
     def _new_executor(self) -> Any:
         return GPUExecutor.options(num_gpus=1 if self._on_gpu() else 0, name=self._name("executor")).remote(
@@ -294,6 +295,7 @@ class Engine:
                 if self.grads == "device":
                     self._pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
                 else:
+                    self._arena.issued.fill_(self.updates_applied + 1)
                     self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
         else:
             self._pending = out["updates"]
@@ -301,12 +303,13 @@ class Engine:
         if finite or (not self.optim.clipping and out["updates"]):
             self.updates_applied += 1
         self.steps_done += 1
-        self._record(out, update_spans, time.monotonic() - t0, finite)
+        self._record(out, time.monotonic() - t0, finite)
         self._count_nonfinite(finite, out["loss"], grad_norm)
         return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
                           out["spans"] + (update_spans if self.trace else []))
 
-    def _record(self, out: dict[str, Any], update_spans: list[Any], seconds: float, finite: bool) -> None:
+    def _record(self, out: dict[str, Any], seconds: float, finite: bool) -> None:
+        """The step's metrics (the optimizer workers record their own, from their processes)."""
         if self.metrics is None:
             return
         if not finite:
@@ -315,8 +318,6 @@ class Engine:
             tokens_per_s = out["tokens"] / seconds if seconds > 0 else 0.0
             tflops = tokens_per_s * self.config.flops_per_token(1) / 1e12
             self.metrics.record_step(StepStats.from_dict(out["stats"]), out["loss"], tokens_per_s, tflops)
-        for span in update_spans:
-            self.metrics.record_optimizer(int(span.lane.rsplit("/", 1)[-1]), span.end - span.start, 0)
 
     def evaluate(self, batch: Any) -> tuple[float, int]:
         """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""

@@ -137,3 +137,18 @@ def test_optimizer_reads_each_unit_from_its_slot(layout, params, reference) -> N
         shard.update(unit.index, step=0)
     assert torch.equal(slotted["params"], full["params"])
     assert torch.equal(slotted["exp_avg_sq"], full["exp_avg_sq"])
+
+
+def test_queue_depth_is_what_was_handed_out_and_not_yet_applied(layout, params, reference) -> None:
+    tensors = {"params": params.clone(), "grads": reference[0].clone(), "exp_avg": torch.zeros(layout.numel),
+               "exp_avg_sq": torch.zeros(layout.numel)}
+    units = len(layout.units)
+    versions, issued = torch.zeros(units, 2, dtype=torch.int64), torch.zeros(units, dtype=torch.int64)
+    shard = AdamWShard(layout, tensors, OptimConfig(), 1, 2, versions, issued=issued)
+    assert shard.queue_depth() == 0
+    issued[:3] = 1  # three units' gradients have landed and were handed out
+    assert shard.queue_depth() == 3
+    shard.update(0, step=0)
+    assert shard.queue_depth() == 2 and versions[0].tolist() == [0, 1]
+    versions[:, 0] = 1  # the other worker's progress is not this worker's queue
+    assert shard.queue_depth() == 2

@@ -50,9 +50,11 @@ class AdamWShard:
     """One worker's shard of every unit, updated with torch's fused AdamW kernel."""
 
     def __init__(self, layout: ModelLayout, tensors: dict[str, torch.Tensor], optim: OptimConfig, worker: int,
-                 num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None):
+                 num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None,
+                 issued: torch.Tensor | None = None):
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
         self.versions = versions  # int64 [units, workers], shared
+        self.issued = issued  # int64 [units], shared: the update number each unit has been handed out for
         # where each unit's gradient is read from (its slot of a ring, when gradients stream)
         self.grad_layout = grad_layout or GradLayout.full(layout)
         # per unit: (decay group, no-decay group)
@@ -97,6 +99,12 @@ class AdamWShard:
         if self.versions is not None:
             self.versions[unit_index, self.worker] = step + 1
         return time.perf_counter() - t0
+
+    def queue_depth(self) -> int:
+        """Units handed to this worker whose update it has not finished (the one it is on included)."""
+        if self.versions is None or self.issued is None:
+            return 0
+        return int((self.issued > self.versions[:, self.worker]).sum())
 
     def update_all(self, step: int, clip_coef: float = 1.0) -> float:
         """Updates every unit in forward order (embedding first), the order the next forward reads them."""

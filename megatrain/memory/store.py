@@ -65,7 +65,10 @@ class ParameterStore:
                         grads=grads, shadow=shadow).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
-        extra = [("versions", "int64", len(self.layout.units) * num_workers)]
+        # versions: per unit and worker, the updates applied; issued: per unit, the updates handed out (what is
+        # issued and not yet applied is an optimizer worker's queue)
+        units = len(self.layout.units)
+        extra = [("versions", "int64", units * num_workers), ("issued", "int64", units)]
         if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
@@ -104,6 +107,7 @@ class ParameterStore:
 
     def set_version(self, updates_applied: int) -> None:
         self.versions.fill_(updates_applied)
+        self.arena.issued.fill_(updates_applied)
 
     def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
         return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [])

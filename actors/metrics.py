@@ -53,7 +53,7 @@ class EngineMetrics:
                                    "direction")
         self.transfer_bytes = counter("megatrain_transfer_bytes", "Bytes moved by direction.", "direction")
         self.tokens_per_second = gauge("megatrain_tokens_per_second", "Training throughput (tokens/s).")
-        self.tflops = gauge("megatrain_tflops", "Model TFLOP/s (6 N D plus attention).")
+        self.tflops = gauge("megatrain_tflops", "Model TFLOP/s (6 N per token, as the benchmarks count).")
         self.loss = gauge("megatrain_loss", "Training loss of the last step.")
         self.steps = counter("megatrain_steps", "Steps run.")
         self.skipped_steps = counter("megatrain_skipped_steps", "Steps skipped (non-finite loss or grads).")
@@ -62,7 +62,8 @@ class EngineMetrics:
         self.update_seconds_hist = histogram("megatrain_optimizer_update_duration_seconds",
                                              "Layer update times of the optimizer workers (s).",
                                              UPDATE_SECONDS_BOUNDARIES, "worker")
-        self.queue_depth = gauge("megatrain_optimizer_queue_depth", "Layers queued at an optimizer worker.",
+        self.queue_depth = gauge("megatrain_optimizer_queue_depth",
+                                 "Units handed to an optimizer worker and not yet updated, as it starts an update.",
                                  "worker")
         self.arena_bytes = gauge("megatrain_arena_bytes", "Bytes of the shared-memory arena by kind.", "kind")
 

@@ -32,7 +32,8 @@ def run(args: argparse.Namespace, batches: list[torch.Tensor], out: Path, inject
     injected = 0
     t0 = time.monotonic()
     with megatrain.Engine(args.model, lr=1e-3, warmup_steps=50, total_steps=args.steps, optimizer_workers=2,
-                          precision="fp32", device="cpu", seed=args.seed) as engine:
+                          precision="fp32", device="cpu", seed=args.seed, grads=args.grads,
+                          max_grad_norm=args.max_grad_norm) as engine:
         next_kill = rng.randint(args.kill_every // 2, args.kill_every * 3 // 2)
         for step, ids in enumerate(batches):
             killer = None
@@ -62,6 +63,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grads", default="auto", help="where gradients wait: auto | arena | stream | device")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: clipping off")
     parser.add_argument("--out", default="/tmp/megatrain-soak")
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=256 * 2**20)

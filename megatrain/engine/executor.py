@@ -222,11 +222,14 @@ class Executor:
                 if s.cuda:
                     g.record_stream(s.d2h)
                 dst.copy_(g, non_blocking=s.cuda)
+            # the norm comes along on this stream: reading it on this thread's default stream (the compute
+            # stream) would wait for every kernel queued there since, up to a layer of compute
+            norm_sq = out.norm_sq.to("cpu", non_blocking=True) if s.cuda else out.norm_sq
         if s.cuda:
             s.record(s.d2h).synchronize()
         if out.scatter is not None:
             out.scatter()
-        landed(out.unit, float(out.norm_sq))  # the norm was computed before the copy began: no wait here
+        landed(out.unit, float(norm_sq))
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:

@@ -47,6 +47,8 @@ class BenchSpec:
     max_grad_norm: float = 1.0  # 0 turns clipping off, for every peer
     object_store_mb: int = 256  # Ray's object store (megatrain): it carries only token batches
     seed: int = 0
+    grads: str = "auto"  # megatrain: where gradients wait (EngineConfig.grads)
+    compile: bool = False  # megatrain: torch.compile of the decoder layer
 
     @property
     def config(self) -> ModelConfig:
@@ -237,7 +239,8 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
         t0 = time.perf_counter()
         engine = megatrain.Engine(spec.model, lr=spec.lr, max_grad_norm=spec.max_grad_norm or None,
                                   optimizer_workers=spec.optimizer_workers, precision=spec.precision,
-                                  device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq)
+                                  device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq,
+                                  grads=spec.grads, compile=spec.compile)
         gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
         result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
                             setup_s=time.perf_counter() - t0, grads=getattr(engine, "grads", None))

@@ -267,6 +267,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping for every peer; 0: off")
     ap.add_argument("--object-store-mb", type=int, default=256, help="Ray object store of the megatrain peer")
+    ap.add_argument("--grads", default="auto", choices=("auto", "arena", "stream", "device"),
+                    help="megatrain: where gradients wait for the optimizer (to compare the placements)")
+    ap.add_argument("--compile", action="store_true", help="megatrain: torch.compile the decoder layer")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per peer before it is killed")
     ap.add_argument("--log-dir", help="where each peer's log goes (default: a new temporary directory)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}.")
     spec = BenchSpec(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision,
                      steps=args.steps, warmup=args.warmup, optimizer_workers=args.optimizer_workers,
-                     lr=args.lr, max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb)
+                     lr=args.lr, max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb,
+                     grads=args.grads, compile=args.compile)
     meta = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "spec": asdict(spec),
             "params": spec.config.num_params()}  # an unknown preset fails here, before anything starts
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mtbench-throughput-"))

@@ -27,7 +27,7 @@ class OptimizerWorker:
         self.layout = ModelLayout.build(config)
         versions = self.arena.versions.view(len(self.layout.units), num_workers)
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
-                                GradLayout.build(self.layout, grads), self.arena.issued)
+                                GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"))
         self.lane = optimizer_lane(worker)
         self.worker, self.metrics = worker, metrics
 

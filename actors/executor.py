@@ -18,6 +18,7 @@ import torch
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
 from megatrain.engine.executor import Executor, GradsOut
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.plan import gpu_free_here
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.telemetry import Recorder, Span
 
@@ -160,7 +161,7 @@ def _raise_failed(refs: list[ray.ObjectRef]) -> None:
 
 
 @ray.remote(num_gpus=1, max_calls=1)
-def gpu_free_memory() -> int:
+def gpu_free_memory() -> int | None:
     """Free bytes on the GPU an executor would get, measured in a throwaway process (max_calls=1), so the
     driver never holds a CUDA context of its own."""
-    return torch.cuda.mem_get_info()[0]
+    return gpu_free_here()

@@ -18,9 +18,9 @@ from megatrain.memory.store import ParameterStore
 @ray.remote(num_cpus=0)
 class ParameterStoreActor:
     def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
-                 run_id: str | None = None, grads: str = "arena", shadow: bool = False):
+                 run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False):
         self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq, run_id=run_id,
-                                    grads=grads, shadow=shadow)
+                                    grads=grads, shadow=shadow, on_gpu=on_gpu)
         # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
         atexit.register(self.store.close)
         signal.signal(signal.SIGTERM, lambda *_: (self.store.close(), exit(0)))

@@ -175,25 +175,22 @@ def plan_vs_measured(spec: BenchSpec, results: list[PeerResult]) -> list[dict[st
     GPU: max_memory_allocated() counts the tensors the plan itemises and nothing else, so the plan's CUDA
     context estimate (a constant no allocator counter sees) is taken off its total before comparing."""
     from megatrain.config import EngineConfig
-    from megatrain.memory.plan import CUDA_CONTEXT, plan_memory
+    from megatrain.memory.plan import CUDA_CONTEXT, plan_run
 
     mt = next((r for r in results if r.peer == "megatrain" and r.status == "ok"), None)
     if mt is None:
         return None
     on_gpu = mt.device.startswith("cuda")
-    # Where gradients waited changes both totals: plan the placement the engine reported; an engine that
-    # reports none kept them all in the arena, plan_memory's default.
-    placement = {"grads": mt.grads} if mt.grads else {}
-    # Keywords only (the signature grows); the engine's default loss chunk, as the megatrain peer runs it.
-    # gpu_free=0: the totals do not depend on it, and plan_memory would otherwise ask CUDA for it, creating
-    # a context in this parent process.
+    # The run the engine started: where its gradients waited (it reports its choice; an engine that reports
+    # none kept them all in the arena), and the bf16 copy of the weights where the host had room for it;
+    # the engine's default loss chunk, as the megatrain peer runs it.
     try:
-        plan = plan_memory(config=spec.config, batch=spec.batch, seq=spec.seq, name=spec.model,
-                           precision=spec.precision, optimizer_workers=spec.optimizer_workers, on_gpu=on_gpu,
-                           loss_chunk_tokens=EngineConfig().loss_chunk_tokens, gpu_free=0 if on_gpu else None,
-                           **placement)
+        plan = plan_run(spec.config, spec.batch, spec.seq, grads=mt.grads or "arena",
+                        clipping=bool(spec.max_grad_norm), name=spec.model, precision=spec.precision,
+                        optimizer_workers=spec.optimizer_workers, on_gpu=on_gpu,
+                        loss_chunk_tokens=EngineConfig().loss_chunk_tokens)
     except Exception as e:  # the plan's own failure must not cost the table and --out of a finished run
-        print(f"memory plan vs measured: plan_memory failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"memory plan vs measured: plan_run failed: {type(e).__name__}: {e}", file=sys.stderr)
         return None
     tiers = [("host", "tree RSS peak", plan.host_total, mt.host_rss_peak)]
     if on_gpu:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.engine.executor import Executor
+from megatrain.engine.executor import Executor, resolve_device
 from megatrain.memory.store import ParameterStore
 from megatrain.model.layout import ModelLayout
 
@@ -64,4 +64,5 @@ class Model:
 def from_pretrained(path_or_preset: str | Path, device: str = "cpu", precision: str = "fp32", seed: int = 0,
                     loss_chunk_tokens: int = 4096) -> Model:
     """Loads an HF directory (or builds a preset with HF's init) into a new shared-memory arena."""
-    return Model(ParameterStore(path_or_preset, seed=seed), device, precision, loss_chunk_tokens)
+    on_gpu = resolve_device(device).type == "cuda"  # then activations take GPU memory, not host memory
+    return Model(ParameterStore(path_or_preset, seed=seed, on_gpu=on_gpu), device, precision, loss_chunk_tokens)

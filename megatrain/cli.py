@@ -82,17 +82,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain.memory.plan import plan_memory, resolve_grads
+    from megatrain.memory.plan import gpu_free_here, plan_run
     from megatrain.memory.store import resolve_model
 
     config, _, name = resolve_model(args.model)
     on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda())
-    kwargs = dict(name=name, precision=args.precision, optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
-                  gpu_free=int(args.gpu_gib * 2**30) if args.gpu_gib else None)
-    clipping = bool(args.max_grad_norm)
-    device_plan = plan_memory(config, args.batch, args.seq, grads="device", **kwargs) if on_gpu else None
-    grads = resolve_grads(args.grads, clipping=clipping, device_plan=device_plan)
-    plan = plan_memory(config, args.batch, args.seq, grads=grads, **kwargs)
+    gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
+    plan = plan_run(config, args.batch, args.seq, grads=args.grads, clipping=bool(args.max_grad_norm), name=name,
+                    precision=args.precision, optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
+                    gpu_free=gpu_free)
     print(plan.report())
     return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
 

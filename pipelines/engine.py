@@ -16,7 +16,7 @@ One step, as the driver sees it:
      clipping off: the executor already handed each unit to the workers as its gradients landed
 Ray carries only control messages and token batches; weights and gradients stay in the arena.
 Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
-at 12 B/param whenever it can (megatrain/memory/plan.py: resolve_grads).
+at 12 B/param whenever it can (megatrain/memory/plan.py: plan_run).
 
 Faults. The driver keeps the refs of the batches since the last checkpoint. When an actor dies:
   - only the executor, and the workers' version table shows every unit at the last issued update: a new
@@ -49,7 +49,7 @@ from actors.parameter_store import ParameterStoreActor
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, remove_stale_segments
-from megatrain.memory.plan import plan_memory, resolve_grads
+from megatrain.memory.plan import MemoryPlan, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
 
@@ -185,10 +185,11 @@ class Engine:
     def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
         model_arg = model if isinstance(model, ModelConfig) else str(model)
-        self.engine_config = replace(self.engine_config, grads=self._resolve_grads(batch, seq))
-        shadow = self._bf16_shadow(batch, seq)
+        on_gpu = self._on_gpu()
+        plan = self._plan(batch, seq, on_gpu)
+        self.engine_config = replace(self.engine_config, grads=plan.grads)
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
-            model_arg, n, seed, batch, seq, self.run_id, self.grads, shadow)
+            model_arg, n, seed, batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu)
         self.handle = ray.get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -205,30 +206,21 @@ class Engine:
     def _on_gpu(self) -> bool:
         return self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
 
-    def _resolve_grads(self, batch: int, seq: int) -> str:
-        device_plan = None
-        if self.engine_config.grads == "auto" and self.optim.clipping and self._on_gpu():
-            device_plan = plan_memory(self.config, batch, seq, name=self.model_name, grads="device", on_gpu=True,
-                                      precision=self.engine_config.precision,
-                                      loss_chunk_tokens=self.engine_config.loss_chunk_tokens,
-                                      gpu_free=ray.get(gpu_free_memory.remote()))
-        grads = resolve_grads(self.engine_config.grads, clipping=self.optim.clipping, device_plan=device_plan)
+    def _plan(self, batch: int, seq: int, on_gpu: bool) -> MemoryPlan:
+        """This run's memory plan: where gradients wait, and whether a bf16 copy of the weights fits. The GPU's
+        free memory is measured (in a throwaway process) only when the choice of placement depends on it."""
+        e = self.engine_config
+        need_gpu_free = on_gpu and e.grads == "auto" and self.optim.clipping
+        plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
+                        precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
+                        loss_chunk_tokens=e.loss_chunk_tokens,
+                        gpu_free=ray.get(gpu_free_memory.remote()) if need_gpu_free else None)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
-                                        "device": "on the GPU until the step ends"}[grads])
-        return grads
-
-    def _bf16_shadow(self, batch: int, seq: int) -> bool:
-        """bf16 runs keep a bf16 copy of the weights for the GPU to load, unless host memory is too short for
-        its 2 B/param (then fp32 weights cross PCIe and are cast on the GPU)."""
-        if self.engine_config.precision != "bf16":
-            return False
-        plan = plan_memory(self.config, batch, seq, name=self.model_name, grads=self.grads, shadow=True,
-                           precision="bf16", optimizer_workers=self.engine_config.optimizer_workers)
-        if plan.host_problem() is None:
-            return True
-        log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe and are "
-                    "cast on the GPU, twice the bytes", plan.shadow_bytes / 2**30)
-        return False
+                                        "device": "on the GPU until the step ends"}[plan.grads])
+        if e.precision == "bf16" and not plan.shadow_bytes:
+            log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe "
+                        "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
+        return plan
 
     def _new_worker(self, index: int) -> Any:
         n = self.engine_config.optimizer_workers

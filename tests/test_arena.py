@@ -293,6 +293,24 @@ def test_resolve_grads() -> None:
         resolve_grads("stream", clipping=True)
 
 
+def test_plan_run_is_the_engines_choice(monkeypatch) -> None:
+    """plan_run (the Engine's and `megatrain plan`'s plan): gradients on the GPU when they fit there, the bf16
+    copy of the weights only where the host has room, and nothing computed on the GPU counted on the host."""
+    from megatrain.memory import plan as plan_mod
+
+    config = ModelConfig.from_name("9b")
+    monkeypatch.setattr(plan_mod, "shm_available", lambda directory: 200 * GiB)
+    monkeypatch.setattr(plan_mod, "host_available", lambda: 200 * GiB)
+    roomy = plan_mod.plan_run(config, 8, 2048, precision="bf16", optimizer_workers=8, on_gpu=True, gpu_free=80 * GiB)
+    assert (roomy.grads, roomy.shadow_bytes > 0, roomy.host_problem()) == ("device", True, None)
+    monkeypatch.setattr(plan_mod, "host_available", lambda: 122 * GiB)
+    tight = plan_mod.plan_run(config, 8, 2048, precision="bf16", optimizer_workers=8, on_gpu=True, gpu_free=80 * GiB)
+    assert (tight.grads, tight.shadow_bytes, tight.host_problem()) == ("device", 0, None), "no room: no bf16 copy"
+    # the store checks the host with on_gpu as the engine runs: a GPU run's gradients are not host memory
+    cpu = plan_memory(config, 8, 2048, precision="bf16", optimizer_workers=8, grads="device", shadow=False)
+    assert cpu.host_total - tight.host_total > tight.gpu_grads
+
+
 def test_plan_host_memory_problem_names_the_numbers() -> None:
     plan = dataclasses.replace(plan_memory(ModelConfig.from_name("7b"), 1, 2048, name="7b"),
                                shm_free=2**50, host_free=10 * GiB)

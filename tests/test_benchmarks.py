@@ -134,11 +134,10 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
     max_memory_allocated; a row more than 10% off is flagged. No GPU needed: the numbers are made up."""
     from benchmarks.peers import BenchSpec, PeerResult
     from benchmarks.throughput import plan_table, plan_vs_measured
-    from megatrain.memory.plan import CUDA_CONTEXT, plan_memory
+    from megatrain.memory.plan import CUDA_CONTEXT, plan_run
 
     spec = BenchSpec(model="tiny", batch=2, seq=32, precision="tf32", steps=1, warmup=0, optimizer_workers=2)
-    plan = plan_memory(config=spec.config, batch=2, seq=32, name="tiny", optimizer_workers=2, on_gpu=True,
-                       gpu_free=0)
+    plan = plan_run(spec.config, 2, 32, grads="arena", name="tiny", optimizer_workers=2, on_gpu=True)
     tensors = plan.gpu_total - int(CUDA_CONTEXT)
     row = PeerResult("megatrain", device="cuda:0 (made up)", gpu_peak=tensors, host_rss_peak=2 * plan.host_total)
     assert plan_vs_measured(spec, [PeerResult("megatrain", status="out of GPU memory")]) is None

@@ -133,7 +133,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None) -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
-    a bf16 copy of the weights in the arena (default: for bf16 runs)."""
+    a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
+    asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here)."""
     shadow = precision == "bf16" if shadow is None else shadow
     if grads not in GRAD_PLACEMENTS:
         raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {grads!r}.")
@@ -148,7 +149,6 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
     embed_rows = min(v, tokens) * h * 4
-    # bf16 mode keeps a cast copy of each layer beside the fp32 buffer it arrived in
     # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
@@ -172,13 +172,6 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
     if not on_gpu:  # the CPU path computes in host memory
         processes += weights + gpu_grads + checkpoints + working + loss
-    if on_gpu and gpu_free is None:
-        try:
-            import torch
-
-            gpu_free = torch.cuda.mem_get_info()[0]
-        except Exception:  # no usable GPU here: the plan still reports sizes
-            gpu_free = None
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
@@ -206,3 +199,29 @@ def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | N
     fits = (device_plan is not None and device_plan.on_gpu and device_plan.gpu_free is not None
             and device_plan.gpu_problem() is None)
     return "device" if fits else "arena"
+
+
+def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", clipping: bool = True,
+             name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
+             loss_chunk_tokens: int = 4096, gpu_free: int | None = None) -> MemoryPlan:
+    """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
+    wait resolved (resolve_grads), and in bf16 runs the bf16 copy of the weights kept only where the host has
+    room for it (else fp32 weights cross PCIe and are cast on the GPU)."""
+    kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
+                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free)
+    device_plan = plan_memory(config, batch, seq, grads="device", **kwargs) if on_gpu else None
+    plan = plan_memory(config, batch, seq, grads=resolve_grads(grads, clipping=clipping, device_plan=device_plan),
+                       **kwargs)
+    if plan.shadow_bytes and plan.host_problem() is not None:
+        plan = plan_memory(config, batch, seq, grads=plan.grads, shadow=False, **kwargs)
+    return plan
+
+
+def gpu_free_here() -> int | None:
+    """Free bytes on this process's GPU (creating a CUDA context), or None without a usable one."""
+    try:
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    except Exception:  # no usable GPU here: the plan still reports sizes
+        return None

@@ -286,6 +286,12 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> Any:
     return window if window not in (None, 0) else None
 
 
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """One sentence when `value` is not one of `choices` (precision, grads, ...)."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -467,8 +473,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decoder layer template (minutes of compiling at the first step)
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
+        check_choice("precision", self.precision, PRECISIONS)
         if not (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1):
             raise ConfigError(f"optimizer_workers must be an integer of at least 1, "
                               f"got {self.optimizer_workers!r}.")
@@ -481,8 +486,7 @@ class EngineConfig:
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}.")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
-        if self.grads not in GRAD_PLACEMENTS:
-            raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {self.grads!r}.")
+        check_choice("grads", self.grads, GRAD_PLACEMENTS)
         if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                   or self.device.startswith("cuda:"))):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")

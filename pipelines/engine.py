@@ -203,6 +203,12 @@ class Engine:
         """Where gradients wait for the optimizer: "arena", "stream" or "device" (see GRAD_PLACEMENTS)."""
         return self.engine_config.grads
 
+    @property
+    def _updates_after_step(self) -> bool:
+        """The driver starts a step's update once the step is done (it needs the global norm, or the gradients
+        wait on the GPU); otherwise the executor handed each unit to the workers as its gradients landed."""
+        return self.optim.clipping or self.grads == "device"
+
     def _on_gpu(self) -> bool:
         return self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
 
@@ -280,7 +286,7 @@ class Engine:
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
-        if self.grads == "device" or self.optim.clipping:
+        if self._updates_after_step:
             self._pending = []
             if finite:
                 coef = clip_coefficient(grad_norm, self.optim.max_grad_norm)
@@ -355,7 +361,7 @@ class Engine:
         for i in dead_workers:
             self.workers[i] = self._new_worker(i)
         ray.kill(self.executor)  # dead already, or holding handles of dead workers
-        if (self.optim.clipping or self.grads == "device") and not dead_workers:
+        if self._updates_after_step and not dead_workers:
             try:
                 # the previous step's updates, issued by the driver, run to completion (with grads = "device"
                 # only if they were all issued before the executor died: its gradients died with it)

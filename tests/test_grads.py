@@ -128,7 +128,9 @@ def test_optimizer_reads_each_unit_from_its_slot(layout, params, reference) -> N
     optim = OptimConfig(lr=1e-2)
     full = {"params": params.clone(), "grads": reference[0].clone(), "exp_avg": torch.zeros(layout.numel),
             "exp_avg_sq": torch.zeros(layout.numel)}
-    AdamWShard(layout, full, optim, 0, 1).update_all(step=0)
+    reference_shard = AdamWShard(layout, full, optim, 0, 1)
+    for unit in layout.units:
+        reference_shard.update(unit.index, step=0)
     slotted = {"params": params.clone(), "grads": torch.zeros(ring.numel), "exp_avg": torch.zeros(layout.numel),
                "exp_avg_sq": torch.zeros(layout.numel)}
     shard = AdamWShard(layout, slotted, optim, 0, 1, grad_layout=ring)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig
+from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.engine.streams import Streams
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
@@ -149,8 +149,7 @@ class Executor:
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.device = resolve_device(device)
-        if precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}.")
+        check_choice("precision", precision, PRECISIONS)
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params

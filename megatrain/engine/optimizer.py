@@ -105,7 +105,3 @@ class AdamWShard:
         if self.versions is None or self.issued is None:
             return 0
         return int((self.issued > self.versions[:, self.worker]).sum())
-
-    def update_all(self, step: int, clip_coef: float = 1.0) -> float:
-        """Updates every unit in forward order (embedding first), the order the next forward reads them."""
-        return sum(self.update(u.index, step, clip_coef) for u in self.layout.units)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig
+from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.model.layout import GRAD_RING_SLOTS, ModelLayout
 
 GiB = 2**30
@@ -136,8 +136,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
     asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here)."""
     shadow = precision == "bf16" if shadow is None else shadow
-    if grads not in GRAD_PLACEMENTS:
-        raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {grads!r}.")
+    check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
     # Decoder layers are alike: plan from a one-layer layout, so a config claiming 10^9 layers is refused at
     # once instead of after building a layout of 10^9 units.
@@ -186,8 +185,7 @@ def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | N
     """The placement of gradients for a run: an explicit choice, checked, or for "auto" the one that keeps
     the least on the host: "stream" without clipping; with clipping "device" when `device_plan` (the plan
     with grads="device") is for a GPU whose free memory is known and fits it; else "arena"."""
-    if requested not in GRAD_PLACEMENTS:
-        raise ConfigError(f"grads must be one of {', '.join(GRAD_PLACEMENTS)}, got {requested!r}.")
+    check_choice("grads", requested, GRAD_PLACEMENTS)
     if requested == "stream" and clipping:
         raise ConfigError("grads = 'stream' updates each layer as soon as its gradient lands, before the global "
                           "norm that clipping needs is known; set max_grad_norm = 0, or use grads = 'device' or "

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.memory.arena import proc_stat
+
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,12 +67,9 @@ def _parent_map() -> dict[int, int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        # the command name (field 2) may contain spaces and parentheses: split after its closing one
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        stat = proc_stat(entry.name)
+        if stat is not None:  # else it exited while we looked
+            parents[int(entry.name)] = int(stat[1])
     return parents
 
 

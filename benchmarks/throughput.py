@@ -48,6 +48,7 @@ from benchmarks.common import (
     pythonpath_with_repo,
 )
 from benchmarks.peers import LABELS, NEEDS_CUDA, PEERS, BenchSpec, PeerResult, run_peer
+from megatrain.memory.arena import process_start_time
 
 # ---- running one peer in its own process ----
 
@@ -56,17 +57,10 @@ from benchmarks.peers import LABELS, NEEDS_CUDA, PEERS, BenchSpec, PeerResult, r
 STOP = threading.Event()
 
 
-def _start_time(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _kill(pids: dict[int, int | None], grace: float) -> None:
     """SIGTERM, then after `grace` seconds SIGKILL, to each (pid, start time) still the same process."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [pid for pid, start in pids.items() if start is not None and _start_time(pid) == start]
+        alive = [pid for pid, start in pids.items() if start is not None and process_start_time(pid) == start]
         for pid in alive:
             try:
                 os.kill(pid, sig)
@@ -75,7 +69,7 @@ def _kill(pids: dict[int, int | None], grace: float) -> None:
         deadline = time.monotonic() + grace
         while alive and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = [pid for pid in alive if _start_time(pid) == pids[pid]]
+            alive = [pid for pid in alive if process_start_time(pid) == pids[pid]]
         if not alive:
             return
 
@@ -98,7 +92,7 @@ def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float)
     timed_out = False
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
-        seen.update((pid, _start_time(pid)) for pid in process_tree(proc.pid) if pid not in seen)
+        seen.update((pid, process_start_time(pid)) for pid in process_tree(proc.pid) if pid not in seen)
         if time.monotonic() > deadline or STOP.is_set():
             timed_out = True
             _kill({pid: start for pid, start in seen.items()}, grace=10)

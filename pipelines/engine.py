@@ -48,7 +48,7 @@ from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.engine.optimizer import clip_coefficient
-from megatrain.memory.arena import Arena, remove_stale_segments
+from megatrain.memory.arena import Arena, proc_stat, remove_stale_segments
 from megatrain.memory.plan import MemoryPlan, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
@@ -109,8 +109,8 @@ def reap_orphaned_ray_agents() -> list[int]:
         try:
             if proc.stat().st_uid != os.getuid() or not (proc / "cmdline").read_bytes().startswith(RAY_AGENTS):
                 continue
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == 1:
+            stat = proc_stat(proc.name)
+            if stat is not None and int(stat[1]) == 1:  # ppid
                 os.kill(int(proc.name), 9)
                 killed.append(int(proc.name))
         except (OSError, ValueError, IndexError):

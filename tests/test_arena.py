@@ -176,7 +176,7 @@ def test_killed_owner_segments_are_removed_at_next_start(tmp_path: Path, arena: 
 def test_reused_pid_does_not_keep_segments_alive(tmp_path: Path) -> None:
     """Names carry the owner's start time: a live pid with another start time is a different process."""
     me = os.getpid()
-    start = arena_mod._process_start_time(me)
+    start = arena_mod.process_start_time(me)
     assert start is not None
     alive = tmp_path / f"megatrain-run1-{me}-{start}-params"
     reused = tmp_path / f"megatrain-run2-{me}-{start + 1}-params"

@@ -35,13 +35,20 @@ FP32_SEGMENTS = ("params", "grads", "exp_avg", "exp_avg_sq")
 SHADOW_SEGMENT = "params_bf16"
 
 
-def _process_start_time(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat), None if it is gone."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state, ppid, ...; field n is [n - 3]), None if the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    # the command name (field 2) may contain spaces and parentheses: split after its closing one
+    return stat.rsplit(")", 1)[1].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat), None if it is gone."""
+    fields = proc_stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class Arena:
         handle = ArenaHandle(
             run_id=run_id or uuid.uuid4().hex[:12],
             owner_pid=pid,
-            owner_start=_process_start_time(pid) or 0,
+            owner_start=process_start_time(pid) or 0,
             directory=str(directory),
             segments=tuple((name, "float32", grads_numel if name == "grads" and grads_numel is not None else numel)
                            for name in FP32_SEGMENTS) + tuple(extra_segments),
@@ -202,7 +209,7 @@ def segment_owner_alive(path: Path) -> bool:
     if owner is None:
         return False
     pid, start = owner
-    return _process_start_time(pid) == start
+    return process_start_time(pid) == start
 
 
 def remove_stale_segments(directory: Path | str | None = None, everything: bool = False) -> list[Path]:

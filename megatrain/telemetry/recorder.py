@@ -327,17 +327,17 @@ class Recorder:
             shift = max(0.0, self._t0 - host_time(self._begin_event))
             done.append(self._begin_event)
             self._begin_event = None
-        unfinished = []
+        resolved, unfinished = [], []
         for entry in pending:
             span, ev_start, ev_end, _ = entry
             if not ev_end.query():  # recorded by another thread after the tails: the next step reads it
                 unfinished.append(entry)
                 continue
             span.start, span.end = host_time(ev_start) + shift, host_time(ev_end) + shift
-            with self._lock:
-                self._pending.append(span)
+            resolved.append(span)
             done += [ev_start, ev_end]
         with self._lock:
+            self._pending += resolved
             self._device_pending[:0] = unfinished
             self._free_events += done
         return t_anchor

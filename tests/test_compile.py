@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from megatrain.config import ModelConfig
-from megatrain.engine.executor import Executor
+from megatrain.engine.executor import Executor, set_matmul_precision
 from megatrain.memory.store import init_weights
 from megatrain.model.layout import ModelLayout
 
@@ -30,3 +30,17 @@ def test_compiled_layers_match_eager() -> None:
             for name in want:
                 rel = ((got[name] - want[name]).abs().max() / want[name].abs().max()).item()
                 assert rel <= 1e-5, f"{unit.kind} {unit.layer} {name}: {rel:.2e}"
+
+
+def test_matmul_precision_leaves_every_torch_flag_readable() -> None:
+    """The executor's TF32 switch must not leave torch's legacy and per-backend flags disagreeing: then
+    torch.get_float32_matmul_precision(), which torch.compile's autotuning reads, raises."""
+    try:
+        for precision, tf32 in (("tf32", True), ("bf16", True), ("fp32", False)):
+            set_matmul_precision(precision)
+            assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+            if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+                assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+    finally:
+        torch.set_float32_matmul_precision("highest")  # torch's default

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import megatrain
+from megatrain.engine.executor import set_matmul_precision
 from megatrain.memory.arena import Arena
 
 pytestmark = pytest.mark.gpu
@@ -22,8 +23,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def strict_fp32():
     assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    set_matmul_precision("fp32")
 
 
 def hf_models() -> dict[str, torch.nn.Module]:

@@ -56,10 +56,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def set_matmul_precision(precision: str) -> None:
-    """tf32 for "tf32" and "bf16" (whose fp32 parts may use it), strict fp32 IEEE matmuls for "fp32"."""
-    allow = precision != "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    torch.backends.cudnn.allow_tf32 = allow
+    """tf32 for "tf32" and "bf16" (whose fp32 parts may use it), strict fp32 IEEE matmuls for "fp32".
+
+    Through torch.set_float32_matmul_precision, which keeps torch's legacy flags (`allow_tf32`) and its
+    per-backend ones (`fp32_precision`, torch >= 2.9) in agreement: setting either kind alone leaves a
+    state in which torch.get_float32_matmul_precision() raises ("mix of the legacy and new APIs"), and
+    torch.compile's autotuning and transformers read it. Call it in a process that computes on the GPU:
+    it also lets oneDNN use reduced precision for the CPU's fp32 matmuls."""
+    torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
 
 
 @dataclass
@@ -183,6 +187,9 @@ class Executor:
         with s.on(s.h2d):
             out = (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
         s.wait(s.compute, s.record(s.h2d))
+        # allocated on the h2d stream, read on compute: without this the allocator could hand the block to
+        # the next H2D copy as soon as `out` is dropped, while compute still reads it
+        out.record_stream(s.compute)
         return out.to(dtype) if dtype is not None else out
 
     def _gradients(self, unit: Unit, pairs: list[tuple[torch.Tensor, torch.Tensor]],

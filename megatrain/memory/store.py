@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from megatrain.config import ConfigError, ModelConfig
 from megatrain.memory import checkpoint as ckpt
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
-from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout, Unit
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +39,21 @@ def resolve_model(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | 
     return ModelConfig.from_name(str(model)), None, str(model)
 
 
+def for_each_unit(layout: ModelLayout, work: Callable[[Unit], None]) -> None:
+    """Runs `work` on every unit, units spread over a thread per core: torch's fills and copies release the
+    GIL, and in a Ray actor (OMP_NUM_THREADS from num_cpus) each of them alone would use one core, so a 9 G
+    parameter init would take over half a minute instead of seconds."""
+    threads = min(len(layout.units), os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads, thread_name_prefix="per-unit") as pool:
+        list(pool.map(work, layout.units))  # list(): re-raises a unit's failure here
+
+
 def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
     """HF Llama init: matrices ~ N(0, initializer_range), norms 1, biases 0; one generator per unit so
-    each unit's values do not depend on the others."""
+    each unit's values do not depend on the others (nor on the order the threads take them in)."""
     std = layout.config.initializer_range
-    for unit in layout.units:
+
+    def init_unit(unit: Unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
         for name, t in unit.bind(unit.range_of(params)).items():
             if name.endswith("norm.weight"):
@@ -49,6 +62,8 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
                 t.zero_()
             else:
                 t.normal_(0.0, std, generator=gen)
+
+    for_each_unit(layout, init_unit)
 
 
 class ParameterStore:
@@ -93,7 +108,8 @@ class ParameterStore:
     def _refresh_shadow(self) -> None:
         """After the weights were written other than by the optimizer (which keeps the shadow itself)."""
         if SHADOW_SEGMENT in self.arena.tensors:
-            self.arena.tensors[SHADOW_SEGMENT].copy_(self.arena.params)
+            shadow, params = self.arena.tensors[SHADOW_SEGMENT], self.arena.params
+            for_each_unit(self.layout, lambda unit: unit.range_of(shadow).copy_(unit.range_of(params)))
 
     def reinitialize(self) -> None:
         """Back to the state before the first step: initial weights, zero moments, version 0."""

@@ -4,14 +4,15 @@
 #
 #   bash benchmarks/gpu_session.sh tests   # pytest -m gpu, pcie.py, optimizer.py
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
-#   bash benchmarks/gpu_session.sh big     # megatrain alone at 7b bf16; a traced 1b run and its report; 9b tf32
+#   bash benchmarks/gpu_session.sh big     # megatrain alone: 7b bf16; a traced 1b run and its report; 9b tf32; 7b tf32
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
 # command is `bash benchmarks/gpu_session.sh PART`. Each sub-step runs under `timeout` (a hang costs that step,
-# not the part), its output goes to the terminal and to $OUT/<step>.txt, a failure moves on to the next step,
-# and a table of exit codes ends the part. The run tool brings back at most 8 files from $OUT, so peer logs and
-# run-directory files travel as one $OUT/logs-PART.tar.gz. Environment knobs: OUT (required unless DRY_RUN=1),
+# not the part), its output goes to the terminal and is appended to $OUT/PART.txt under a header naming the
+# step, a failure moves on to the next step, and a table of exit codes ends the part. The run tool brings back
+# at most 8 files from $OUT, so every step's output shares one file, and peer logs and run-directory files
+# travel as one $OUT/logs-PART.tar.gz. Environment knobs: OUT (required unless DRY_RUN=1),
 # STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), BUDGET_S (seconds
 # the part's steps may take, default 520), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
 # (how to call megatrain, default `python3 -m megatrain.cli`: the project is not pip-installed there).
@@ -76,7 +77,7 @@ prelude() {
 record() { STEP_NAMES+=("$1"); STEP_RESULTS+=("$2"); }
 
 # step NAME LIMIT_S CMD...: runs CMD under `timeout` (clamped to what is left of the part's budget), output
-# to the terminal and $OUT/NAME.txt; then removes what a killed run may have left in /dev/shm.
+# to the terminal and $OUT/PART.txt; then removes what a killed run may have left in /dev/shm.
 step() {
   local name=$1 limit=$2 start=$SECONDS left rc
   shift 2
@@ -98,7 +99,8 @@ step() {
   fi
   # timeout signals its whole process group (peer processes, Ray's daemons); throughput.py, on SIGTERM,
   # still prints its table and writes --out for the peers done, within the 45 s before SIGKILL
-  timeout --kill-after=45 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  echo "===== $name (timeout ${limit}s): $*" >>"$OUT/$PART.txt"
+  timeout --kill-after=45 "$limit" "$@" 2>&1 | tee -a "$OUT/$PART.txt"
   rc=${PIPESTATUS[0]}
   timeout 60 "${MEGATRAIN[@]}" cleanup >/dev/null 2>&1  # arena segments of dead owners, orphaned Ray agents
   case $rc in
@@ -165,11 +167,15 @@ case "$PART" in
     save "$WORK/logs/" "$WORK/run-1b/trace.json" "$WORK/run-1b/steps.jsonl" "$WORK/run-1b/config.json"
     # The largest fp32 + AdamW model for this host: 9b (9.2 G params; `megatrain plan` puts it at ~115 GiB of
     # the 125 with gradients kept on the GPU). Through throughput.py's megatrain peer, which trains the same
-    # Engine and sets the memory plan against the measured peaks. It gets what is left of the part (a
-    # SIGTERM still prints its row).
-    step tp-9b-tf32 480 python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 \
-      --peers megatrain --optimizer-workers 8 --steps 2 --warmup 1 --timeout 480 --log-dir "$WORK/logs/9b" \
+    # Engine and sets the memory plan against the measured peaks (a SIGTERM still prints its row).
+    step tp-9b-tf32 300 python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 \
+      --peers megatrain --optimizer-workers 8 --steps 2 --warmup 1 --timeout 300 --log-dir "$WORK/logs/9b" \
       --out "$OUT/tp-9b-tf32.json"
+    # 6.7B (Llama-2-7B shape) in tf32, the case set against FSDP2 offload's 2,380 tok/s (shared/device/README.md;
+    # FSDP2 takes 123.6 of the 125 GiB there, so it is not rerun here). What is left of the part.
+    step tp-7b-tf32 200 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 \
+      --peers megatrain --optimizer-workers 8 --steps 3 --warmup 1 --timeout 200 --log-dir "$WORK/logs/7b-tf32" \
+      --out "$OUT/tp-7b-tf32.json"
     ;;
 esac
 finish

@@ -161,7 +161,8 @@ GPU_SESSION_COMMANDS = {
             "--checkpoint-every 0 --no-save-final ",
             "python3 -m megatrain.cli report ",
             "cp /tmp/gpu-session/big/run-1b/timeline.png OUT/timeline-1b.png",
-            "python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 --peers megatrain "],
+            "python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 --peers megatrain ",
+            "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 --peers megatrain "],
 }
 
 

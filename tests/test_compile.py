@@ -44,3 +44,17 @@ def test_matmul_precision_leaves_every_torch_flag_readable() -> None:
                 assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
     finally:
         torch.set_float32_matmul_precision("highest")  # torch's default
+
+
+def test_compiled_layers_take_more_batch_shapes_than_torchs_default_limit() -> None:
+    """Each batch shape compiles the layer twice (forward without grad, recompute with it); torch's default
+    recompile limit of 8 would make the fifth shape a hard error under fullgraph=True."""
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=1)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=2)
+    executor = Executor(config, layout, params, torch.zeros(layout.numel), compile=True)
+    gen = torch.Generator().manual_seed(0)
+    for seq in range(8, 13):  # five shapes: ten compilations
+        ids = torch.randint(0, config.vocab_size, (1, seq), generator=gen)
+        assert torch.isfinite(torch.tensor(executor.run(ids).loss))

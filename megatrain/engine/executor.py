@@ -66,6 +66,19 @@ def set_matmul_precision(precision: str) -> None:
     torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
 
 
+# Batch shapes a compiled decoder layer may see in one process. Each compiles twice (the forward without grad,
+# the recompute with it); past torch's default limit of 8 compilations a fullgraph=True function raises.
+COMPILED_SHAPES_LIMIT = 32
+
+
+def allow_recompiles(shapes: int) -> None:
+    """Lets torch.compile'd functions compile for `shapes` batch shapes (torch._dynamo's recompile limit,
+    named cache_size_limit before torch 2.6), never lowering a limit set higher elsewhere."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 2 * shapes))
+
+
 @dataclass
 class GradsOut:
     """One unit's gradients on their way from the device to the host grads segment."""
@@ -165,6 +178,7 @@ class Executor:
         self.template = DecoderLayer(config)
         self.layer: Callable[..., torch.Tensor] = self.template
         if compile:
+            allow_recompiles(COMPILED_SHAPES_LIMIT)
             self.layer = torch.compile(self.template.__call__, fullgraph=True, dynamic=False)
         self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -232,7 +246,7 @@ class Executor:
             # stream) would wait for every kernel queued there since, up to a layer of compute
             norm_sq = out.norm_sq.to("cpu", non_blocking=True) if s.cuda else out.norm_sq
         if s.cuda:
-            s.record(s.d2h).synchronize()
+            s.record(s.d2h, blocking=True).synchronize()
         if out.scatter is not None:
             out.scatter()
         landed(out.unit, float(norm_sq))

@@ -23,10 +23,12 @@ class Streams:
         else:
             self.h2d = self.compute = self.d2h = None
 
-    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    def record(self, stream: torch.cuda.Stream | None, blocking: bool = False) -> torch.cuda.Event | None:
+        """An event at the current end of `stream`. blocking: for a host thread to wait on; such a thread sleeps
+        instead of spinning a core the optimizer workers could use."""
         if stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=blocking)
         event.record(stream)
         return event
 

@@ -12,6 +12,7 @@ time, so a later start can tell a live run's segments from those of a killed one
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -147,10 +148,12 @@ class Arena:
                 continue
             rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
             if int(rc) != 0:
+                _clear_last_cuda_error()
                 ok = False
-                log.warning("cudaHostRegister of arena segment %s (%.2f GiB) failed with CUDA error %s; "
-                            "copies from it run pageable and slow (check `ulimit -l`).",
-                            name, t.numel() * t.element_size() / 2**30, int(rc))
+                log.warning("cudaHostRegister of arena segment %s (%.2f GiB) failed (CUDA error %d: %s); copies "
+                            "from it run pageable, about 7x slower (is page-locked memory limited here? see "
+                            "`ulimit -l` and the container's memlock limit).",
+                            name, t.numel() * t.element_size() / 2**30, int(rc), cudart.cudaGetErrorString(rc))
             else:
                 self._registered.append(t.data_ptr())
         return ok
@@ -172,6 +175,21 @@ class Arena:
         self.close()
         if self.owner:
             self.unlink()
+
+
+def _clear_last_cuda_error() -> None:
+    """Resets this thread's "last CUDA error" after a failed cudaHostRegister. Left set, torch's check after the
+    next kernel launch would raise it as that kernel's failure, turning a warned-about slow path into a crash.
+    torch's cudart bindings have no cudaGetLastError, so it is called in the libcudart torch has loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+        if path is None:
+            raise OSError("no libcudart.so is mapped in this process")
+        ctypes.CDLL(path).cudaGetLastError()
+    except OSError as e:
+        log.warning("could not reset the CUDA error of the failed cudaHostRegister (%s); the next kernel may "
+                    "report it.", e)
 
 
 def _map(handle: ArenaHandle) -> dict[str, torch.Tensor]:

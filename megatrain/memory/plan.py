@@ -152,8 +152,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
     weights = (2 * layer + head) * weight_bytes + embed_rows
-    if grads == "device":  # every layer's and the head's gradient stays until the step ends, in compute dtype
-        gpu_grads = (config.num_layers * layer + head) * act_bytes + embed_rows
+    if grads == "device":  # every gradient stays until the step ends: layers' in compute dtype, the head's fp32
+        gpu_grads = config.num_layers * layer * act_bytes + head * 4 + embed_rows
     else:
         gpu_grads = 2 * layer * 4 + head * 4 + embed_rows
     if grads == "arena":

@@ -67,7 +67,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads)."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and _SDPA_HAS_GQA:
+    # enable_gqa only where a fused kernel takes it: on CUDA the flash kernel (half precision only) does, the
+    # memory-efficient one (fp32's) does not, and SDPA would fall back to the math kernel, which materialises
+    # [b, heads, t, t] scores (4 GiB per layer at 8 x 2048 tokens). Expanding k and v costs far less.
+    if groups > 1 and _SDPA_HAS_GQA and q.dtype in (torch.float16, torch.bfloat16):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)

@@ -83,8 +83,9 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: tor
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
     grad_x = torch.zeros_like(flat_x)
-    grad_norm = torch.zeros_like(norm_weight)
-    grad_head = torch.zeros_like(lm_head)
+    # summed over chunks in fp32 whatever the compute dtype: bf16 sums would round at every chunk
+    grad_norm = torch.zeros_like(norm_weight, dtype=torch.float32)
+    grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
     norm_leaf = norm_weight.detach().requires_grad_(True)
     head_leaf = lm_head.detach().requires_grad_(True)
     for start in range(0, flat_x.shape[0], chunk_tokens):

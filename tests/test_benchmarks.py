@@ -152,7 +152,7 @@ GPU_SESSION_COMMANDS = {
     "tests": [WHEELS, "python3 -m pytest -m gpu -q -s",
               "python3 benchmarks/pcie.py --size-mb 1024 --repeats 10",
               "python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 3 --out OUT/optimizer.json"],
-    "peers": [WHEELS, "DS_BUILD_OPS=0 python3 -m pip install",
+    "peers": [WHEELS, "DS_BUILD_OPS=0 python3 -m pip install", "CPUAdamBuilder().load()",
               "python3 benchmarks/throughput.py --model 2.8b --batch 8 --seq 2048 --precision tf32 "
               "--peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 --timeout 105 "],
     "big": [WHEELS,

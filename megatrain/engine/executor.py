@@ -331,7 +331,9 @@ class Executor:
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
             table = embed_unit.bind(embed_unit.range_of(self.weights))["embed_tokens.weight"]
-            rows = self._to_device(table.index_select(0, rows_idx), self.dtype)
+            # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
+            rows = torch.empty((rows_idx.numel(), table.shape[1]), dtype=table.dtype, pin_memory=s.cuda)
+            rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
         with self.rec.span("compute", "embed", embed_unit.index, s.compute):
             x = embed(rows, row_of_token)

@@ -163,6 +163,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     checkpoints = (config.num_layers + 1) * tokens * h * act_bytes
     # one layer's recompute: normed input, q/k/v, attention out, residual, mlp gate/up/act, and their grads
     working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes
+    if precision != "bf16" and config.num_kv_heads < config.num_heads:  # fp32 GQA: k and v expanded to all heads
+        working += 2 * 2 * tokens * (config.num_heads * config.head_dim - config.kv_size) * act_bytes
     chunk = min(tokens, loss_chunk_tokens)
     loss = 3 * chunk * v * 4 + 2 * tokens * h * 4
     shadow_bytes = arena_numel * 2 if shadow else 0

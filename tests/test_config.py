@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import AutoConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
+from megatrain.cli import main
 from megatrain.config import (
     PRESETS,
     ConfigError,
@@ -23,6 +24,7 @@ from megatrain.config import (
     OptimConfig,
     dataclass_from_dict,
 )
+from megatrain.memory.store import resolve_model
 
 
 def assert_one_sentence(message: str) -> None:
@@ -52,6 +54,18 @@ def test_every_preset_builds_and_is_consistent(name: str) -> None:
     assert c.num_params() == (c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
                               + c.num_layers * c.layer_params() + c.hidden_size)
     assert ModelConfig.from_name(name.upper()) == c  # names are case-insensitive
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_name_resolves_as_a_model(name: str) -> None:
+    """What Engine, `megatrain train` and `megatrain plan` do with --model: "2.8b" looks like a file name
+    with the suffix ".8b" and must still be the preset."""
+    assert resolve_model(name) == (ModelConfig.from_name(name), None, name)
+
+
+def test_plan_of_a_preset_with_a_dot_in_its_name(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["plan", "--model", "2.8b", "--batch", "1", "--seq", "128"])
+    assert "memory plan for 2.8b (2.814 G params)" in capsys.readouterr().out
 
 
 def test_defaults_follow_llama() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatrain.config import ConfigError, ModelConfig
+from megatrain.config import PRESETS, ConfigError, ModelConfig
 from megatrain.memory import checkpoint as ckpt
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
@@ -33,6 +33,8 @@ def resolve_model(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | 
     path = Path(model)
     if path.is_dir():
         return ckpt.read_hf_config(path), path, path.name
+    if str(model).lower() in PRESETS:  # before the path checks: "2.8b" has a suffix, ".8b"
+        return ModelConfig.from_name(str(model)), None, str(model)
     if path.suffix or "/" in str(model) or path.exists():
         raise ConfigError(f"model {str(model)!r} is neither an HF model directory nor a preset name; "
                           "pass a directory holding config.json and safetensors weights, or a preset like 'tiny'.")

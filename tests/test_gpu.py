@@ -1,4 +1,5 @@
-"""GPU checks, run on the GPU machine with `python -m pytest -m gpu -q -s` (see shared/device/README.md).
+"""GPU checks, run on the GPU machine with `python -m pytest tests/test_gpu.py -m gpu -q -s`
+(benchmarks/gpu_session.sh tests).
 
 Not collected without `-m gpu` (pyproject's addopts deselect them); they fail loudly if asked for on a
 machine without CUDA rather than skipping.

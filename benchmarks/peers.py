@@ -230,8 +230,10 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
     import ray
 
     import megatrain
+    from pipelines.engine import ray_memory_monitor_off
 
     # Our own small local Ray (Engine joins it): its object store carries only the token batches.
+    ray_memory_monitor_off()
     ray.init(num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20,
              include_dashboard=False, configure_logging=False)
     engine = None

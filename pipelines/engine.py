@@ -120,6 +120,16 @@ def reap_orphaned_ray_agents() -> list[int]:
     return killed
 
 
+def ray_memory_monitor_off() -> None:
+    """For a local Ray about to be started here (its raylet reads the environment when it starts).
+
+    Ray's memory monitor kills workers once the machine's used memory passes 95%, counting /dev/shm as used.
+    The arena is most of host memory by design (a 9 G-param model takes ~115 of 125 GiB), and the memory
+    plan has checked that it fits before allocating; a worker killed for it frees none of it (the arena
+    outlives it), so the restarted one would be killed again. Set RAY_memory_monitor_refresh_ms to keep it."""
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins a running cluster (address="auto") or starts a small local one sized for this machine."""
     if ray.is_initialized():
@@ -127,6 +137,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    ray_memory_monitor_off()
     # The object store carries only token batches and control messages: keep it small (it lives in /dev/shm).
     ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=256 * 2**20, include_dashboard=False,
              log_to_driver=True, configure_logging=False)

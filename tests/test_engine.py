@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,16 @@ def test_bad_batch_is_one_sentence(ray_session, hf_dir) -> None:
         with pytest.raises(Exception) as err:
             engine.step(torch.full((1, 8), VOCAB + 5))
         assert "outside the model's vocabulary" in str(err.value)
+
+
+def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arena in /dev/shm counts as used memory to Ray's monitor, which would kill workers holding none
+    of it; a user's own setting wins."""
+    from pipelines.engine import ray_memory_monitor_off
+
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    ray_memory_monitor_off()
+    assert os.environ["RAY_memory_monitor_refresh_ms"] == "0"
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
+    ray_memory_monitor_off()
+    assert os.environ["RAY_memory_monitor_refresh_ms"] == "250"

@@ -138,6 +138,11 @@ do_cmd mkdir -p "$WORK/logs"
 case "$PART" in
   tests)
     prelude
+    # what the machine is, in a few seconds: so a failure below can be told from a machine problem
+    step machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+      df -h /dev/shm; echo "ulimit -l: $(ulimit -l)"; nproc; free -g; \
+      python3 -c "import torch, ray; print(torch.__version__, torch.cuda.get_device_name()); \
+      ray.init(num_cpus=2, include_dashboard=False); print(ray.cluster_resources()); ray.shutdown()"'
     # first: correctness of the CUDA paths matters most (8 tests, 7 Engines; the compiled bf16 one compiles for a
     # minute or so). Only tests/test_gpu.py is collected: the machine has no hypothesis, which test_fuzz.py
     # imports, and one module failing to import stops a whole pytest run.

@@ -149,7 +149,7 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
 
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
-    "tests": [WHEELS, "python3 -m pytest tests/test_gpu.py -m gpu -q -s",
+    "tests": [WHEELS, "nvidia-smi --query-gpu", "python3 -m pytest tests/test_gpu.py -m gpu -q -s",
               "python3 benchmarks/pcie.py --size-mb 1024 --repeats 10",
               "python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 3 --out OUT/optimizer.json"],
     "peers": [WHEELS, "DS_BUILD_OPS=0 python3 -m pip install", "CPUAdamBuilder().load()",

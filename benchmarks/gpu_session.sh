@@ -13,7 +13,8 @@
 # step, a failure moves on to the next step, and a table of exit codes ends the part. The run tool brings back
 # at most 8 files from $OUT, so every step's output shares one file, and peer logs and run-directory files
 # travel as one $OUT/logs-PART.tar.gz. Environment knobs: OUT (required unless DRY_RUN=1),
-# STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), BUDGET_S (seconds
+# STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), COMPILE_7B (part
+# big: 0 runs the 7b bf16 step without torch.compile), BUDGET_S (seconds
 # the part's steps may take, default 520), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
 # (how to call megatrain, default `python3 -m megatrain.cli`: the project is not pip-installed there).
 set -uo pipefail
@@ -165,9 +166,13 @@ case "$PART" in
     ;;
   big)
     prelude
-    step tp-7b-bf16 160 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 \
-      --peers megatrain --optimizer-workers 8 --steps 5 --warmup 2 --timeout 160 --log-dir "$WORK/logs/7b" \
-      --out "$OUT/tp-7b-bf16.json"
+    # The 350 TFLOP/s target is above eager bf16's ceiling for this layer (311; torch.compile's 434), so the
+    # layer is compiled (in the warm-up steps); COMPILE_7B=0 runs it eager.
+    compile_7b=()
+    [[ ${COMPILE_7B:-1} == 1 ]] && compile_7b=(--compile)
+    step tp-7b-bf16 220 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 \
+      --peers megatrain --optimizer-workers 8 --steps 5 --warmup 2 --timeout 220 --log-dir "$WORK/logs/7b" \
+      "${compile_7b[@]}" --out "$OUT/tp-7b-bf16.json"
     # A traced run, as users run it: no checkpoints and no HF export (the 1b checkpoint would be ~13 GB, and
     # the run tool brings back 8 files); trace, step log and config go into the logs archive, the timeline to $OUT.
     step train-1b 120 "${MEGATRAIN[@]}" train --model 1b --steps 6 --trace --log-every 1 --batch-size 8 \

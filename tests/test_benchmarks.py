@@ -157,6 +157,7 @@ GPU_SESSION_COMMANDS = {
               "--peers megatrain,resident,fsdp2,deepspeed --optimizer-workers 8 --steps 5 --warmup 2 --timeout 105 "],
     "big": [WHEELS,
             "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 --peers megatrain ",
+            " --compile --out OUT/tp-7b-bf16.json",
             "python3 -m megatrain.cli train --model 1b --steps 6 --trace ",
             "--checkpoint-every 0 --no-save-final ",
             "python3 -m megatrain.cli report ",

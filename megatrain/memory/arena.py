@@ -160,6 +160,7 @@ class Arena:
 
     def close(self) -> None:
         if self._registered and torch.cuda.is_available():
+            torch.cuda.synchronize()  # no copy may still be reading or writing pages about to be unpinned
             cudart = torch.cuda.cudart()
             for ptr in self._registered:
                 cudart.cudaHostUnregister(ptr)

@@ -85,13 +85,17 @@ def _check_against_reference(layout: ModelLayout, copies: dict[int, torch.Tensor
             assert torch.equal(ours[name], ref[name]), name
 
 
-def test_streamed_gradients_wait_for_their_slot(layout, params, batch, reference) -> None:
+@pytest.mark.parametrize("send_thread", [False, True], ids=["inline", "sender-thread"])
+def test_streamed_gradients_wait_for_their_slot(layout, params, batch, reference, send_thread: bool) -> None:
+    """send_thread: the path a GPU takes (slot waits, copies and `landed` on a thread of their own), here
+    without CUDA; the same gradients, norms and order of events as the inline path."""
     ring = GradLayout.ring(layout, slots=SLOTS)
     grads = torch.full((ring.numel,), float("nan"))  # a slot's old contents must never leak into a gradient
     log: list[tuple[str, int]] = []
     copies, landed = _landed_copies(ring, grads, log)
-    out = Executor(CONFIG, layout, params, grads, grad_layout=ring).run(
-        *batch, grads_landed=landed, slot_free=lambda unit: log.append(("free", unit.index)))
+    executor = Executor(CONFIG, layout, params, grads, grad_layout=ring, send_thread=send_thread)
+    out = executor.run(*batch, grads_landed=landed, slot_free=lambda unit: log.append(("free", unit.index)))
+    executor.close()
     assert out.held == [] and out.unit_grad_norms_sq == reference[1]
     _check_against_reference(layout, copies, reference[0])
     # backward order (head, layers from the top, embedding); a layer waits for the layer two above it
@@ -101,6 +105,27 @@ def test_streamed_gradients_wait_for_their_slot(layout, params, batch, reference
     for i in (3, 2, 1, 0):
         expected += [("free", L[i + SLOTS].index), ("landed", L[i].index)]
     assert log == expected + [("landed", embed)]
+
+
+def test_a_failure_on_the_sender_thread_fails_the_step_and_stops_its_units(layout, params, batch) -> None:
+    """An error while sending (a slot wait or `landed` failing: a dead optimizer worker) is raised by the
+    step that queued it, the step's later units are not handed on, and the next step runs clean."""
+    executor = Executor(CONFIG, layout, params, torch.zeros(layout.numel), send_thread=True)
+    landed: list[int] = []
+    broken = layout.layers[3].index
+
+    def fail_on_one(unit: Unit, norm_sq: float) -> None:
+        if unit.index == broken:
+            raise RuntimeError("worker died")
+        landed.append(unit.index)
+
+    with pytest.raises(RuntimeError, match="worker died"):
+        executor.run(*batch, grads_landed=fail_on_one)
+    assert broken not in landed and layout.embed.index not in landed, landed  # nothing after the failure
+    landed.clear()
+    executor.run(*batch, grads_landed=lambda unit, norm_sq: landed.append(unit.index))
+    assert sorted(landed) == sorted(u.index for u in layout.units)
+    executor.close()
 
 
 def test_held_gradients_go_out_in_forward_order(layout, params, batch, reference) -> None:

@@ -159,10 +159,12 @@ class Executor:
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
-                 shadow: torch.Tensor | None = None, compile: bool = False):
+                 shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None):
         """shadow: a bf16 copy of `params` kept current by the optimizer; with precision "bf16" the weights are
         read from it (half the bytes to move), else from params. compile: run the decoder layer through
-        torch.compile (every layer has the same shapes, so it compiles once per batch shape and grad mode)."""
+        torch.compile (every layer has the same shapes, so it compiles once per batch shape and grad mode).
+        send_thread: gradients go to the host from a thread of their own (None: on a GPU, where the step must
+        not wait on slots or copies; on the CPU path the step's own thread does the copies)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.device = resolve_device(device)
@@ -175,6 +177,7 @@ class Executor:
         if self.device.type == "cuda":
             set_matmul_precision(precision)
         self.streams = Streams(self.device)
+        self.send_thread = self.streams.cuda if send_thread is None else send_thread
         self.template = DecoderLayer(config)
         self.layer: Callable[..., torch.Tensor] = self.template
         if compile:
@@ -214,9 +217,9 @@ class Executor:
 
     def _emit(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
               slot_users: dict[int, Unit]) -> None:
-        """Sends `out` to the host: on a GPU through the sender thread, so compute never waits on a slot or a
-        copy; on the CPU path at once."""
-        if not self.streams.cuda:
+        """Sends `out` to the host: through the sender thread (on a GPU), so compute never waits on a slot or a
+        copy; else at once."""
+        if not self.send_thread:
             self._deliver(out, landed, slot_free, slot_users)
             return
         if self._sender is None or not self._sender.is_alive():
@@ -254,7 +257,9 @@ class Executor:
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
             try:
-                self._deliver(*item)
+                # after a failure the step's remaining units are dropped: none of them may be handed on
+                if self._outbox_error is None:
+                    self._deliver(*item)
             except BaseException as e:  # surfaced by the step that queued it
                 self._outbox_error = e
             finally:

@@ -196,7 +196,7 @@ class Engine:
     def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
         model_arg = model if isinstance(model, ModelConfig) else str(model)
-        on_gpu = self._on_gpu()
+        on_gpu = self.on_gpu = self._on_gpu()
         plan = self._plan(batch, seq, on_gpu)
         self.engine_config = replace(self.engine_config, grads=plan.grads)
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
@@ -248,7 +248,7 @@ class Engine:
             self.handle, self.config, self.optim, index, n, threads, self.grads, self.metrics)
 
     def _new_executor(self) -> Any:
-        return GPUExecutor.options(num_gpus=1 if self._on_gpu() else 0, name=self._name("executor")).remote(
+        return GPUExecutor.options(num_gpus=1 if self.on_gpu else 0, name=self._name("executor")).remote(
             self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, self.trace)
 
     def _name(self, role: str) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig, check_choice
-from megatrain.model.layout import GRAD_RING_SLOTS, ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout
 
 GiB = 2**30
 # Resident memory (VmRSS less shared memory) of each process besides the arena. Measured on the CPU path
@@ -159,7 +159,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     if grads == "arena":
         grads_numel = arena_numel
     else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
-        grads_numel = layout.embed.numel + layout.head.numel + min(GRAD_RING_SLOTS, config.num_layers) * layer
+        grads_numel = GradLayout.ring_numel(layout, config.num_layers)
     checkpoints = (config.num_layers + 1) * tokens * h * act_bytes
     # one layer's recompute: normed input, q/k/v, attention out, residual, mlp gate/up/act, and their grads
     working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes

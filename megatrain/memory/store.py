@@ -33,9 +33,8 @@ def resolve_model(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | 
     path = Path(model)
     if path.is_dir():
         return ckpt.read_hf_config(path), path, path.name
-    if str(model).lower() in PRESETS:  # before the path checks: "2.8b" has a suffix, ".8b"
-        return ModelConfig.from_name(str(model)), None, str(model)
-    if path.suffix or "/" in str(model) or path.exists():
+    # a preset name is no path even where it looks like one: "2.8b" has the suffix ".8b"
+    if str(model).lower() not in PRESETS and (path.suffix or "/" in str(model) or path.exists()):
         raise ConfigError(f"model {str(model)!r} is neither an HF model directory nor a preset name; "
                           "pass a directory holding config.json and safetensors weights, or a preset like 'tiny'.")
     return ModelConfig.from_name(str(model)), None, str(model)

@@ -138,13 +138,22 @@ class GradLayout:
     def full(cls, layout: ModelLayout) -> GradLayout:
         return cls(tuple(u.offset for u in layout.units), tuple(u.index for u in layout.units), layout.numel)
 
+    @staticmethod
+    def ring_slots(num_layers: int, slots: int = GRAD_RING_SLOTS) -> int:
+        return max(1, min(slots, num_layers))
+
+    @classmethod
+    def ring_numel(cls, layout: ModelLayout, num_layers: int, slots: int = GRAD_RING_SLOTS) -> int:
+        """Size of the ring's grads segment for `num_layers` layers shaped like `layout`'s (which the memory
+        plan builds with one layer, so that an absurd layer count costs nothing)."""
+        return layout.embed.numel + cls.ring_slots(num_layers, slots) * layout.max_layer_numel() + layout.head.numel
+
     @classmethod
     def ring(cls, layout: ModelLayout, slots: int = GRAD_RING_SLOTS) -> GradLayout:
-        slots = max(1, min(slots, len(layout.layers)))
+        slots = cls.ring_slots(len(layout.layers), slots)
         layer_size = layout.max_layer_numel()
-        embed, head = layout.embed, layout.head
         # embedding, then the ring, then the head; slot ids: embed 0, head 1, layer slots 2..
-        ring_start = embed.numel
+        ring_start = layout.embed.numel
         head_start = ring_start + slots * layer_size
         offsets, slot_of = [0], [0]
         for unit in layout.layers:
@@ -152,7 +161,7 @@ class GradLayout:
             slot_of.append(2 + unit.layer % slots)
         offsets.append(head_start)
         slot_of.append(1)
-        return cls(tuple(offsets), tuple(slot_of), head_start + head.numel)
+        return cls(tuple(offsets), tuple(slot_of), cls.ring_numel(layout, len(layout.layers), slots))
 
     def range_of(self, unit: Unit, grads_flat: torch.Tensor) -> torch.Tensor:
         start = self.offsets[unit.index]

@@ -180,18 +180,22 @@ def render_timeline(spans: list[Span], start: float, end: float, title: str = ""
 
 def _load(run_dir: Path) -> tuple[list[StepStats], list[Span]]:
     if not run_dir.is_dir():
-        raise ReportError(f"Run directory {run_dir} does not exist.")
+        raise ReportError(f"Run directory {run_dir} does not exist; pass the --out directory of a "
+                          "`megatrain train --trace` run.")
     steps_path, trace_path = run_dir / STEPS_FILE, run_dir / TRACE_FILE
     if not steps_path.is_file():
-        raise ReportError(f"No {STEPS_FILE} in {run_dir}, so the run recorded no step telemetry.")
+        raise ReportError(f"No {STEPS_FILE} in {run_dir}, so no run wrote step telemetry there; pass the --out "
+                          "directory of a `megatrain train --trace` run.")
     try:
         steps = read_steps(steps_path)
     except (OSError, ValueError) as e:
         raise ReportError(f"The step log {steps_path} is corrupt ({e}).") from e
     if not steps:
-        raise ReportError(f"The step log {steps_path} holds no finished step yet.")
+        raise ReportError(f"The step log {steps_path} holds no finished step yet; run the report again "
+                          "once the run has finished a step.")
     if not trace_path.is_file():
-        raise ReportError(f"No {TRACE_FILE} in {run_dir}, so there is no timeline to draw.")
+        raise ReportError(f"No {TRACE_FILE} in {run_dir}, so there is no timeline to draw; train with "
+                          "--trace to record one.")
     try:
         spans = read_chrome_trace(trace_path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -205,7 +209,8 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
     steps, spans = _load(run_dir)
     windows = {s.step: (s.start, s.end) for s in spans if s.lane == STEP_LANE}
     if not windows:
-        raise ReportError(f"The trace {run_dir / TRACE_FILE} holds no step markers, so no step can be drawn.")
+        raise ReportError(f"The trace {run_dir / TRACE_FILE} holds no step markers, so no step can be drawn; "
+                          "record it again with `megatrain train --trace`.")
     if step is None:
         finished = [s.step for s in steps if s.step in windows]
         step = finished[-1] if finished else max(windows)

@@ -24,7 +24,7 @@ import tomllib
 
 from actors.data_loader import DataLoaderActor
 from megatrain.config import ConfigError, MegatrainError, dataclass_from_dict
-from megatrain.data import DataConfig
+from megatrain.data import DataConfig, find_data_files
 from megatrain.memory.checkpoint import CheckpointError
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
@@ -203,6 +203,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.data.source != "synthetic" and cfg.data.format != "synthetic":
+        find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
     engine = Engine(cfg.model, **engine_kwargs(cfg))
     loader = None
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.cli import main
+from megatrain.data import DataError
 from megatrain.memory.arena import list_segments, segment_owner_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,18 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message) -> No
     assert len(errors) == 1 and message in errors[0], out
     assert "Traceback" not in out
     assert dead_segments() <= before
+
+
+@pytest.mark.parametrize("source, message", [("nowhere.jsonl", "does not exist"), ("empty", "is empty")])
+def test_bad_data_fails_before_the_engine_starts(tmp_path, monkeypatch, source, message) -> None:
+    """A mistyped data path costs no Ray start and no arena: for a 7b model those take minutes."""
+    import pipelines.train as train
+
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(train, "Engine", lambda *a, **k: pytest.fail("the engine started before the data was checked"))
+    cfg = train.TrainConfig.load(None, {"data.source": str(tmp_path / source), "out_dir": str(tmp_path / "run")})
+    with pytest.raises(DataError, match=message):
+        train.run(cfg)
 
 
 def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:

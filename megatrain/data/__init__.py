@@ -13,6 +13,7 @@ from megatrain.data.sources import (
     DocumentStream,
     EvalSplit,
     Source,
+    find_data_files,
     open_source,
     synthetic_document,
 )
@@ -20,6 +21,6 @@ from megatrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, Tok
 
 __all__ = [
     "IGNORE", "BatchLoader", "ByteTokenizer", "DataConfig", "DataError", "Doc", "Document", "DocumentStream",
-    "EvalSplit", "HFTokenizer", "RowPacker", "Sample", "Source", "Tokenizer", "load_tokenizer", "make_sample",
-    "open_source", "synthetic_document",
+    "EvalSplit", "HFTokenizer", "RowPacker", "Sample", "Source", "Tokenizer", "find_data_files", "load_tokenizer",
+    "make_sample", "open_source", "synthetic_document",
 ]

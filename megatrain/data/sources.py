@@ -343,15 +343,21 @@ def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
     return fmt, files
 
 
-def open_source(cfg: DataConfig) -> tuple[str, Source]:
-    """The format (detected or cfg.format) and the source it names."""
-    if cfg.source == "synthetic" or cfg.format == "synthetic":
-        return "synthetic", SyntheticSource(cfg.synthetic_docs, cfg.seed)
+def find_data_files(cfg: DataConfig) -> tuple[str, list[Path]]:
+    """The format (detected or cfg.format) and the non-empty files of a file or folder source. Cheap (no file
+    is read), so a driver can check a source before it starts anything."""
     path = Path(cfg.source)
     if not path.exists():
         raise DataError(f"data source {path} does not exist; pass an existing file or folder, or "
                         "source='synthetic'.")
-    fmt, files = _data_files(path, cfg.format)
+    return _data_files(path, cfg.format)
+
+
+def open_source(cfg: DataConfig) -> tuple[str, Source]:
+    """The format (detected or cfg.format) and the source it names."""
+    if cfg.source == "synthetic" or cfg.format == "synthetic":
+        return "synthetic", SyntheticSource(cfg.synthetic_docs, cfg.seed)
+    fmt, files = find_data_files(cfg)
     if fmt == "text":
         return fmt, TextSource(files, cfg.shard_bytes, cfg.text_split)
     if fmt == "jsonl":
@@ -464,6 +470,6 @@ class DocumentStream:
 
 __all__ = [
     "ArrowSource", "Doc", "Document", "DocumentStream", "EvalSplit", "FORMATS", "JsonlSource",
-    "ParquetSource", "Source", "SyntheticSource", "TextSource", "as_document", "open_source",
+    "ParquetSource", "Source", "SyntheticSource", "TextSource", "as_document", "find_data_files", "open_source",
     "synthetic_document",
 ]

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
-from megatrain.engine.executor import Executor, GradsOut
+from megatrain.engine.executor import Executor, GradsOut, token_ids
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
@@ -26,10 +26,10 @@ POLL_SECONDS = 0.0005
 
 
 def _batch_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # arrays from the object store are read-only views: copy the (small) token ids
-    input_ids = torch.from_numpy(np.array(batch["input_ids"], dtype=np.int64))
+    # arrays from the object store are read-only views: token_ids copies the (small) token ids
     labels = batch.get("labels")
-    return input_ids, None if labels is None else torch.from_numpy(np.array(labels, dtype=np.int64))
+    return (torch.from_numpy(token_ids(batch["input_ids"])),
+            None if labels is None else torch.from_numpy(token_ids(labels)))
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
@@ -160,7 +160,7 @@ def _raise_failed(refs: list[ray.ObjectRef]) -> None:
         ray.get(ref)  # re-raises a worker's failure (RayActorError when it died mid-update)
 
 
-@ray.remote(num_gpus=1, max_calls=1)
+@ray.remote(num_gpus=1, num_cpus=0, max_calls=1)  # holds no CPU the optimizer workers are sized from
 def gpu_free_memory() -> int | None:
     """Free bytes on the GPU an executor would get, measured in a throwaway process (max_calls=1), so the
     driver never holds a CUDA context of its own."""

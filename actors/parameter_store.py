@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from megatrain.config import ModelConfig
+from megatrain.config import MegatrainError, ModelConfig
 from megatrain.memory.arena import ArenaHandle
 from megatrain.memory.store import ParameterStore
 
@@ -19,13 +19,23 @@ from megatrain.memory.store import ParameterStore
 class ParameterStoreActor:
     def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
                  run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False):
-        self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq, run_id=run_id,
-                                    grads=grads, shadow=shadow, on_gpu=on_gpu)
+        # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
+        # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
+        self.init_error: MegatrainError | None = None
+        try:
+            self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
+                                        run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu)
+        except MegatrainError as e:
+            self.init_error = e
+            return
         # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
         atexit.register(self.store.close)
         signal.signal(signal.SIGTERM, lambda *_: (self.store.close(), exit(0)))
 
     def handle(self) -> ArenaHandle:
+        """The arena's handle, the first call the driver makes (and where a failed start is reported)."""
+        if self.init_error is not None:
+            raise self.init_error
         return self.store.handle
 
     def config(self) -> ModelConfig:
@@ -50,4 +60,5 @@ class ParameterStoreActor:
         return str(self.store.save_pretrained(directory, [Path(f) for f in extra_files or []]))
 
     def close(self) -> None:
-        self.store.close()
+        if self.init_error is None:
+            self.store.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.config import MegatrainError
 from megatrain.engine.executor import Executor, resolve_device
 from megatrain.memory.store import ParameterStore
 from megatrain.model.layout import ModelLayout
@@ -40,15 +41,22 @@ class Model:
         Labels follow transformers: same shape as input_ids, shifted inside, -100 ignored; None means
         input_ids. The gradients are views of the arena, valid until the next call.
         """
+        self._check_open()
         out = self.executor.run(input_ids, labels)
         return torch.tensor(out.loss), self.layout.hf_views(self.store.arena.grads)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """HF name -> fp32 weight (views of the arena)."""
+        self._check_open()
         return self.layout.hf_views(self.store.arena.params)
 
     def save_pretrained(self, directory: str | Path) -> Path:
+        self._check_open()
         return self.store.save_pretrained(directory)
+
+    def _check_open(self) -> None:
+        if self.store.arena is None:
+            raise MegatrainError("this model was closed; load it again with megatrain.from_pretrained.")
 
     def close(self) -> None:
         self.executor.close()

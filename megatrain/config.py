@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -487,9 +488,13 @@ class EngineConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
-        if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
-                                                  or self.device.startswith("cuda:"))):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")
+        check_device(self.device)
+
+
+def check_device(device: object) -> None:
+    """megatrain computes on the CPU or a CUDA GPU; anything else is refused before torch sees it."""
+    if not (isinstance(device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", device)):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}.")
 
 
 def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:

@@ -39,16 +39,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
 from actors.executor import GPUExecutor, gpu_free_memory
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
+from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
+from megatrain.engine.executor import token_ids
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, proc_stat, remove_stale_segments
+from megatrain.memory.checkpoint import check_save_target
 from megatrain.memory.plan import MemoryPlan, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
@@ -80,10 +81,26 @@ class StepResult:
     spans: list[Any] = field(default_factory=list)
 
 
-def _as_numpy(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().astype(np.int64)
-    return np.asarray(x, dtype=np.int64)
+def get(refs: Any, timeout: float | None = None) -> Any:
+    """ray.get that raises a megatrain error from an actor as itself: one sentence, not Ray's traceback."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        cause = cause_chain(e)[-1]
+        if isinstance(cause, MegatrainError):
+            raise cause from None
+        raise
+
+
+def absolute(path: str | Path) -> str:
+    """Actors run in their own working directory: a path from the user is made absolute on the driver."""
+    return os.path.abspath(Path(path).expanduser())
+
+
+def save_target(path: str | Path) -> str:
+    """absolute(path), refused here if the driver could not have it replaced (see check_save_target)."""
+    check_save_target(Path(absolute(path)))
+    return absolute(path)
 
 
 def is_cuda_error(e: BaseException) -> bool:
@@ -158,7 +175,9 @@ class Engine:
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile)
-        self.config, _, self.model_name = resolve_model(model)
+        self.config, hf_dir, self.model_name = resolve_model(model)
+        # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
+        model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
         self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
@@ -185,7 +204,7 @@ class Engine:
 
             self.metrics = EngineMetrics(run=self.run_id)
         try:
-            self._start(model, seed, batch_size, seq_len)
+            self._start(model_arg, seed, batch_size, seq_len)
         except BaseException:
             self.shutdown()
             raise
@@ -193,21 +212,21 @@ class Engine:
             self.metrics.record_arena(self.handle.nbytes())
 
     # ---- actors ----
-    def _start(self, model: str | Path | ModelConfig, seed: int, batch: int, seq: int) -> None:
+    def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
-        model_arg = model if isinstance(model, ModelConfig) else str(model)
         on_gpu = self.on_gpu = self._on_gpu()
         plan = self._plan(batch, seq, on_gpu)
         self.engine_config = replace(self.engine_config, grads=plan.grads)
         self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
             model_arg, n, seed, batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu)
-        self.handle = ray.get(self.store.handle.remote())
+        self.handle = get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
+        self._worker_cpus = self._reserve_worker_cpus(n)
         self.workers = [self._new_worker(w) for w in range(n)]
         self.executor = self._new_executor()
-        self.device = ray.get(self.executor.device.remote())
-        ray.get([w.numel.remote() for w in self.workers])  # all up before the first step
+        self.device = get(self.executor.device.remote())
+        get([w.numel.remote() for w in self.workers])  # all up before the first step
 
     @property
     def grads(self) -> str:
@@ -221,7 +240,11 @@ class Engine:
         return self.optim.clipping or self.grads == "device"
 
     def _on_gpu(self) -> bool:
-        return self.engine_config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+        if self.engine_config.device.startswith("cuda") and not has_gpu:
+            raise ConfigError(f"device {self.engine_config.device!r} was asked for but the Ray cluster has no GPU; "
+                              "use device='cpu' or 'auto', or start Ray on a machine with one.")
+        return self.engine_config.device != "cpu" and has_gpu
 
     def _plan(self, batch: int, seq: int, on_gpu: bool) -> MemoryPlan:
         """This run's memory plan: where gradients wait, and whether a bf16 copy of the weights fits. The GPU's
@@ -231,7 +254,7 @@ class Engine:
         plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
                         precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
                         loss_chunk_tokens=e.loss_chunk_tokens,
-                        gpu_free=ray.get(gpu_free_memory.remote()) if need_gpu_free else None)
+                        gpu_free=get(gpu_free_memory.remote()) if need_gpu_free else None)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": "on the GPU until the step ends"}[plan.grads])
         if e.precision == "bf16" and not plan.shadow_bytes:
@@ -239,10 +262,21 @@ class Engine:
                         "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
         return plan
 
+    def _reserve_worker_cpus(self, n: int) -> float:
+        """The Ray CPUs each optimizer worker reserves: the cluster's free CPUs shared out (Ray schedules on
+        reservations, so a worker asking for more than is free would wait forever, e.g. for a second Engine)."""
+        deadline = time.monotonic() + 10.0  # actors killed just before (an earlier Engine's) release theirs soon
+        while (free := float(ray.available_resources().get("CPU", 0.0))) < 0.01 * n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if free < 0.01 * n:
+            total = float(ray.cluster_resources().get("CPU", 0.0))
+            raise MegatrainError(f"the Ray cluster has no free CPU for the {n} optimizer worker(s) (all {total:g} are "
+                                 "reserved by other actors, e.g. another Engine); shut that down first, or start Ray "
+                                 "with more CPUs.")
+        return free / n
+
     def _new_worker(self, index: int) -> Any:
-        n = self.engine_config.optimizer_workers
-        cpus = float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        per_worker = max(cpus / n, 0.01)
+        n, per_worker = self.engine_config.optimizer_workers, self._worker_cpus
         threads = max(1, int(per_worker))
         return OptimizerWorker.options(num_cpus=min(per_worker, threads), name=self._name(f"optimizer/{index}")).remote(
             self.handle, self.config, self.optim, index, n, threads, self.grads, self.metrics)
@@ -264,13 +298,14 @@ class Engine:
     # ---- training ----
     def step(self, input_ids: Any, labels: Any = None) -> float:
         """One optimizer step on this batch (tensors or numpy [batch, seq]); returns the loss."""
-        batch = {"input_ids": _as_numpy(input_ids)}
+        batch = {"input_ids": token_ids(input_ids)}
         if labels is not None:
-            batch["labels"] = _as_numpy(labels)
+            batch["labels"] = token_ids(labels)
         return self.step_batch(batch).loss
 
     def step_batch(self, batch: Any) -> StepResult:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""
+        self._check_running()
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         if len(self._replay) >= self.max_replay_steps:
             if self._replay_complete:
@@ -278,22 +313,26 @@ class Engine:
                             "dropped; save checkpoints more often to keep faults recoverable", len(self._replay))
             self._replay, self._replay_complete = [], False
         self._replay.append(ref)
+        steps_before = self.steps_done
         while True:
             try:
                 result = self._step_once(ref)
                 self._faults_in_row = 0
                 return result
-            except ray.exceptions.RayError as e:
-                if not (is_actor_death(e) or is_cuda_error(e)):
-                    raise
-                self._recover(e)
+            except Exception as e:
+                if isinstance(e, ray.exceptions.RayError) and (is_actor_death(e) or is_cuda_error(e)):
+                    self._recover(e)
+                    continue
+                if self.steps_done == steps_before:  # refused (e.g. a bad token id): nothing to replay after a fault
+                    self._replay.pop()
+                raise
 
     def _step_once(self, batch: ray.ObjectRef) -> StepResult:
         step = self.steps_done
         t0 = time.monotonic()
-        out = ray.get(self.executor.train_step.remote(batch, self.updates_applied, self.updates_applied,
+        out = get(self.executor.train_step.remote(batch, self.updates_applied, self.updates_applied,
                                                       self._pending))
-        update_spans = [span for spans in ray.get(self._pending) for span in spans]  # done: the step waited on them
+        update_spans = [span for spans in get(self._pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
@@ -330,7 +369,8 @@ class Engine:
 
     def evaluate(self, batch: Any) -> tuple[float, int]:
         """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""
-        out = ray.get(self.executor.evaluate.remote(batch, self.updates_applied, self._pending))
+        self._check_running()
+        out = get(self.executor.evaluate.remote(batch, self.updates_applied, self._pending))
         return out["loss"], out["tokens"]
 
     def _count_nonfinite(self, finite: bool, loss: float, grad_norm: float) -> None:
@@ -417,10 +457,10 @@ class Engine:
 
     def _restore_last_checkpoint(self) -> None:
         if self._last_checkpoint is not None:
-            state = ray.get(self.store.load_checkpoint.remote(str(self._last_checkpoint)))
+            state = get(self.store.load_checkpoint.remote(str(self._last_checkpoint)))
             self._set_state(state)
         else:
-            ray.get(self.store.reinitialize.remote())
+            get(self.store.reinitialize.remote())
             self._set_state({"steps_done": 0, "updates_applied": 0, "skipped_steps": 0})
         self.nonfinite_in_row = 0
 
@@ -434,8 +474,13 @@ class Engine:
         self.updates_applied = int(state["updates_applied"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
+    def _check_running(self) -> None:
+        if self.store is None:
+            raise MegatrainError("this Engine was shut down; create a new one (or load a checkpoint into one).")
+
     def wait_for_updates(self) -> None:
         """Blocks until the last step's update is in the arena (before reading or saving weights)."""
+        self._check_running()
         while True:
             try:
                 ray.get(self._pending)
@@ -451,20 +496,22 @@ class Engine:
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
         self.wait_for_updates()
         state = {**self.state(), **(extra_state or {})}
-        path = Path(ray.get(self.store.save_checkpoint.remote(str(directory), state)))
+        path = Path(get(self.store.save_checkpoint.remote(save_target(directory), state)))
         self._last_checkpoint, self._replay, self._replay_complete = path, [], True
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         self.wait_for_updates()
-        state = ray.get(self.store.load_checkpoint.remote(str(directory)))
+        directory = absolute(directory)
+        state = get(self.store.load_checkpoint.remote(directory))
         self._set_state(state)
         self._last_checkpoint, self._replay, self._replay_complete = Path(directory), [], True
         return state
 
     def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:
         self.wait_for_updates()
-        return Path(ray.get(self.store.save_pretrained.remote(str(directory), [str(f) for f in extra_files or []])))
+        extra = [absolute(f) for f in extra_files or []]
+        return Path(get(self.store.save_pretrained.remote(save_target(directory), extra)))
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """HF name -> copy of the current fp32 weights."""

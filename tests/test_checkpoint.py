@@ -359,3 +359,57 @@ def test_failed_save_checkpoint_keeps_the_previous_one(store: ParameterStore, sa
         assert other.load_checkpoint(saved) == STATE  # still the first, complete checkpoint
     finally:
         other.close()
+
+
+# ---- saving into directories that already exist ----
+
+def test_save_pretrained_into_an_existing_directory_keeps_other_files(store: ParameterStore, tmp_path: Path) -> None:
+    """As transformers does: the tokenizer and notes beside the weights stay; earlier weight shards go."""
+    target = tmp_path / "hf"
+    (target / "extra").mkdir(parents=True)
+    (target / "tokenizer.json").write_text("{}")
+    (target / "extra" / "notes.txt").write_text("mine")
+    (target / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (target / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    assert store.save_pretrained(target) == target
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json", "extra", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert (target / "extra" / "notes.txt").read_text() == "mine"
+    assert ckpt.weight_files(target, "model") == [target / "model.safetensors"]
+    assert leftovers(tmp_path) == []
+
+
+def test_checkpoint_into_a_directory_of_other_files_is_refused(store: ParameterStore, saved: Path,
+                                                               tmp_path: Path) -> None:
+    target = tmp_path / "notes"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="already holds files and is not a megatrain checkpoint") as info:
+        store.save_checkpoint(target, STATE)
+    assert_one_sentence(str(info.value))
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    store.save_checkpoint(saved, STATE)  # an earlier checkpoint of the same name is replaced
+    store.save_checkpoint(tmp_path / "empty-dir", STATE)
+
+
+@pytest.mark.parametrize("target, expected", [("a-file", "is a file, not a directory"),
+                                              (".", "is the working directory or holds it"),
+                                              ("..", "is the working directory or holds it")])
+def test_save_targets_that_cannot_be_replaced_are_refused(store: ParameterStore, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, target: str,
+                                                          expected: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a-file").write_text("mine")
+    monkeypatch.chdir(work)
+    with pytest.raises(CheckpointError, match=expected) as info:
+        store.save_pretrained(target)
+    assert_one_sentence(str(info.value))
+    assert (work / "a-file").read_text() == "mine"
+
+
+def test_an_hf_directory_is_not_a_training_checkpoint(store: ParameterStore, tmp_path: Path) -> None:
+    hf = store.save_pretrained(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="is an HF model directory, not a training checkpoint") as info:
+        store.load_checkpoint(hf)
+    assert_one_sentence(str(info.value))

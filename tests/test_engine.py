@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 import megatrain
+from megatrain import ConfigError, MegatrainError
+from megatrain.memory.arena import list_segments
+from megatrain.memory.checkpoint import CheckpointError
 
 OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=2, total_steps=5)
 VOCAB = 97
@@ -159,11 +164,63 @@ def test_nonfinite_loss_skips_the_update_then_stops(ray_session, hf_dir, batches
             engine.step(*batches[2])
 
 
-def test_bad_batch_is_one_sentence(ray_session, hf_dir) -> None:
-    with megatrain.Engine(hf_dir, optimizer_workers=1, precision="fp32", device="cpu") as engine:
-        with pytest.raises(Exception) as err:
-            engine.step(torch.full((1, 8), VOCAB + 5))
-        assert "outside the model's vocabulary" in str(err.value)
+def engine_on(hf_dir: Path, **kwargs) -> megatrain.Engine:
+    return megatrain.Engine(hf_dir, optimizer_workers=1, precision="fp32", device="cpu", batch_size=2, seq_len=16,
+                            **kwargs)
+
+
+def test_user_errors_are_raised_as_themselves_in_one_sentence(ray_session, hf_dir, batches) -> None:
+    """Not wrapped in Ray's RayTaskError, whose message is the actor's traceback."""
+    ids = batches[0][0]
+    with engine_on(hf_dir) as engine:
+        for bad_ids, labels, expected in [(torch.full((1, 8), VOCAB + 5), None, "outside the model's vocabulary"),
+                                          (ids.float() + 0.5, None, "input_ids must hold integer token ids"),
+                                          (ids, ids.double(), "labels must hold integer token ids")]:
+            with pytest.raises(MegatrainError, match=expected) as info:
+                engine.step(bad_ids, labels)
+            assert not isinstance(info.value, ray.exceptions.RayError) and "\n" not in str(info.value)
+        engine.step(ids)  # refused batches changed nothing
+        assert engine.steps_done == 1
+    for use in (lambda: engine.step(ids), engine.parameters, lambda: engine.save_checkpoint("never-written")):
+        with pytest.raises(MegatrainError, match="this Engine was shut down; create a new one"):
+            use()
+
+
+def test_relative_paths_are_the_drivers(ray_session, hf_dir, tmp_path, monkeypatch) -> None:
+    """The actors run in another working directory: a relative path means the driver's."""
+    with engine_on(hf_dir) as engine:
+        monkeypatch.chdir(tmp_path)
+        assert engine.save_checkpoint("ckpt") == tmp_path / "ckpt"
+        assert (tmp_path / "ckpt" / "manifest.json").is_file()
+        assert engine.save_pretrained("hf") == tmp_path / "hf"
+        assert (tmp_path / "hf" / "model.safetensors").is_file()
+        engine.load_checkpoint("ckpt")
+
+
+def test_a_corrupt_model_directory_is_one_sentence(ray_session, hf_dir, tmp_path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    os.truncate(bad / "model.safetensors", 100)
+    before = set(list_segments())
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file") as info:
+        engine_on(bad)
+    assert not isinstance(info.value, ray.exceptions.RayError) and "\n" not in str(info.value)
+    assert set(list_segments()) <= before
+
+
+def test_a_second_engine_without_free_cpus_fails_at_once(ray_session, hf_dir, batches) -> None:
+    """The first Engine's optimizer workers reserve the cluster's free CPUs; a second one is told, instead of
+    waiting forever for Ray to schedule its workers."""
+    with engine_on(hf_dir) as first:
+        with pytest.raises(MegatrainError, match="the Ray cluster has no free CPU for the 1 optimizer worker"):
+            engine_on(hf_dir)
+        first.step(*batches[0])
+
+
+def test_cuda_on_a_cluster_without_a_gpu_is_a_config_error(ray_session, hf_dir, monkeypatch) -> None:
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(ConfigError, match="device 'cuda' was asked for but the Ray cluster has no GPU"):
+        megatrain.Engine(hf_dir, optimizer_workers=1, device="cuda", batch_size=2, seq_len=16)
 
 
 def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:

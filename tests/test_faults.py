@@ -103,6 +103,19 @@ def test_fault_past_the_replay_window_is_one_sentence(ray_session, batches) -> N
                 engine.step(ids)
 
 
+def test_a_refused_batch_is_not_replayed(ray_session, batches, uninterrupted) -> None:
+    """A batch the executor refused trained nothing: recovering from a later fault replays the steps without it."""
+    with megatrain.Engine("tiny", **ENGINE) as engine:
+        losses = [engine.step(batches[0])]
+        with pytest.raises(megatrain.MegatrainError, match="outside the model's vocabulary"):
+            engine.step(torch.full((4, 64), -1))
+        losses.append(engine.step(batches[1]))
+        os.kill(engine.worker_pids()[0], signal.SIGKILL)
+        losses += [engine.step(ids) for ids in batches[2:4]]
+        assert engine.restarts == 1  # and the replay, had it kept the refused batch, would have raised
+    assert losses == uninterrupted[0][:4]
+
+
 def megatrain_cli(*args: str) -> subprocess.Popen:
     code = "import sys; from megatrain.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -269,6 +269,15 @@ def _bad_ids_rank() -> tuple[torch.Tensor, None]:
     return batch()[0], None
 
 
+def _bad_ids_float() -> tuple[torch.Tensor, None]:
+    return batch().float() + 0.5, None
+
+
+def _bad_labels_float() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch()
+    return ids, ids.float() + 0.5  # truncating would train on other targets than the user meant
+
+
 @pytest.mark.parametrize("make, expected", [
     (_bad_ids_high, rf"token id {VOCAB} is outside the model's vocabulary \[0, {VOCAB}\)"),
     (_bad_ids_negative, rf"token id -1 is outside the model's vocabulary \[0, {VOCAB}\)"),
@@ -278,6 +287,8 @@ def _bad_ids_rank() -> tuple[torch.Tensor, None]:
     (_bad_labels_only_first_column, r"no tokens to train on"),
     (_bad_label_value, rf"label {VOCAB + 372} is outside the vocabulary \[0, {VOCAB}\) and is not -100"),
     (_bad_ids_rank, rf"input_ids must be \[batch, seq\] with seq >= 2, got shape \({SEQ},\)"),
+    (_bad_ids_float, r"input_ids must hold integer token ids, got dtype torch.float32"),
+    (_bad_labels_float, r"labels must hold integer token ids \(-100 = ignored\), got dtype torch.float32"),
 ], ids=lambda v: v.__name__ if callable(v) else "")
 def test_bad_input_is_one_clear_sentence(llama: tuple[torch.nn.Module, megatrain.Model],
                                          make: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
@@ -300,3 +311,20 @@ def test_unusable_device_is_refused_without_leaking_the_arena(monkeypatch: pytes
         megatrain.from_pretrained("tiny", device="cuda")
     assert_one_sentence(str(info.value))
     assert {p for p in list_segments() if mine in p.name} == before
+
+
+def test_a_device_that_is_neither_cpu_nor_cuda_is_refused() -> None:
+    with pytest.raises(ConfigError, match="device must be auto, cpu, cuda or cuda:N, got 'tpu'") as info:
+        megatrain.from_pretrained("tiny", device="tpu")
+    assert_one_sentence(str(info.value))
+
+
+def test_a_closed_model_says_so() -> None:
+    model = megatrain.from_pretrained("tiny")
+    model.close()
+    for use in (lambda: model.loss_and_grads(torch.zeros(1, 4, dtype=torch.long)), model.parameters,
+                lambda: model.save_pretrained("never-written")):
+        with pytest.raises(MegatrainError, match="this model was closed") as info:
+            use()
+        assert_one_sentence(str(info.value))
+    assert not Path("never-written").exists()

@@ -28,10 +28,12 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
-from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig, check_choice
+from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig, check_choice, check_device
 from megatrain.engine.streams import Streams
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
@@ -42,11 +44,22 @@ UnitCallback = Callable[[Unit], None]
 LandedCallback = Callable[[Unit, float], None]  # (unit, squared norm of its gradient)
 
 
+TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def token_ids(x: Any) -> np.ndarray:
+    """A copy of token ids (tensor, array or list) as int64 if they are integers; any other dtype is kept, for
+    check_batch to refuse in one sentence: casting floats would silently truncate them."""
+    x = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return x.astype(np.int64) if np.issubdtype(x.dtype, np.integer) else x.copy()
+
+
 def _noop(unit: Unit, *args: object) -> None:
     pass
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    check_device(str(device))
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -290,7 +303,7 @@ class Executor:
     def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
             raise MegatrainError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}.")
-        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if input_ids.dtype not in TOKEN_DTYPES:
             raise MegatrainError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
         window = self.config.sliding_window
         if window and input_ids.shape[1] > window:
@@ -304,6 +317,8 @@ class Executor:
             if labels.shape != input_ids.shape:
                 raise MegatrainError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
                                      f"got {tuple(labels.shape)}.")
+            if labels.dtype not in TOKEN_DTYPES:
+                raise MegatrainError(f"labels must hold integer token ids (-100 = ignored), got dtype {labels.dtype}.")
             bad = (labels != ops.IGNORE_INDEX) & ((labels < 0) | (labels >= self.config.vocab_size))
             if bool(bad.any()):
                 raise MegatrainError(f"label {int(labels[bad][0])} is outside the vocabulary [0, "

@@ -16,7 +16,7 @@ import os
 import shutil
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +193,18 @@ def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> lis
     return [(prefix + name, t) for name, t in layout.hf_views(flat).items()]
 
 
+def is_weight_file(name: str, stem: str = "model") -> bool:
+    """`<stem>.safetensors`, a numbered shard of it, or its index: what write_sharded(stem) writes."""
+    return name.startswith(stem) and (name.endswith(".safetensors") or name == f"{stem}.safetensors.index.json")
+
+
 def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
             shard_bytes: int = SHARD_BYTES) -> Path:
-    """Writes an HF directory (config.json, safetensors weights, copies of extra_files) atomically."""
-    with atomic_directory(Path(directory)) as tmp:
+    """Writes an HF directory (config.json, safetensors weights, copies of extra_files) atomically.
+
+    Into an existing directory as transformers does: what this does not write (a tokenizer, a README) is kept,
+    except earlier weight shards, which the new weights replace."""
+    with atomic_directory(Path(directory), keep=lambda name: not is_weight_file(name)) as tmp:
         (tmp / "config.json").write_text(json.dumps(layout.config.to_hf(), indent=2))
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
@@ -204,14 +212,29 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         write_sharded(tmp, "model", hf_tensors(layout, params), shard_bytes)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
-    return Path(directory)
+    return Path(os.path.abspath(directory))
+
+
+def check_save_target(path: Path) -> None:
+    """A directory can be written atomically (a new one swapped in) unless it is a file or holds the process's
+    working directory, which would be left pointing at the deleted old directory."""
+    path = Path(os.path.abspath(path))
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a directory; pass a directory path to save into.")
+    real, cwd = path.resolve(), Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise CheckpointError(f"{path} is the working directory or holds it; save into a subdirectory instead.")
 
 
 class atomic_directory:
-    """`with atomic_directory(path) as tmp:` write into tmp; on success tmp replaces path, else it is removed."""
+    """`with atomic_directory(path) as tmp:` write into tmp; on success tmp replaces path, else it is removed.
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    keep(name): entries of an existing `path` that tmp lacks and keep accepts are carried into the new
+    directory (hard links, so no bytes are copied); by default the old directory is replaced whole."""
+
+    def __init__(self, path: Path, keep: Callable[[str], bool] | None = None):
+        check_save_target(path)
+        self.path, self.keep = Path(os.path.abspath(path)), keep  # "out/.." has no name to put a tmp beside
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
 
     def __enter__(self) -> Path:
@@ -223,6 +246,10 @@ class atomic_directory:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        if self.keep is not None and self.path.is_dir():
+            for entry in self.path.iterdir():
+                if not (self.tmp / entry.name).exists() and self.keep(entry.name):
+                    _link_tree(entry, self.tmp / entry.name)
         _fsync_dir(self.tmp)
         old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
         if self.path.exists():
@@ -230,6 +257,21 @@ class atomic_directory:
         os.replace(self.tmp, self.path)
         _fsync_dir(self.path.parent)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:  # another file system, or one without hard links
+            shutil.copy2(a, b)
+
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
+    else:
+        link_or_copy(str(src), str(dst))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -133,6 +133,9 @@ class ParameterStore:
     def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
         """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""
         directory = Path(directory)
+        if directory.is_dir() and any(directory.iterdir()) and not (directory / ckpt.MANIFEST).is_file():
+            raise ckpt.CheckpointError(f"{directory} already holds files and is not a megatrain checkpoint, which "
+                                       "would replace them; save the checkpoint into a new directory.")
         with ckpt.atomic_directory(directory) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
             ckpt.write_sharded(tmp, "model", ckpt.hf_tensors(self.layout, self.arena.params))
@@ -141,13 +144,17 @@ class ParameterStore:
             ckpt.write_sharded(tmp, "optimizer", moments)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             ckpt.write_manifest(tmp)
-        return directory
+        return Path(os.path.abspath(directory))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Verifies and loads a training checkpoint into the arena; returns its trainer state."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ckpt.CheckpointError(f"checkpoint {directory} does not exist; check the path.")
+        if not (directory / ckpt.MANIFEST).is_file() and (directory / "config.json").is_file() \
+                and not (directory / "trainer_state.json").is_file():
+            raise ckpt.CheckpointError(f"{directory} is an HF model directory, not a training checkpoint; start from "
+                                       "its weights by passing it as the model (Engine(path), --model path).")
         ckpt.verify_manifest(directory)
         ckpt.check_config_matches(directory, self.config)
         state = ckpt.read_json(directory / "trainer_state.json", "trainer state")

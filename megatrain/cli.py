@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, MegatrainError, cause_chain
+from megatrain.config import GRAD_PLACEMENTS, MegatrainError, Terminated, cause_chain
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: shared memory released", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"\n{'terminated' if terminated else 'interrupted'}: shared memory released", file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as e:  # noqa: BLE001 - turned into one sentence unless --verbose
         cause = cause_chain(e)[-1]  # Ray's wrapper is also the wrapped class, with a traceback for a message
         if isinstance(cause, MegatrainError) and not args.verbose:

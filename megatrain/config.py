@@ -30,6 +30,10 @@ class ConfigError(MegatrainError):
     pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a run: it stops as after Ctrl-C (the CLI exits with 143 rather than 130)."""
+
+
 @dataclass
 class ModelConfig:
     """A Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), TinyLlama, SmolLM…"""

@@ -13,8 +13,12 @@ import json
 import logging
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ import ray
 import tomllib
 
 from actors.data_loader import DataLoaderActor
-from megatrain.config import ConfigError, MegatrainError, dataclass_from_dict
+from megatrain.config import ConfigError, MegatrainError, Terminated, dataclass_from_dict
 from megatrain.data import DataConfig, find_data_files
 from megatrain.memory.checkpoint import CheckpointError
 from megatrain.telemetry import write_chrome_trace
@@ -208,16 +212,35 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     engine = Engine(cfg.model, **engine_kwargs(cfg))
     loader = None
     try:
-        cfg.data.vocab_size = engine.config.vocab_size
-        loader = DataLoaderActor.remote(cfg.data.to_dict())
-        ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
-        start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-        return _loop(cfg, engine, loader, out_dir, start, extra_files or [])
+        with sigterm_stops_the_run():
+            cfg.data.vocab_size = engine.config.vocab_size
+            loader = DataLoaderActor.remote(cfg.data.to_dict())
+            ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
+            start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
+            (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+            return _loop(cfg, engine, loader, out_dir, start, extra_files or [])
     finally:
         if loader is not None:
             ray.kill(loader)
         engine.shutdown()
+
+
+@contextmanager
+def sigterm_stops_the_run() -> Iterator[None]:
+    """SIGTERM (from `timeout`, `kill`, a job scheduler) unwinds the run like Ctrl-C, so the actors are shut down
+    and the arena unlinked. Installed once Ray runs: Ray's driver installs a handler that aborts the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: int,

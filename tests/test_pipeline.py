@@ -41,17 +41,22 @@ def test_default_train_learns_and_leaves_nothing(tmp_path) -> None:
     assert dead_segments() <= before, "the run left shared memory behind"
 
 
-def test_ctrl_c_stops_and_releases_shared_memory(tmp_path) -> None:
-    before = dead_segments()
+@pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code, said) -> None:
+    """Ctrl-C from a terminal, or SIGTERM from `timeout`, `kill` or a job scheduler (to the driver alone)."""
+    before = set(list_segments())
     proc = megatrain("train", "--steps", "5000", "--log-every", "1", cwd=tmp_path)
     for line in proc.stdout:
         if line.startswith("step 3/"):
             break
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+    if stop == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: the whole foreground group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, out
-    assert "interrupted" in out
-    assert dead_segments() <= before
+    assert proc.returncode == code, out
+    assert f"{said}: shared memory released" in out and "SIGTERM received" not in out
+    assert set(list_segments()) <= before, "the run left shared memory behind"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain.config import MegatrainError
 from megatrain.telemetry import (
     STEP_LANE,
     STEPS_FILE,
@@ -41,7 +42,7 @@ _EXTRA = [(124, 179, 66), (255, 167, 38), (92, 107, 192), (141, 110, 99), (38, 1
 BACKGROUND, LANE_BG, INK, GRID = (255, 255, 255), (236, 239, 241), (33, 33, 33), (200, 200, 200)
 
 
-class ReportError(Exception):
+class ReportError(MegatrainError):
     """A one-sentence reason the report cannot be made."""
 
 
@@ -178,7 +179,8 @@ def render_timeline(spans: list[Span], start: float, end: float, title: str = ""
 
 # ---- the report ----
 
-def _load(run_dir: Path) -> tuple[list[StepStats], list[Span]]:
+def _load(run_dir: Path) -> tuple[list[StepStats], list[Span] | None]:
+    """The step records, and the trace's spans (None: the run was not traced)."""
     if not run_dir.is_dir():
         raise ReportError(f"Run directory {run_dir} does not exist; pass the --out directory of a "
                           "`megatrain train --trace` run.")
@@ -194,8 +196,7 @@ def _load(run_dir: Path) -> tuple[list[StepStats], list[Span]]:
         raise ReportError(f"The step log {steps_path} holds no finished step yet; run the report again "
                           "once the run has finished a step.")
     if not trace_path.is_file():
-        raise ReportError(f"No {TRACE_FILE} in {run_dir}, so there is no timeline to draw; train with "
-                          "--trace to record one.")
+        return steps, None
     try:
         spans = read_chrome_trace(trace_path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -207,6 +208,8 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
     """The stall table of every step, and timeline.png of `step` (default: the last step the trace holds)."""
     run_dir = Path(run_dir)
     steps, spans = _load(run_dir)
+    if spans is None:
+        return f"{format_table(steps)}\n\nno timeline: {run_dir} has no {TRACE_FILE}; train with --trace to record one."
     windows = {s.step: (s.start, s.end) for s in spans if s.lane == STEP_LANE}
     if not windows:
         raise ReportError(f"The trace {run_dir / TRACE_FILE} holds no step markers, so no step can be drawn; "
@@ -235,10 +238,10 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
 
 
 def main_report(run_dir: str, step: int | None = None) -> int:
-    """Prints the report; on failure prints its one-sentence reason to stderr and returns 1."""
+    """Prints the report; on failure prints its one-sentence reason to stderr and returns 2, as the CLI does."""
     try:
         print(report(run_dir, step))
     except ReportError as e:
-        print(e, file=sys.stderr)
-        return 1
+        print(f"megatrain: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -412,9 +412,10 @@ def one_sentence(msg: str) -> bool:
 
 
 def test_report_errors_are_one_sentence(tmp_path, capsys):
-    assert main_report(str(tmp_path / "missing"), None) == 1
+    assert main_report(str(tmp_path / "missing"), None) == 2
     err = capsys.readouterr().err
-    assert one_sentence(err) and "does not exist" in err
+    assert err.startswith("megatrain: error: ") and one_sentence(err.removeprefix("megatrain: error: "))
+    assert "does not exist" in err
 
     def reason(step: int | None = None) -> str:
         with pytest.raises(ReportError) as e:
@@ -428,8 +429,10 @@ def test_report_errors_are_one_sentence(tmp_path, capsys):
     (tmp_path / STEPS_FILE).write_text("")
     assert "no finished step" in reason()
     make_run(tmp_path, steps=2)
-    (tmp_path / TRACE_FILE).unlink()
-    assert TRACE_FILE in reason()
+    (tmp_path / TRACE_FILE).unlink()  # a run without --trace: the table, and why there is no picture
+    untraced = report(tmp_path)
+    assert untraced.split()[0] == "step" and f"no timeline: {tmp_path} has no {TRACE_FILE}" in untraced
+    assert not (tmp_path / "timeline.png").exists()
     (tmp_path / TRACE_FILE).write_text('{"traceEvents": [{"ph": "X"}]}')
     assert "not a valid Chrome trace" in reason()
     make_run(tmp_path, steps=2)

@@ -82,14 +82,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """The plan of the run `megatrain train` would make with the same config file and flags."""
+    from megatrain.config import ConfigError, EngineConfig, OptimConfig
     from megatrain.memory.plan import gpu_free_here, plan_run
     from megatrain.memory.store import resolve_model
+    from pipelines.train import TrainConfig
 
-    config, _, name = resolve_model(args.model)
-    on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda())
+    cfg = TrainConfig.load(args.config, {"model": args.model, "data.batch_size": args.batch, "data.seq_len": args.seq,
+                                         "precision": args.precision, "optimizer_workers": args.optimizer_workers,
+                                         "device": args.device, "grads": args.grads,
+                                         "max_grad_norm": args.max_grad_norm})
+    # the checks the Engine would make at its start
+    EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads)
+    optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
+    if args.gpu_gib is not None and args.gpu_gib <= 0:
+        raise ConfigError(f"--gpu-gib must be positive, got {args.gpu_gib}.")
+    config, _, name = resolve_model(cfg.model)
+    on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and _cuda())
     gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
-    plan = plan_run(config, args.batch, args.seq, grads=args.grads, clipping=bool(args.max_grad_norm), name=name,
-                    precision=args.precision, optimizer_workers=args.optimizer_workers, on_gpu=on_gpu,
+    plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
+                    name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
                     gpu_free=gpu_free)
     print(plan.report())
     return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
@@ -137,16 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", dest="data_path", required=True)
     p.set_defaults(func=cmd_finetune)
 
-    p = sub.add_parser("plan", help="memory needed per tier, and whether it fits here")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--precision", default="tf32", choices=("fp32", "tf32", "bf16"))
-    p.add_argument("--optimizer-workers", type=int, default=8)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p = sub.add_parser("plan", help="memory needed per tier, and whether it fits here (defaults: train's)")
+    p.add_argument("--config", help="the TOML config of a train run; flags override it")
+    p.add_argument("--model", help="preset name or HF directory")
+    p.add_argument("--batch", "--batch-size", dest="batch", type=int)
+    p.add_argument("--seq", "--seq-len", dest="seq", type=int)
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
+    p.add_argument("--optimizer-workers", type=int)
+    p.add_argument("--device", help="auto | cpu | cuda")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
-    p.add_argument("--grads", default="auto", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: clipping off (lets gradients stream)")
+    p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
+    p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")

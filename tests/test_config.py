@@ -287,3 +287,32 @@ def test_configs_serialise(tmp_path: Path) -> None:
     c = ModelConfig.from_name("tiny")
     (tmp_path / "c.json").write_text(json.dumps(c.to_dict()))
     assert ModelConfig(**json.loads((tmp_path / "c.json").read_text())) == c
+
+
+def test_plan_describes_the_run_train_would_make(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Same defaults as `megatrain train`, the same config file, and the same refusals."""
+    from megatrain.config import OptimConfig
+    from megatrain.memory.plan import plan_run
+    from pipelines.train import TrainConfig
+
+    train = TrainConfig()
+
+    def report(model: str, batch: int, seq: int, workers: int) -> str:
+        return plan_run(ModelConfig.from_name(model), batch, seq, grads=train.grads, name=model,
+                        clipping=OptimConfig(max_grad_norm=train.max_grad_norm).clipping, precision=train.precision,
+                        optimizer_workers=workers, on_gpu=False).report().strip()
+
+    main(["plan", "--device", "cpu"])
+    assert capsys.readouterr().out.strip() == report(train.model, train.data.batch_size, train.data.seq_len,
+                                                     train.optimizer_workers)
+    config = tmp_path / "run.toml"
+    config.write_text('model = "125m"\noptimizer_workers = 3\n[data]\nbatch_size = 2\nseq_len = 64\n')
+    main(["plan", "--config", str(config), "--device", "cpu", "--seq", "32"])
+    assert capsys.readouterr().out.strip() == report("125m", 2, 32, 3)
+
+    for flags, message in ((["--batch", "0"], "batch_size must be a positive integer"),
+                           (["--optimizer-workers", "0"], "optimizer_workers must be an integer of at least 1"),
+                           (["--max-grad-norm", "-1"], "max_grad_norm must be positive"),
+                           (["--gpu-gib", "-3"], "--gpu-gib must be positive")):
+        assert main(["plan", *flags]) == 2
+        assert message in capsys.readouterr().err

@@ -17,9 +17,12 @@ GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory t
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
 
 
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
+PRESETS_HELP = "preset name (tiny, 125m, 1b, 2.8b, 3b, 7b, 9b, 14b, 32b, 70b) or HF directory"
+
+
+def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP) -> None:
     p.add_argument("--config", help="TOML config (top-level keys plus a [data] table); flags override it")
-    p.add_argument("--model", help="preset name (tiny, 125m, 1b, 2.8b, 3b, 7b, 9b, 14b, 32b, 70b) or HF directory")
+    p.add_argument("--model", help=model_help)
     p.add_argument("--steps", type=int)
     p.add_argument("--out", dest="out_dir", help="run directory (checkpoints, logs, final model)")
     p.add_argument("--lr", type=float)
@@ -145,13 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("finetune", help="supervised fine-tuning of an HF checkpoint on chat/text data")
-    _add_train_flags(p)
+    _add_train_flags(p, model_help="HF model directory (config.json + safetensors weights) to fine-tune")
     p.add_argument("--data", dest="data_path", required=True)
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("plan", help="memory needed per tier, and whether it fits here (defaults: train's)")
     p.add_argument("--config", help="the TOML config of a train run; flags override it")
-    p.add_argument("--model", help="preset name or HF directory")
+    p.add_argument("--model", help=PRESETS_HELP)
     p.add_argument("--batch", "--batch-size", dest="batch", type=int)
     p.add_argument("--seq", "--seq-len", dest="seq", type=int)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))

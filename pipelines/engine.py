@@ -176,6 +176,10 @@ class Engine:
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile)
         self.config, hf_dir, self.model_name = resolve_model(model)
+        if seq_len > self.config.max_position_embeddings:
+            log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
+                        "usually worse than training at the model's length", seq_len,
+                        self.config.max_position_embeddings, self.model_name)
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
         self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
@@ -256,8 +260,9 @@ class Engine:
                         loss_chunk_tokens=e.loss_chunk_tokens,
                         gpu_free=get(gpu_free_memory.remote()) if need_gpu_free else None)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
-                                        "device": "on the GPU until the step ends"}[plan.grads])
-        if e.precision == "bf16" and not plan.shadow_bytes:
+                                        "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
+                                        }[plan.grads])
+        if on_gpu and e.precision == "bf16" and not plan.shadow_bytes:
             log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe "
                         "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
         return plan

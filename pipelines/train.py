@@ -120,6 +120,9 @@ class TrainConfig:
                               f"a fault then restarts from the first step), got {self.checkpoint_every}.")
         if self.eval_every < 0:
             raise ConfigError("train config: eval_every must be >= 0 (0 turns evaluation off).")
+        if self.eval_every and not (self.data.eval_fraction or self.data.eval_count):
+            raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
+                              "or eval_count in the config file's [data] table, or eval_every = 0.")
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train config: max_nonfinite_steps must be >= 0, "
                               f"got {self.max_nonfinite_steps}.")
@@ -209,6 +212,9 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.data.source != "synthetic" and cfg.data.format != "synthetic":
         find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
+    if cfg.warmup_steps >= cfg.steps:
+        log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
+                    "is 0); lower warmup_steps", cfg.warmup_steps, cfg.steps, cfg.lr)
     engine = Engine(cfg.model, **engine_kwargs(cfg))
     loader = None
     try:

@@ -234,3 +234,10 @@ def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch:
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
     ray_memory_monitor_off()
     assert os.environ["RAY_memory_monitor_refresh_ms"] == "250"
+
+
+def test_a_sequence_longer_than_the_models_positions_is_warned_about(ray_session, hf_dir, caplog) -> None:
+    positions = LlamaConfig().max_position_embeddings  # hf_dir's
+    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", batch_size=1, seq_len=positions + 1):
+        pass
+    assert f"seq_len {positions + 1} is longer than the {positions} positions" in caplog.text

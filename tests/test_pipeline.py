@@ -64,6 +64,7 @@ def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code
     (["--lr", "-1"], "lr must be a non-negative number"),
     (["--config", "missing.toml"], "config file missing.toml does not exist"),
     (["--data", "nowhere.jsonl"], "nowhere.jsonl"),
+    (["--eval-every", "2"], "eval_every is set but the data has no held-out split"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message) -> None:
     before = dead_segments()
@@ -86,6 +87,22 @@ def test_bad_data_fails_before_the_engine_starts(tmp_path, monkeypatch, source, 
     cfg = train.TrainConfig.load(None, {"data.source": str(tmp_path / source), "out_dir": str(tmp_path / "run")})
     with pytest.raises(DataError, match=message):
         train.run(cfg)
+
+
+def test_warmup_longer_than_the_run_is_warned_about(tmp_path, monkeypatch, caplog) -> None:
+    import pipelines.train as train
+
+    class Started(Exception):
+        pass
+
+    def engine(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(train, "Engine", engine)
+    cfg = train.TrainConfig.load(None, {"steps": 1, "warmup_steps": 20, "out_dir": str(tmp_path)})
+    with pytest.raises(Started):
+        train.run(cfg)
+    assert "warmup_steps 20 is not below steps 1: the learning rate never reaches lr" in caplog.text
 
 
 def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:

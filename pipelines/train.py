@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -253,7 +254,9 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
           extra_files: list[Path]) -> dict[str, Any]:
     flops_per_token = engine.config.flops_per_token(cfg.data.seq_len)
     progress = Progress(cfg.steps, cfg.log_every)
-    steps_log = open(out_dir / "steps.jsonl", "a")
+    steps_path = out_dir / "steps.jsonl"
+    keep_step_records_before(steps_path, start)
+    steps_log = open(steps_path, "a")
     spans: list[Any] = []
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
@@ -324,6 +327,24 @@ def _progress_fields(result: StepResult, step_time: float, flops_per_token: floa
     if skipped:
         out["skipped"] = str(skipped)
     return out
+
+
+def keep_step_records_before(path: Path, start: int) -> None:
+    """The step log describes the run now in the directory: a run resumed at step `start` (or started afresh, 0)
+    drops the records of the steps it will redo, which an earlier run went past before it stopped."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line torn by a kill
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < start:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def _log_step(f: Any, result: StepResult, step_time: float, flops_per_token: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +127,23 @@ def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:
     assert "step" in capsys.readouterr().out
     png = (run / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_resumed_run_logs_each_step_once(ray_session, tmp_path) -> None:
+    """Resumed from the step-3 checkpoint after the first run went to step 6: steps 3-5 are logged once, by the
+    run that produced the model in the directory; a fresh run into the directory starts a fresh log."""
+    run = tmp_path / "run"
+    flags = ["--steps", "6", "--checkpoint-every", "3", "--out", str(run), "--batch-size", "2", "--seq-len", "16",
+             "--device", "cpu", "--no-save-final"]
+    assert main(["train", *flags]) == 0
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    with open(run / "steps.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a line torn by a kill
+    assert main(["train", *flags, "--resume"]) == 0
+    logged = [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 3, 4, 5]
+    assert main(["train", *flags[:2], *flags[4:]]) == 0  # no checkpoints asked for, no --resume: a new run
+    assert len((run / "steps.jsonl").read_text().splitlines()) == 6
 
 
 def test_run_without_checkpoints_or_final_model(ray_session, tmp_path) -> None:

@@ -471,8 +471,13 @@ def test_malformed_json_and_messages(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                             {"role": "assistant"}]}])
     message = error(loader, source=str(chat))
-    assert f"{chat} line 1: messages entry 1 lacks a string 'role' and 'content' (its keys are: role)" in \
-        message
+    assert f"{chat} line 1: messages entry 1 needs a string 'content' but has none (its keys are: role)" in message
+    chat = write_jsonl(tmp_path / "n.jsonl", [{"messages": [{"role": "user", "content": 5}]}])
+    assert "messages entry 0 needs a string 'content' but has a int" in error(loader, source=str(chat))
+    twice = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                               {"messages": '[{"role": "user", "content": "hi"}]'}])
+    assert f"{twice} line 2: 'messages' holds a string, not a list of {{role, content}} messages" in \
+        error(lambda: drain(loader(source=str(twice))))
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain"}])
     assert "sft is on but" in error(drain, loader(source=str(text), sft=True))
 

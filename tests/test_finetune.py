@@ -157,9 +157,9 @@ def test_finetune_cli_end_to_end_and_resume(ray_session, model_dir, chat_file, c
     # --resume: drop the last checkpoint, continue from step 15; the same batches again, bit-identical losses
     shutil.rmtree(out / "checkpoints" / "step-00000030")
     assert cli([*args, "--resume"]) == 0
-    resumed = steps_log(out)[30:]
-    assert [r["step"] for r in resumed] == list(range(15, 30))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[15:]]
+    resumed = steps_log(out)  # the resumed run replaced the records of steps 15-29 rather than adding them again
+    assert [r["step"] for r in resumed] == list(range(30))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in first]
     assert (out / "checkpoints" / "step-00000030").is_dir() and (final / "model.safetensors").is_file()
 
 

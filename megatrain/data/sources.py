@@ -160,6 +160,7 @@ class JsonlSource(Source):
                                     "(e.g. jq -c '.[]').")
         self.name, self.files = str(files[0].parent if len(files) > 1 else files[0]), files
         self.fields = (text_field, messages_field) if prefer_text else (messages_field, text_field)
+        self.messages_field = messages_field
         self.index = [(f, *s) for f in files for s in _line_shards(f, shard_bytes, at_blank_line=False)]
         self.num_shards = len(self.index)
 
@@ -185,7 +186,7 @@ class JsonlSource(Source):
                 raise DataError(f"{where} has no {self.fields[0]!r} or {self.fields[1]!r} field (its fields "
                                 f"are: {names}); set text_field or messages_field to the one holding the "
                                 "documents.")
-            value = as_document(record[key], where, key)
+            value = as_document(record[key], where, key, chat=key == self.messages_field)
             if value is not None:
                 docs.append(Doc(value, where))
         return docs
@@ -207,11 +208,11 @@ def _pick_column(names: list[str], path: Path, column: str | None, text_field: s
                     f"{', '.join(names)}); set column to the one holding the documents.")
 
 
-def _column_docs(values: list[Any], path: Path, column: str, first_row: int) -> list[Doc]:
+def _column_docs(values: list[Any], path: Path, column: str, first_row: int, chat: bool) -> list[Doc]:
     docs = []
     for i, v in enumerate(values):
         where = f"{path} row {first_row + i}"
-        value = as_document(v, where, column)
+        value = as_document(v, where, column, chat)
         if value is not None:
             docs.append(Doc(value, where))
     return docs
@@ -222,6 +223,7 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
+        self.messages_field = messages_field
         for f in files:
             try:
                 pf = pq.ParquetFile(f)
@@ -241,7 +243,7 @@ class ParquetSource(Source):
         path, group, first_row = self.index[index]
         column, docs, row = self.columns[path], [], first_row
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=[column]):
-            docs += _column_docs(batch.column(0).to_pylist(), path, column, row)
+            docs += _column_docs(batch.column(0).to_pylist(), path, column, row, column == self.messages_field)
             row += batch.num_rows
         return docs
 
@@ -263,6 +265,7 @@ def _open_arrow(path: Path) -> tuple[Any, bool]:
 class ArrowSource(Source):
     def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str):
         self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
+        self.messages_field = messages_field
         for f in files:
             reader, is_file = _open_arrow(f)
             self.columns[f] = _pick_column(reader.schema.names, f, column, text_field, messages_field)
@@ -285,25 +288,32 @@ class ArrowSource(Source):
                 if i == b:
                     break
         column = self.columns[path]
-        return _column_docs(batch.column(column).to_pylist(), path, column, first_row)
+        return _column_docs(batch.column(column).to_pylist(), path, column, first_row, column == self.messages_field)
 
 
 # ---- documents ----
 
-def as_document(value: Any, where: str, field: str) -> Document | None:
-    """Checks one stored value: text, token ids or a chat; None (skipped) for null and empty values."""
+def as_document(value: Any, where: str, field: str, chat: bool = False) -> Document | None:
+    """Checks one stored value: text, token ids or a chat; None (skipped) for null and empty values.
+    chat: the value is from the messages field, where text is a mistake (a chat encoded twice, say)."""
     if value is None or (isinstance(value, (str, list)) and not value):
         return None
     if isinstance(value, str):
+        if chat:
+            raise DataError(f"{where}: {field!r} holds a string, not a list of {{role, content}} messages; store the "
+                            "chat as a JSON list, or point text_field at plain text.")
         return value
     if isinstance(value, list):
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             return [int(v) for v in value]
         if all(isinstance(v, dict) for v in value):
             for j, m in enumerate(value):
-                if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise DataError(f"{where}: {field} entry {j} lacks a string 'role' and 'content' (its "
-                                    f"keys are: {', '.join(m) or 'none'}); give every message both.")
+                for key in ("role", "content"):
+                    if not isinstance(m.get(key), str):
+                        keys = ", ".join(m) or "none"
+                        got = f"a {type(m[key]).__name__}" if key in m else f"none (its keys are: {keys})"
+                        raise DataError(f"{where}: {field} entry {j} needs a string {key!r} but has {got}; give every "
+                                        "message a string role and content.")
             return value
     raise DataError(f"{where}: {field!r} holds a {type(value).__name__}, not text, token ids or a list of "
                     "messages; point text_field, messages_field or column at the documents.")

@@ -76,7 +76,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def _print_summary(summary: dict[str, Any]) -> None:
     first, last = summary.get("first_loss"), summary.get("last_loss")
     if first is not None:
-        print(f"trained {summary['steps']} steps: loss {first:.4f} -> {last:.4f}"
+        start, steps = summary.get("start", 0), summary["steps"]
+        done = f"{steps} steps" if not start else f"steps {start + 1}-{steps} (resumed after step {start})"
+        print(f"trained {done}: loss {first:.4f} -> {last:.4f}"
               + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else ""))
     for step, loss in summary.get("evals", []):
         print(f"  eval loss at step {step}: {loss:.4f}")

@@ -296,9 +296,9 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
     final = None
     if cfg.save_final:
         final = engine.save_pretrained(out_dir / "final", extra_files)
-    return {"steps": step, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-            "losses": losses, "evals": evals, "skipped_steps": engine.skipped_steps,
-            "final": str(final) if final else None, "out_dir": str(out_dir)}
+    return {"steps": step, "start": start, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "losses": losses, "evals": evals,
+            "skipped_steps": engine.skipped_steps, "final": str(final) if final else None, "out_dir": str(out_dir)}
 
 
 def evaluate(engine: Engine, loader: Any) -> float:

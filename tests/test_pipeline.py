@@ -129,7 +129,7 @@ def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_resumed_run_logs_each_step_once(ray_session, tmp_path) -> None:
+def test_resumed_run_logs_each_step_once(ray_session, tmp_path, capsys) -> None:
     """Resumed from the step-3 checkpoint after the first run went to step 6: steps 3-5 are logged once, by the
     run that produced the model in the directory; a fresh run into the directory starts a fresh log."""
     run = tmp_path / "run"
@@ -139,7 +139,9 @@ def test_resumed_run_logs_each_step_once(ray_session, tmp_path) -> None:
     shutil.rmtree(run / "checkpoints" / "step-00000006")
     with open(run / "steps.jsonl", "a") as f:
         f.write('{"step": 6, "lo')  # a line torn by a kill
+    capsys.readouterr()
     assert main(["train", *flags, "--resume"]) == 0
+    assert "trained steps 4-6 (resumed after step 3): loss" in capsys.readouterr().out
     logged = [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()]
     assert logged == [0, 1, 2, 3, 4, 5]
     assert main(["train", *flags[:2], *flags[4:]]) == 0  # no checkpoints asked for, no --resume: a new run

@@ -122,10 +122,15 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from megatrain.memory.arena import list_segments, remove_stale_segments
     from pipelines.engine import reap_orphaned_ray_agents
 
-    removed = remove_stale_segments(everything=args.all)
+    logging.disable(logging.INFO)  # what the cleanup functions log, this command prints itself
+    try:
+        removed = remove_stale_segments(everything=args.all)
+        reaped = reap_orphaned_ray_agents()
+    finally:
+        logging.disable(logging.NOTSET)
     for path in removed:
         print(f"removed {path}")
-    for pid in reap_orphaned_ray_agents():
+    for pid in reaped:
         print(f"stopped orphaned Ray agent process {pid}")
     left = list_segments()
     print(f"removed {len(removed)} segment(s); {len(left)} belong to running processes"

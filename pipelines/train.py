@@ -210,7 +210,6 @@ class Progress:
 def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, Any]:
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.data.source != "synthetic" and cfg.data.format != "synthetic":
         find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
     if cfg.warmup_steps >= cfg.steps:
@@ -223,6 +222,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             cfg.data.vocab_size = engine.config.vocab_size
             loader = DataLoaderActor.remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
+            out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
             return _loop(cfg, engine, loader, out_dir, start, extra_files or [])

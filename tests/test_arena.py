@@ -8,6 +8,7 @@ segments of other runs in /dev/shm; `test_real_dev_shm_round_trip` uses the real
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import signal
@@ -334,3 +335,25 @@ def test_store_refuses_70b_before_allocating() -> None:
         ParameterStore("70b")
     assert "\n" not in str(info.value) and str(info.value).endswith(".")
     assert {p for p in list_segments() if mine in p.name} == before, "nothing is allocated before refusing"
+
+
+def test_cleanup_command_says_each_thing_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    from megatrain.cli import main
+    from megatrain.memory import arena as arena_module
+
+    monkeypatch.setattr(arena_module, "SHM_DIR", tmp_path)
+    doomed = spawn("""
+        a = Arena.create(1024, directory=sys.argv[1])
+        print(pickle.dumps(a.handle).hex(), flush=True)
+        time.sleep(120)
+    """, str(tmp_path))
+    stale = handle_paths(read_handle(doomed))
+    kill(doomed)
+    caplog.set_level(logging.INFO)
+    assert main(["cleanup"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"removed {p}" in out for p in stale) and f"removed {len(stale)} segment(s)" in out
+    assert "stale arena segment" not in caplog.text  # printed above, not logged a second time
+    assert not any(p.exists() for p in stale)

@@ -76,6 +76,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message) -> No
     assert len(errors) == 1 and message in errors[0], out
     assert "Traceback" not in out
     assert dead_segments() <= before
+    assert not (tmp_path / "runs").exists(), "a run that could not start left its directory behind"
 
 
 @pytest.mark.parametrize("source, message", [("nowhere.jsonl", "does not exist"), ("empty", "is empty")])

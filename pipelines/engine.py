@@ -336,7 +336,7 @@ class Engine:
         step = self.steps_done
         t0 = time.monotonic()
         out = get(self.executor.train_step.remote(batch, self.updates_applied, self.updates_applied,
-                                                      self._pending))
+                                                  self._pending))
         update_spans = [span for spans in get(self._pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]

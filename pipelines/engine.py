@@ -99,8 +99,9 @@ def absolute(path: str | Path) -> str:
 
 def save_target(path: str | Path) -> str:
     """absolute(path), refused here if the driver could not have it replaced (see check_save_target)."""
-    check_save_target(Path(absolute(path)))
-    return absolute(path)
+    path = absolute(path)
+    check_save_target(Path(path))
+    return path
 
 
 def is_cuda_error(e: BaseException) -> bool:

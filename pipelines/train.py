@@ -210,8 +210,7 @@ class Progress:
 def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, Any]:
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
-    if cfg.data.source != "synthetic" and cfg.data.format != "synthetic":
-        find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
+    find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
     if cfg.warmup_steps >= cfg.steps:
         log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
                     "is 0); lower warmup_steps", cfg.warmup_steps, cfg.steps, cfg.lr)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatrain import telemetry
+from megatrain.cli import main
 from megatrain.report import COLORS, ReportError, main_report, render_timeline, report
 from megatrain.telemetry import (
     STEPS_FILE,
@@ -412,7 +413,7 @@ def one_sentence(msg: str) -> bool:
 
 
 def test_report_errors_are_one_sentence(tmp_path, capsys):
-    assert main_report(str(tmp_path / "missing"), None) == 2
+    assert main(["report", str(tmp_path / "missing")]) == 2  # the CLI prints a report's error, as any other
     err = capsys.readouterr().err
     assert err.startswith("megatrain: error: ") and one_sentence(err.removeprefix("megatrain: error: "))
     assert "does not exist" in err

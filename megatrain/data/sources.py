@@ -354,8 +354,11 @@ def _data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:
 
 
 def find_data_files(cfg: DataConfig) -> tuple[str, list[Path]]:
-    """The format (detected or cfg.format) and the non-empty files of a file or folder source. Cheap (no file
-    is read), so a driver can check a source before it starts anything."""
+    """The format (detected or cfg.format) and the non-empty files of a file or folder source ("synthetic" and
+    none for the synthetic source). Cheap (no file is read), so a driver can check a source before it starts
+    anything."""
+    if cfg.source == "synthetic" or cfg.format == "synthetic":
+        return "synthetic", []
     path = Path(cfg.source)
     if not path.exists():
         raise DataError(f"data source {path} does not exist; pass an existing file or folder, or "
@@ -365,9 +368,9 @@ def find_data_files(cfg: DataConfig) -> tuple[str, list[Path]]:
 
 def open_source(cfg: DataConfig) -> tuple[str, Source]:
     """The format (detected or cfg.format) and the source it names."""
-    if cfg.source == "synthetic" or cfg.format == "synthetic":
-        return "synthetic", SyntheticSource(cfg.synthetic_docs, cfg.seed)
     fmt, files = find_data_files(cfg)
+    if fmt == "synthetic":
+        return fmt, SyntheticSource(cfg.synthetic_docs, cfg.seed)
     if fmt == "text":
         return fmt, TextSource(files, cfg.shard_bytes, cfg.text_split)
     if fmt == "jsonl":

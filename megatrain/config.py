@@ -468,7 +468,7 @@ GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
 class EngineConfig:
     """How the engine runs: where compute happens, how many optimizer workers, how long sequences are chunked."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cpu-async (CPU with simulated asynchronous streams, for tests) | cuda | cuda:N
     precision: str = "tf32"  # fp32 (strict) | tf32 | bf16 (bf16 compute, fp32 masters)
     optimizer_workers: int = 2
     threads_per_worker: int | None = None  # None: cores / workers
@@ -496,9 +496,10 @@ class EngineConfig:
 
 
 def check_device(device: object) -> None:
-    """megatrain computes on the CPU or a CUDA GPU; anything else is refused before torch sees it."""
-    if not (isinstance(device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", device)):
-        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}.")
+    """megatrain computes on the CPU or a CUDA GPU; anything else is refused before torch sees it. "cpu-async" is
+    the CPU with the GPU's asynchronous streams simulated (megatrain/engine/streams.py), for testing orderings."""
+    if not (isinstance(device, str) and re.fullmatch(r"auto|cpu|cpu-async|cuda(:\d+)?", device)):
+        raise ConfigError(f"device must be auto, cpu, cpu-async, cuda or cuda:N, got {device!r}.")
 
 
 def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:

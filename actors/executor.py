@@ -23,6 +23,7 @@ from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.telemetry import Recorder, Span
 
 POLL_SECONDS = 0.0005
+GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
 
 
 def _batch_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,7 +48,14 @@ class GPUExecutor:
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
-            self.arena.register_cuda(tuple(n for n in ("params", "grads", SHADOW_SEGMENT) if n in self.arena.tensors))
+            # page-locked: what the copy streams read (the weights the executor streams: the bf16 shadow in bf16
+            # runs, else params) and write (grads)
+            read = SHADOW_SEGMENT if self.executor.weights is not self.arena.params else "params"
+            self.arena.register_cuda((read, "grads"))
+            # Ray sets OMP_NUM_THREADS=1 in an actor without CPUs; the embedding rows are gathered and their
+            # gradients scattered on the host, on the step's critical path: a few threads, leaving the
+            # rest of the cores to the optimizer workers
+            torch.set_num_threads(min(GPU_HOST_THREADS, os.cpu_count() or 1))
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.versions = self.arena.versions.view(len(self.layout.units), len(workers))
@@ -76,7 +84,8 @@ class GPUExecutor:
             self._wait_for_version(unit, expected_version, pending)
 
         def slot_free(unit: Unit) -> None:  # its gradient's host slot is wanted by the next unit
-            self._wait_for_version(unit, step + 1, issued)
+            # a stall of compute only where compute waits for it: not on the sender thread (a GPU's)
+            self._wait_for_version(unit, step + 1, issued, record=not self.executor.send_thread)
 
         def grads_landed(unit: Unit, norm_sq: float) -> None:
             if not self.eager_updates:
@@ -94,8 +103,10 @@ class GPUExecutor:
         input_ids, labels = _batch_tensors(batch)
         out = self.executor.run(input_ids, labels, wait_weights, grads_landed, loss_ready, slot_free,
                                 self.hold_grads)
-        # only this step's gradients can still be wanted: the last step's were sent before this forward ended
-        self._held = {step: out.held} if out.held else {}
+        # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
+        # and none of a step whose update the driver will skip (a non-finite norm): they go at once
+        self._held = {step: out.held} if out.held and out.finite else {}
+        out.held = []
         stats = rec.end_step()
         return {"loss": out.loss, "tokens": out.tokens, "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units,
@@ -106,9 +117,14 @@ class GPUExecutor:
                  ) -> dict[str, Any]:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
         input_ids, labels = _batch_tensors(batch)
-        out = self.executor.run(input_ids, labels,
-                                lambda unit: self._wait_for_version(unit, expected_version, pending),
-                                loss_ready=lambda loss: False)
+        rec = self.executor.rec
+        rec.begin_step(rec.step, self.executor.device)
+        try:
+            out = self.executor.run(input_ids, labels,
+                                    lambda unit: self._wait_for_version(unit, expected_version, pending),
+                                    loss_ready=lambda loss: False)
+        finally:
+            rec.end_step(keep=False)  # its spans are not the next training step's
         return {"loss": out.loss, "tokens": out.tokens}
 
     @ray.method(concurrency_group="grads_out")

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from megatrain.config import MegatrainError
-from megatrain.engine.executor import Executor, resolve_device
+from megatrain.engine.executor import Executor
+from megatrain.engine.streams import resolve_device
 from megatrain.memory.store import ParameterStore
 from megatrain.model.layout import ModelLayout
 

@@ -497,9 +497,10 @@ class EngineConfig:
 
 def check_device(device: object) -> None:
     """megatrain computes on the CPU or a CUDA GPU; anything else is refused before torch sees it. "cpu-async" is
-    the CPU with the GPU's asynchronous streams simulated (megatrain/engine/streams.py), for testing orderings."""
-    if not (isinstance(device, str) and re.fullmatch(r"auto|cpu|cpu-async|cuda(:\d+)?", device)):
-        raise ConfigError(f"device must be auto, cpu, cpu-async, cuda or cuda:N, got {device!r}.")
+    the CPU with the GPU's asynchronous streams simulated (megatrain/engine/streams.py), for testing orderings;
+    cpu-async:N seeds its delays with N."""
+    if not (isinstance(device, str) and re.fullmatch(r"auto|cpu|cpu-async(:\d+)?|cuda(:\d+)?", device)):
+        raise ConfigError(f"device must be auto, cpu, cpu-async[:SEED], cuda or cuda:N, got {device!r}.")
 
 
 def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:

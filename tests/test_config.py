@@ -227,7 +227,7 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (lambda _: OptimConfig(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
     (lambda _: OptimConfig(warmup_steps=10, total_steps=0), r"total_steps must be positive"),
     (lambda _: EngineConfig(precision="fp8"), r"precision must be one of fp32, tf32, bf16, got 'fp8'"),
-    (lambda _: EngineConfig(device="tpu"), r"device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (lambda _: EngineConfig(device="tpu"), r"device must be auto, cpu, cpu-async\[:SEED\], cuda or cuda:N, got 'tpu'"),
     (lambda _: dataclass_from_dict(OptimConfig, {"lr": 1e-3, "learning_rate": 1e-3}, "[optim]"),
      r"\[optim\]: unknown key\(s\) learning_rate; known keys are"),
 ]

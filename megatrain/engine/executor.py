@@ -24,6 +24,7 @@ This file knows nothing of Ray or of the optimizer: it is told when a unit's wei
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain.config import PRECISIONS, ConfigError, MegatrainError, ModelConfig, check_choice, check_device
-from megatrain.engine.streams import Streams
+from megatrain.config import PRECISIONS, MegatrainError, ModelConfig, check_choice
+from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_loss_and_grads, recompute_grads
@@ -56,16 +57,6 @@ def token_ids(x: Any) -> np.ndarray:
 
 def _noop(unit: Unit, *args: object) -> None:
     pass
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    check_device(str(device))
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu' or 'auto'.")
-    return device
 
 
 def set_matmul_precision(precision: str) -> None:
@@ -92,6 +83,12 @@ def allow_recompiles(shapes: int) -> None:
     setattr(config, name, max(getattr(config, name), 2 * shapes))
 
 
+# Decoder-layer gradient sets alive on the device at once, the one being computed included: the memory plan
+# counts this many (megatrain/memory/plan.py). Outside grads = "device" the backward waits before computing a
+# layer's gradients until fewer are still on their way to the host.
+GRAD_SETS_IN_FLIGHT = 2
+
+
 @dataclass
 class GradsOut:
     """One unit's gradients on their way from the device to the host grads segment."""
@@ -99,8 +96,21 @@ class GradsOut:
     unit: Unit
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (gradient on the device, its host destination)
     norm_sq: torch.Tensor  # squared norm, computed on the device
-    ready: torch.cuda.Event | None  # recorded on compute once the gradients exist (None on the CPU path)
+    ready: Any  # event recorded on compute once the gradients exist (None on the CPU path)
     scatter: Callable[[], None] | None = None  # host work once landed (the embedding rows into its gradient)
+    permit: threading.Semaphore | None = None  # a decoder layer's place among the sets in flight, given back
+    # once the gradients have landed (see GRAD_SETS_IN_FLIGHT)
+
+
+@dataclass
+class Landing:
+    """A GradsOut whose copies to the host are queued: what is left is to wait for them and report."""
+
+    out: GradsOut
+    landed: LandedCallback
+    event: Any  # recorded on d2h after the copies (None on the CPU path: they are done)
+    norm_sq: torch.Tensor  # the squared norm's host copy
+    settled: bool = False  # the sender thread is done with it (finished, or dropped after a failure)
 
 
 @dataclass
@@ -114,6 +124,11 @@ class StepOutput:
     def grad_norm(self) -> float:
         return sum(self.unit_grad_norms_sq) ** 0.5
 
+    @property
+    def finite(self) -> bool:
+        """The loss and every gradient are finite: the step's update may be applied."""
+        return math.isfinite(self.loss) and math.isfinite(sum(self.unit_grad_norms_sq))
+
 
 class WeightSlots:
     """Two device buffers that decoder layers rotate through; a unit stays resident until evicted, so the
@@ -121,16 +136,16 @@ class WeightSlots:
 
     def __init__(self, numel: int, weights: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
         self.weights, self.streams, self.dtype, self.rec = weights, streams, dtype, rec  # weights: host, flat
-        self.copy_needed = streams.cuda or dtype != weights.dtype
+        self.copy_needed = streams.asynchronous or dtype != weights.dtype
         n = 2 if self.copy_needed else 0
         dev = streams.device
         # bf16 compute from fp32 weights on a GPU: they arrive in a staging buffer and are cast there
-        staged = streams.cuda and dtype != weights.dtype
+        staged = streams.asynchronous and dtype != weights.dtype
         self.staging = [torch.empty(numel, device=dev) for _ in range(n if staged else 0)]
         self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
         self.resident: list[int | None] = [None] * n
-        self.ready: list[torch.cuda.Event | None] = [None] * n
-        self.free: list[torch.cuda.Event | None] = [None] * n
+        self.ready: list[Any] = [None] * n
+        self.free: list[Any] = [None] * n
 
     def fetch(self, unit: Unit, keep: Unit | None) -> None:
         """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
@@ -140,12 +155,12 @@ class WeightSlots:
         src = unit.range_of(self.weights)
         s = self.streams
         s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
-        with s.on(s.h2d), self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
+        with self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
             if self.staging:
-                self.staging[slot][: unit.numel].copy_(src, non_blocking=True)
-                self.buffers[slot][: unit.numel].copy_(self.staging[slot][: unit.numel])
+                s.copy(self.staging[slot][: unit.numel], src, s.h2d)
+                s.copy(self.buffers[slot][: unit.numel], self.staging[slot][: unit.numel], s.h2d)
             else:
-                self.buffers[slot][: unit.numel].copy_(src, non_blocking=s.cuda)
+                s.copy(self.buffers[slot][: unit.numel], src, s.h2d)
         self.ready[slot] = s.record(s.h2d)
         self.resident[slot] = unit.index
 
@@ -155,6 +170,7 @@ class WeightSlots:
             return -1, unit.bind(unit.range_of(self.weights))
         slot = self.resident.index(unit.index)
         self.streams.wait(self.streams.compute, self.ready[slot])
+        self.streams.compute_uses(self.buffers[slot])
         return slot, unit.bind(self.buffers[slot][: unit.numel])
 
     def release(self, slot: int) -> None:
@@ -173,15 +189,17 @@ class Executor:
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
                  shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None):
-        """shadow: a bf16 copy of `params` kept current by the optimizer; with precision "bf16" the weights are
-        read from it (half the bytes to move), else from params. compile: run the decoder layer through
-        torch.compile (every layer has the same shapes, so it compiles once per batch shape and grad mode).
-        send_thread: gradients go to the host from a thread of their own (None: on a GPU, where the step must
-        not wait on slots or copies; on the CPU path the step's own thread does the copies)."""
+        """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
+        simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer;
+        with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
+        run the decoder layer through torch.compile (every layer has the same shapes, so it compiles once per
+        batch shape and grad mode). send_thread: gradients go to the host from a thread of their own (None: on
+        a GPU, where the step must not wait on slots or copies; elsewhere the step's own thread does them)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
-        self.device = resolve_device(device)
         check_choice("precision", precision, PRECISIONS)
+        self.streams = make_streams(device)
+        self.device = self.streams.device
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params
@@ -189,7 +207,6 @@ class Executor:
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
             set_matmul_precision(precision)
-        self.streams = Streams(self.device)
         self.send_thread = self.streams.cuda if send_thread is None else send_thread
         self.template = DecoderLayer(config)
         self.layer: Callable[..., torch.Tensor] = self.template
@@ -199,6 +216,9 @@ class Executor:
         self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
+        # each unit's squared gradient norm lands here (page-locked on a GPU: one buffer, not one per unit)
+        self._norms_host = self.streams.pinned(len(layout.units), dtype=torch.float64)
+        self._host_buffers: dict[str, torch.Tensor] = {}  # see _host_buffer
         self._outbox: queue.Queue[tuple[GradsOut, LandedCallback, UnitCallback, dict[int, Unit]] | None] = queue.Queue()
         self._outbox_error: BaseException | None = None
         self._sender: threading.Thread | None = None
@@ -212,21 +232,17 @@ class Executor:
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """H2D of a small host tensor (token ids, gathered rows) on the h2d stream, ordered before compute."""
         s = self.streams
-        if not s.cuda:
-            return t.to(dtype) if dtype is not None else t
-        with s.on(s.h2d):
-            out = (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+        out = s.to_device(t, s.h2d)
         s.wait(s.compute, s.record(s.h2d))
-        # allocated on the h2d stream, read on compute: without this the allocator could hand the block to
-        # the next H2D copy as soon as `out` is dropped, while compute still reads it
-        out.record_stream(s.compute)
         return out.to(dtype) if dtype is not None else out
 
     def _gradients(self, unit: Unit, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                   scatter: Callable[[], None] | None = None) -> GradsOut:
+                   scatter: Callable[[], None] | None = None, permit: threading.Semaphore | None = None
+                   ) -> GradsOut:
         """Packs a unit's gradients, just computed on the compute stream, with their host destinations."""
         norm_sq = sum(self._norm_sq(g) for g, _ in pairs)
-        return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter)
+        self.streams.compute_uses(norm_sq, *(g for g, _ in pairs))
+        return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter, permit)
 
     def _emit(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
               slot_users: dict[int, Unit]) -> None:
@@ -242,8 +258,12 @@ class Executor:
 
     def _deliver(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
                  slot_users: dict[int, Unit]) -> None:
-        """Waits for the unit's host slot to be free, copies the gradients into it on the d2h stream, waits
-        for them to land, and calls `landed(unit, norm²)`."""
+        self._finish(self._start(out, landed, slot_free, slot_users))
+
+    def _start(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
+               slot_users: dict[int, Unit]) -> Landing:
+        """Waits for the unit's host slot to be free and queues the copies of its gradients (and their norm)
+        into it on the d2h stream."""
         slot = self.grad_layout.slot_of[out.unit.index]
         previous = slot_users.get(slot)
         if previous is not None and previous.index != out.unit.index:
@@ -252,31 +272,93 @@ class Executor:
         s = self.streams
         s.wait(s.d2h, out.ready)
         nbytes = sum(g.numel() * 4 for g, _ in out.pairs)
-        with s.on(s.d2h), self.rec.span("d2h", "grads", out.unit.index, s.d2h, nbytes):
+        with self.rec.span("d2h", "grads", out.unit.index, s.d2h, nbytes):
             for g, dst in out.pairs:
-                g = g.float() if g.dtype != torch.float32 else g
-                if s.cuda:
-                    g.record_stream(s.d2h)
-                dst.copy_(g, non_blocking=s.cuda)
+                s.copy(dst, g, s.d2h)
             # the norm comes along on this stream: reading it on this thread's default stream (the compute
             # stream) would wait for every kernel queued there since, up to a layer of compute
-            norm_sq = out.norm_sq.to("cpu", non_blocking=True) if s.cuda else out.norm_sq
-        if s.cuda:
-            s.record(s.d2h, blocking=True).synchronize()
+            norm_sq = self._norms_host[out.unit.index]
+            s.copy(norm_sq, out.norm_sq, s.d2h)
+        return Landing(out, landed, s.record(s.d2h, blocking=True), norm_sq)
+
+    def _finish(self, landing: Landing) -> None:
+        """Waits for a unit's gradients to land, scatters what needs it and calls `landed(unit, norm²)`; the
+        device copies may be freed from here on."""
+        if landing.event is not None:
+            landing.event.synchronize()
+        out = landing.out
         if out.scatter is not None:
             out.scatter()
-        landed(out.unit, float(norm_sq))
+        landing.landed(out.unit, float(landing.norm_sq))
+        self._release(out)
+
+    @staticmethod
+    def _release(out: GradsOut) -> None:
+        """The device side of `out` is no longer needed: its tensors go, its place in flight is given back."""
+        out.pairs.clear()
+        if out.permit is not None:
+            out.permit.release()
+            out.permit = None
 
     def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            try:
-                # after a failure the step's remaining units are dropped: none of them may be handed on
-                if self._outbox_error is None:
-                    self._deliver(*item)
-            except BaseException as e:  # surfaced by the step that queued it
-                self._outbox_error = e
-            finally:
+        """The sender thread. A unit's copies are queued as soon as its slot is free, and the unit before is
+        finished only then (or once the outbox is empty), so that the D2H copies follow each other on the
+        stream instead of each waiting for the host to see the previous one land."""
+        landing: Landing | None = None  # started, not finished
+        while True:
+            if landing is None:
+                item = self._outbox.get()
+            else:
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    self._settle(landing)
+                    landing = None
+                    continue
+            if item is None:
+                if landing is not None:
+                    self._settle(landing)
+                return
+            started = None
+            if self._outbox_error is None:  # after a failure the step's remaining units are dropped
+                try:
+                    started = self._start_after(landing, self._settle, *item)
+                except BaseException as e:  # surfaced by the step that queued it
+                    self._outbox_error = e
+            if started is None:
+                self._release(item[0])
                 self._outbox.task_done()
+                if landing is not None:
+                    self._settle(landing)
+            del item  # a delivered unit's gradients must not stay alive here until the next one comes
+            landing = started
+
+    def _start_after(self, landing: Landing | None, finish: Callable[[Landing], None], out: GradsOut,
+                     landed: LandedCallback, slot_free: UnitCallback, slot_users: dict[int, Unit]) -> Landing:
+        """Starts `out`, then finishes `landing` (the unit before it), so that their copies overlap; first, if
+        `out` is to reuse that unit's host slot (whose `slot_free` waits for it to have landed)."""
+        slot_of = self.grad_layout.slot_of
+        if landing is not None and slot_of[landing.out.unit.index] == slot_of[out.unit.index]:
+            finish(landing)
+            landing = None
+        started = self._start(out, landed, slot_free, slot_users)
+        if landing is not None:
+            finish(landing)
+        return started
+
+    def _settle(self, landing: Landing) -> None:
+        """Finishes a started unit on the sender thread (unless an earlier one failed) and marks it done."""
+        if landing.settled:
+            return
+        landing.settled = True
+        try:
+            if self._outbox_error is None:
+                self._finish(landing)
+        except BaseException as e:
+            self._outbox_error = e
+        finally:
+            self._release(landing.out)
+            self._outbox.task_done()
 
     def _wait_sent(self) -> None:
         if self._sender is not None:
@@ -289,15 +371,23 @@ class Executor:
                   ) -> None:
         """Copies gradients a `run(hold_grads=True)` kept on the device to the host, in forward order (the
         order the next forward reads the updated weights), calling `landed` as each unit's arrives. Runs in
-        the calling thread, which may be another than the one running the next step."""
+        the calling thread, which may be another than the one running the next step. Each unit's copies are
+        queued before the previous unit is waited for, and each unit's device memory goes once it landed."""
         slot_users: dict[int, Unit] = {}
-        for out in reversed(held):
-            self._deliver(out, landed, slot_free, slot_users)
+        landing: Landing | None = None
+        try:
+            while held:
+                landing = self._start_after(landing, self._finish, held.pop(), landed, slot_free, slot_users)
+            if landing is not None:
+                self._finish(landing)
+        finally:
+            held.clear()
 
     def close(self) -> None:
         if self._sender is not None and self._sender.is_alive():
             self._outbox.put(None)
             self._sender.join(timeout=5)
+        self.streams.close()
 
     # ---- the step ----
     def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
@@ -342,7 +432,7 @@ class Executor:
         input_ids = input_ids.long()
         labels = None if labels is None else labels.long()
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
-        targets = ops.shift_labels(input_ids, labels)
+        host_targets = ops.shift_labels(input_ids, labels)
         rope = self._rope_for(input_ids.shape[1])
         self.slots.invalidate()
 
@@ -352,9 +442,10 @@ class Executor:
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
             table = embed_unit.bind(embed_unit.range_of(self.weights))["embed_tokens.weight"]
             # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
-            rows = torch.empty((rows_idx.numel(), table.shape[1]), dtype=table.dtype, pin_memory=s.cuda)
+            rows = self._host_buffer("rows", rows_idx.numel(), table.shape[1], table.dtype)
             rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
+            targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
         with self.rec.span("compute", "embed", embed_unit.index, s.compute):
             x = embed(rows, row_of_token)
 
@@ -381,15 +472,29 @@ class Executor:
             lm_head = self._to_device(table, self.dtype)
         with self.rec.span("compute", "head", head_unit.index, s.compute):
             loss, grad_x, grad_norm_w, grad_lm = head_loss_and_grads(
-                x, head_w["norm.weight"], lm_head, targets, self.config.rms_norm_eps, self.loss_chunk_tokens)
-        n_tokens = int((targets != ops.IGNORE_INDEX).sum())
-        del x
+                x, head_w["norm.weight"], lm_head, targets, self.config.rms_norm_eps, self.loss_chunk_tokens,
+                host_targets)
+        del x, head_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
+        n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
         if loss_ready is not None and not loss_ready(float(loss)):
             return StepOutput(float(loss), n_tokens)
+        try:
+            return self._backward(checkpoints, loss, n_tokens, grad_x, grad_norm_w, grad_lm, rope, rows_idx,
+                                  row_of_token, grads_landed, slot_free, hold_grads)
+        except BaseException:
+            self._abandon_sends()
+            raise
 
+    def _backward(self, checkpoints: list[torch.Tensor], loss: torch.Tensor, n_tokens: int, grad: torch.Tensor,
+                  grad_norm_w: torch.Tensor, grad_lm: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  rows_idx: torch.Tensor, row_of_token: torch.Tensor, grads_landed: LandedCallback,
+                  slot_free: UnitCallback, hold_grads: bool) -> StepOutput:
+        """The head's gradients out, then each layer's recomputed from its checkpoint, then the embedding's."""
+        s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         held: list[GradsOut] = []
         slot_users: dict[int, Unit] = {}
         norms: dict[int, torch.Tensor] = {}
+        in_flight = threading.Semaphore(GRAD_SETS_IN_FLIGHT)
 
         def emit(out: GradsOut) -> None:
             norms[out.unit.index] = out.norm_sq
@@ -402,14 +507,16 @@ class Executor:
         head_grads = [(grad_norm_w, head_dst["norm.weight"])]
         if not self.config.tie_embeddings:
             head_grads.append((grad_lm, head_dst["lm_head.weight"]))
+            grad_lm = None  # type: ignore[assignment]  # its GradsOut holds it until it has landed
         emit(self._gradients(head_unit, head_grads))
+        del head_grads, grad_norm_w
 
         # backward: recompute each layer from its checkpoint with its weights bound again
-        grad = grad_x
         last = len(layers) - 1
         self.slots.fetch(layers[last], keep=None)
         for i in range(last, -1, -1):
             unit = layers[i]
+            permit = None if hold_grads else self._permit(in_flight, unit)
             slot, w = self.slots.acquire(unit)
             with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
                 grad, wgrads = recompute_grads(self.layer, checkpoints[i], w, grad, rope)
@@ -418,18 +525,22 @@ class Executor:
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
             dst = self.grad_layout.bind(unit, self.grads)
-            emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()]))
+            emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()], permit=permit))
+            del wgrads  # only the GradsOut keeps them, so they go once they have landed
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
         with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
             grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
+        del grad
         embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
         if self.config.tie_embeddings:
             full = grad_lm.float()
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
+            del grad_lm
             emit(self._gradients(embed_unit, [(full, embed_grad)]))
         else:
             emit(self._embed_rows(grad_rows, rows_idx, embed_grad, embed_unit))
+        del grad_rows
 
         self._wait_sent()
         with self.rec.span("host", "sync"):
@@ -437,9 +548,36 @@ class Executor:
             loss_value = float(loss)
         return StepOutput(loss_value, n_tokens, norm_values, held)
 
+    def _permit(self, in_flight: threading.Semaphore, unit: Unit) -> threading.Semaphore:
+        """Waits until fewer than GRAD_SETS_IN_FLIGHT layers' gradients are on the device (the others on their
+        way to the host, held up by copies or by the optimizer freeing slots): compute stalls rather than
+        the device running out of memory. Returns the semaphore to release once `unit`'s gradients landed."""
+        if not in_flight.acquire(blocking=False):
+            with self.rec.wait("optimizer", unit.index):
+                in_flight.acquire()
+        return in_flight
+
+    def _abandon_sends(self) -> None:
+        """After a failed step: what it queued for the sender thread is dropped, and the thread is idle again
+        before anything else runs (its own error, if any, is superseded by the step's)."""
+        if self._sender is None:
+            return
+        if self._outbox_error is None:
+            self._outbox_error = MegatrainError("the step failed before its gradients were all sent.")
+        self._outbox.join()
+        self._outbox_error = None
+
+    def _host_buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, cols] view of a host buffer kept from step to step (page-locked on a GPU), grown when a
+        batch needs more: page-locked blocks allocated per step would stay cached by torch's host allocator."""
+        buf = self._host_buffers.get(name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.dtype != dtype:
+            buf = self._host_buffers[name] = self.streams.pinned(rows, cols, dtype=dtype)
+        return buf[:rows]
+
     def _head_weights(self, head_unit: Unit) -> torch.Tensor:
         src = head_unit.range_of(self.weights)
-        if not self.streams.cuda and self.dtype == src.dtype:
+        if not self.streams.asynchronous and self.dtype == src.dtype:
             return src
         with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * src.element_size()):
             return self._to_device(src, self.dtype)
@@ -448,7 +586,7 @@ class Executor:
                     unit: Unit) -> GradsOut:
         """The gradient rows of this batch's tokens, to be written into the (otherwise zero) embedding
         gradient in the arena once they have landed."""
-        host_rows = torch.empty(grad_rows.shape, dtype=torch.float32, pin_memory=self.streams.cuda)
+        host_rows = self._host_buffer("grad_rows", grad_rows.shape[0], grad_rows.shape[1], torch.float32)
 
         def scatter() -> None:
             if self._embed_rows_written is None:

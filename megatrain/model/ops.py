@@ -90,7 +90,17 @@ def shift_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.
     return shifted
 
 
-def cross_entropy_sum(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy of one chunk: hidden [n, h], targets [n] (IGNORE_INDEX skipped)."""
-    logits = F.linear(hidden, lm_head).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, scale: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token cross-entropy of one chunk (hidden [n, h], targets [n], IGNORE_INDEX skipped) and the
+    gradient of scale * that sum with respect to the fp32 logits: scale * (softmax - onehot) on labelled rows.
+
+    The arithmetic is autograd's for F.cross_entropy (log_softmax, then its backward exp(logp) * scale less
+    scale at the target), so results agree with transformers' to the last bit where they can; it is written
+    out so that the gradient reuses the log-probabilities' memory: one [n, vocab] fp32 tensor at the peak."""
+    logp = torch.log_softmax(F.linear(hidden, lm_head).float(), dim=-1)
+    valid = (targets != IGNORE_INDEX).to(logp.dtype).unsqueeze(1)
+    picked_target = targets.clamp_min(0).unsqueeze(1)  # ignored rows pick column 0; `valid` masks them out
+    loss = -(logp.gather(1, picked_target) * valid).sum()
+    grad = logp.exp_().mul_(valid * scale)
+    return loss, grad.scatter_add_(1, picked_target, valid * -scale)

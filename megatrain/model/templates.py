@@ -70,15 +70,20 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
 
 
 def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,
-                        eps: float, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        eps: float, chunk_tokens: int, host_targets: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
-    Never holds more than [chunk_tokens, vocab] logits. Returns (loss, dL/dx, dL/d norm, dL/d lm_head);
-    the loss is the mean over targets that are not IGNORE_INDEX, as transformers computes it.
+    Never holds more than [chunk_tokens, vocab] logits, nor a [vocab, hidden] tensor beside the lm_head's
+    gradient: each chunk's share is added into it from the logits' gradient. Returns (loss, dL/dx,
+    dL/d norm, dL/d lm_head); the loss is the mean over targets that are not IGNORE_INDEX, as transformers
+    computes it. targets are on x's device; host_targets, the same on the host (None: targets are there), are
+    what counting and skipping chunks read, so that they need not wait for the device.
     """
     flat_x = x.reshape(-1, x.shape[-1])
-    flat_t = targets.reshape(-1)  # kept where it is (the host): counting and skipping need no GPU sync
-    n_valid = int((flat_t != ops.IGNORE_INDEX).sum())
+    flat_t = targets.reshape(-1)
+    host_t = flat_t if host_targets is None else host_targets.reshape(-1)
+    n_valid = int((host_t != ops.IGNORE_INDEX).sum())
     if n_valid == 0:
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
@@ -87,18 +92,20 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: tor
     grad_norm = torch.zeros_like(norm_weight, dtype=torch.float32)
     grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
     norm_leaf = norm_weight.detach().requires_grad_(True)
-    head_leaf = lm_head.detach().requires_grad_(True)
     for start in range(0, flat_x.shape[0], chunk_tokens):
-        t = flat_t[start : start + chunk_tokens]
-        if not bool((t != ops.IGNORE_INDEX).any()):
+        chunk = slice(start, start + chunk_tokens)
+        if not bool((host_t[chunk] != ops.IGNORE_INDEX).any()):
             continue  # nothing to learn here (prompt or padding): its gradient is zero
-        t = t.to(flat_x.device, non_blocking=True)
-        xc = flat_x[start : start + chunk_tokens].detach().requires_grad_(True)
+        xc = flat_x[chunk].detach().requires_grad_(True)
         with torch.enable_grad():
-            chunk_loss = ops.cross_entropy_sum(ops.rms_norm(xc, norm_leaf, eps), head_leaf, t)
-            gx, gn, gh = torch.autograd.grad(chunk_loss / n_valid, [xc, norm_leaf, head_leaf])
-        loss += chunk_loss.detach()
-        grad_x[start : start + chunk_tokens] = gx
+            normed = ops.rms_norm(xc, norm_leaf, eps)
+        hidden = normed.detach()
+        chunk_loss, grad_logits = ops.cross_entropy_sum_and_grad(hidden, lm_head, flat_t[chunk], 1.0 / n_valid)
+        grad_head.addmm_(grad_logits.t(), hidden.float())
+        grad_hidden = grad_logits.to(lm_head.dtype) @ lm_head
+        del grad_logits
+        gx, gn = torch.autograd.grad(normed, [xc, norm_leaf], grad_hidden)
+        loss += chunk_loss
+        grad_x[chunk] = gx
         grad_norm += gn
-        grad_head += gh
     return loss / n_valid, grad_x.view_as(x), grad_norm, grad_head

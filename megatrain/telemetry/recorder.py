@@ -267,7 +267,9 @@ class Recorder:
         if self.enabled:
             self.spans.append(span)
 
-    def end_step(self) -> StepStats:
+    def end_step(self, keep: bool = True) -> StepStats:
+        """The step's stall accounting. keep=False: its spans are dropped rather than kept for the trace (an
+        evaluation between training steps, whose spans would otherwise be counted in the next step)."""
         if self._t0 is None:
             raise RuntimeError("end_step() called without begin_step()")
         if not self.enabled:  # the step time is still worth having; everything else is unknown
@@ -282,6 +284,8 @@ class Recorder:
         with self._lock:
             step_spans, self._pending = self._pending, []
         stats = account(step_spans, self.step, start, end)
+        if not keep:
+            return stats
         step_spans.append(Span(STEP_LANE, "step", self.step, start, end))
         self.spans.extend(step_spans)
         if self.keep_steps is not None:

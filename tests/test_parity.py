@@ -314,7 +314,8 @@ def test_unusable_device_is_refused_without_leaking_the_arena(monkeypatch: pytes
 
 
 def test_a_device_that_is_neither_cpu_nor_cuda_is_refused() -> None:
-    with pytest.raises(ConfigError, match="device must be auto, cpu, cpu-async\[:SEED\], cuda or cuda:N, got 'tpu'") as info:
+    with pytest.raises(ConfigError,
+                       match=r"device must be auto, cpu, cpu-async\[:SEED\], cuda or cuda:N, got 'tpu'") as info:
         megatrain.from_pretrained("tiny", device="tpu")
     assert_one_sentence(str(info.value))
 

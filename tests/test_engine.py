@@ -65,9 +65,9 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None) -> tu
     return losses, {n: p.detach().clone() for n, p in named}
 
 
-def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto"
-          ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    with megatrain.Engine(hf_dir, optimizer_workers=workers, precision="fp32", device="cpu",
+def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto",
+          device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    with megatrain.Engine(hf_dir, optimizer_workers=workers, precision="fp32", device=device,
                           max_grad_norm=max_grad_norm, grads=grads, **OPTIM) as engine:
         if grads != "auto":
             assert engine.grads == grads
@@ -104,6 +104,42 @@ def test_gradients_streamed_through_host_slots_give_the_same_training(ray_sessio
     assert losses == arena_losses
     for name in arena_params:
         assert torch.equal(params[name], arena_params[name]), name
+
+
+PLACEMENTS = [("arena", 1.0), ("arena", None), ("stream", None), ("device", 1.0), ("device", None)]
+PLACEMENT_IDS = ["arena-clipped", "arena-unclipped", "stream-unclipped", "device-clipped", "device-unclipped"]
+
+
+@pytest.fixture(scope="module")
+def cpu_runs() -> dict:
+    return {}  # (grads, max_grad_norm) -> the synchronous CPU path's (losses, params), run once per module
+
+
+def _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed) -> None:
+    if (grads, max_grad_norm) not in cpu_runs:
+        cpu_runs[grads, max_grad_norm] = train(hf_dir, batches, 2, max_grad_norm, grads)
+    want_losses, want_params = cpu_runs[grads, max_grad_norm]
+    losses, params = train(hf_dir, batches, 2, max_grad_norm, grads, device=f"cpu-async:{seed}")
+    assert losses == want_losses
+    for name, want in want_params.items():
+        assert torch.equal(params[name], want), name
+
+
+@pytest.mark.parametrize(("grads", "max_grad_norm"), PLACEMENTS, ids=PLACEMENT_IDS)
+def test_every_placement_under_simulated_streams(ray_session, hf_dir, batches, cpu_runs, grads, max_grad_norm
+                                                 ) -> None:
+    """The GPU's schedule (weight buffers, copies on late streams, the sender thread for gradients, updates
+    overlapping the next step) on the CPU: the synchronous path's training, bit for bit (and that one matches
+    transformers + AdamW above)."""
+    _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize(("grads", "max_grad_norm"), PLACEMENTS, ids=PLACEMENT_IDS)
+def test_every_placement_under_many_seeds_of_delays(ray_session, hf_dir, batches, cpu_runs, grads, max_grad_norm,
+                                                    seed) -> None:
+    _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed)
 
 
 def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:

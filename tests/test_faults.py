@@ -31,11 +31,13 @@ def batches() -> list[torch.Tensor]:
 
 
 def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
-          seed: int = 0, grads: str = "auto") -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
+          seed: int = 0, grads: str = "auto", device: str = "cpu"
+          ) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
     """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps."""
     rng = random.Random(seed)
     losses = []
-    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, **ENGINE) as engine:
+    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, **{**ENGINE, "device": device}
+                          ) as engine:
         for i, ids in enumerate(batches):
             killer = None
             if victim is not None and i in KILL_STEPS:
@@ -90,6 +92,18 @@ def test_killed_executor_holding_the_gradients_recovers_exactly(ray_session, bat
     losses, params, restarts, _ = train(batches, tmp_path, victim="executor", grads="device", seed=2)
     assert restarts >= len(KILL_STEPS)
     assert losses == uninterrupted[0], "grads = device trains exactly as grads = arena"
+    assert_same_model(params, uninterrupted[1])
+
+
+@pytest.mark.parametrize("grads", ["arena", "device"])
+def test_killed_executor_under_simulated_streams_recovers_exactly(ray_session, batches, uninterrupted, tmp_path,
+                                                                  grads) -> None:
+    """The GPU's schedule on the CPU (device cpu-async): an executor killed while copies are in flight on its
+    simulated streams; recovery gives the synchronous path's model."""
+    losses, params, restarts, _ = train(batches, tmp_path, victim="executor", grads=grads, seed=3,
+                                        device="cpu-async:3")
+    assert restarts >= len(KILL_STEPS)
+    assert losses == uninterrupted[0]
     assert_same_model(params, uninterrupted[1])
 
 

@@ -72,8 +72,8 @@ def test_store_writes_the_shadow_when_weights_change_outside_the_optimizer(tmp_p
         fp32.close()
 
 
-def test_bf16_engine_keeps_its_shadow_current(ray_session) -> None:
-    with megatrain.Engine("tiny", optimizer_workers=2, precision="bf16", device="cpu", lr=1e-2) as engine:
+def _bf16_engine_run(device: str) -> list[float]:
+    with megatrain.Engine("tiny", optimizer_workers=2, precision="bf16", device=device, lr=1e-2) as engine:
         losses = [engine.step(_batch()) for _ in range(3)]
         assert all(loss == loss for loss in losses)
         engine.wait_for_updates()
@@ -82,3 +82,14 @@ def test_bf16_engine_keeps_its_shadow_current(ray_session) -> None:
             assert torch.equal(arena.tensors[SHADOW_SEGMENT], arena.params.bfloat16())
         finally:
             arena.close()
+    return losses
+
+
+def test_bf16_engine_keeps_its_shadow_current(ray_session) -> None:
+    _bf16_engine_run("cpu")
+
+
+def test_bf16_engine_reads_its_shadow_under_simulated_streams(ray_session) -> None:
+    """The shadow streamed through the weight buffers on late copy streams: the same training as reading it
+    in place."""
+    assert _bf16_engine_run("cpu-async:0") == _bf16_engine_run("cpu")

@@ -37,7 +37,7 @@ import torch
 from megatrain.config import PRECISIONS, MegatrainError, ModelConfig, check_choice
 from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
-from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout, Unit
 from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_loss_and_grads, recompute_grads
 from megatrain.telemetry import Recorder
 
@@ -81,12 +81,6 @@ def allow_recompiles(shapes: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 2 * shapes))
-
-
-# Decoder-layer gradient sets alive on the device at once, the one being computed included: the memory plan
-# counts this many (megatrain/memory/plan.py). Outside grads = "device" the backward waits before computing a
-# layer's gradients until fewer are still on their way to the host.
-GRAD_SETS_IN_FLIGHT = 2
 
 
 @dataclass

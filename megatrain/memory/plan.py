@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig, check_choice
-from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout
 
 GiB = 2**30
 # Resident memory (VmRSS less shared memory) of each process besides the arena. Measured on the CPU path
@@ -155,7 +155,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     if grads == "device":  # every gradient stays until the step ends: layers' in compute dtype, the head's fp32
         gpu_grads = config.num_layers * layer * act_bytes + head * 4 + embed_rows
     else:
-        gpu_grads = 2 * layer * 4 + head * 4 + embed_rows
+        gpu_grads = GRAD_SETS_IN_FLIGHT * layer * 4 + head * 4 + embed_rows
     if grads == "arena":
         grads_numel = arena_numel
     else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
@@ -171,6 +171,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
+    if on_gpu:  # the executor's page-locked host buffers: the batch's embedding rows in, their gradient out
+        processes += 2 * embed_rows
     if not on_gpu:  # the CPU path computes in host memory
         processes += weights + gpu_grads + checkpoints + working + loss
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0

@@ -25,7 +25,8 @@ Faults. The driver keeps the refs of the batches since the last checkpoint. When
   - an optimizer worker (an in-place update may be half applied), or an executor whose step had already
     started updates (clipping off): new actors, the arena restored from the last checkpoint (or the
     initial weights), and the steps since replayed from the kept batches. The result is bit-identical
-    to an uninterrupted run.
+    to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the attention
+    backward use atomics, equal to fp32 rounding.
 """
 
 from __future__ import annotations

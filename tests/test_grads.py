@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain.config import ModelConfig, OptimConfig
-from megatrain.engine.executor import Executor
+from megatrain.engine.executor import Executor, StepOutput
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.store import init_weights
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
@@ -186,3 +186,10 @@ def test_queue_depth_is_what_was_handed_out_and_not_yet_applied(layout, params, 
     assert shard.queue_depth() == 2 and versions[0].tolist() == [0, 1]
     versions[:, 0] = 1  # the other worker's progress is not this worker's queue
     assert shard.queue_depth() == 2
+
+
+def test_a_step_with_a_non_finite_gradient_is_not_finite() -> None:
+    """What the executor actor reads to drop a skipped step's gradients held on the device at once."""
+    assert StepOutput(1.0, 3, [1.0, 2.0]).finite
+    assert not StepOutput(1.0, 3, [1.0, float("inf")]).finite
+    assert not StepOutput(float("nan"), 3).finite

@@ -442,3 +442,15 @@ def test_report_errors_are_one_sentence(tmp_path, capsys):
     assert "timeline of step 1" in capsys.readouterr().out
     assert telemetry.main_report(str(tmp_path), None) == 0  # the name the CLI calls
     assert "timeline of step 1" in capsys.readouterr().out
+
+
+def test_an_evaluation_between_steps_is_not_counted_in_the_next_step() -> None:
+    """The executor actor's evaluate() records into a step it then drops (end_step(keep=False))."""
+    rec = Recorder()
+    rec.begin_step(0)
+    with rec.span("compute", "forward", 1):
+        time.sleep(0.01)
+    rec.end_step(keep=False)
+    rec.begin_step(0)
+    stats = rec.end_step()
+    assert [s.name for s in rec.spans] == ["step"] and stats.compute == 0.0

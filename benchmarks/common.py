@@ -179,15 +179,9 @@ def gpu_names() -> list[str]:
 def machine_summary() -> str:
     import torch
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from megatrain.doctor import cpu_model
+
     gpus = gpu_names()
     gpu = ", ".join(gpus) if gpus else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {meminfo('MemTotal') / GiB:.0f} GiB RAM, {gpu}; "
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {meminfo('MemTotal') / GiB:.0f} GiB RAM, {gpu}; "
             f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")

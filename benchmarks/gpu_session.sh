@@ -2,7 +2,7 @@
 # The GPU runbook: every measurement RESULTS.md is waiting for, in three parts of under ~9 minutes each, one
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
-#   bash benchmarks/gpu_session.sh tests   # pytest tests/test_gpu.py -m gpu, pcie.py, optimizer.py
+#   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu, pcie.py, optimizer.py
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
 #   bash benchmarks/gpu_session.sh big     # megatrain alone: 7b bf16; a traced 1b run and its report; 9b tf32; 7b tf32
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
@@ -139,11 +139,10 @@ do_cmd mkdir -p "$WORK/logs"
 case "$PART" in
   tests)
     prelude
-    # what the machine is, in a few seconds: so a failure below can be told from a machine problem
-    step machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
-      df -h /dev/shm; echo "ulimit -l: $(ulimit -l)"; nproc; free -g; \
-      python3 -c "import torch, ray; print(torch.__version__, torch.cuda.get_device_name()); \
-      ray.init(num_cpus=2, include_dashboard=False); print(ray.cluster_resources()); ray.shutdown()"'
+    # what the machine is and whether it works, in seconds (GPU, /dev/shm, memlock, cudaHostRegister and its
+    # GB/s, Ray, the AdamW kernel, a tiny step on the GPU against the CPU path): so a failure below can be told
+    # from a machine problem
+    step doctor 90 "${MEGATRAIN[@]}" doctor
     # first: correctness of the CUDA paths matters most (8 tests, 7 Engines; the compiled bf16 one compiles for a
     # minute or so). Only tests/test_gpu.py is collected: the machine has no hypothesis, which test_fuzz.py
     # imports, and one module failing to import stops a whole pytest run.

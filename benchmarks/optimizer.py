@@ -7,7 +7,8 @@ same units and tensor groups it walks in training), N `actors.optimizer_worker.O
 and the wall-clock time of one `apply()` on all of them (every unit, forward order; the update of one
 training step). One untimed apply first (page faults on first touch), then --repeats timed ones; best and
 median are reported. Beside them, the single-process reference: torch.optim.AdamW(fused=True) over the
-same tensors with all cores' threads, in this process.
+same tensors with all cores' threads, in this process (megatrain/calibrate.py's timing, which `megatrain
+doctor` runs small).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -26,22 +26,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
 from benchmarks.common import GiB, fmt, format_table, machine_summary, pythonpath_with_repo
+from megatrain.calibrate import config_for_params, fill, fused_adamw_seconds
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.model.layout import ModelLayout
-
-HEAD_DIM = 64
-VOCAB = 1024  # small: the arena is mostly decoder layers, as in a real model
-
-
-def config_for_params(target: float) -> ModelConfig:
-    """A Llama shape of about `target` parameters: ~24 layers of width sqrt(target / (12 * 24))."""
-    hidden = max(HEAD_DIM, int(math.sqrt(target / (12 * 24))) // HEAD_DIM * HEAD_DIM)  # layer ~ 12 h^2 params
-    one = ModelConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=1, num_heads=hidden // HEAD_DIM)
-    layers = max(1, round((target - (one.num_params() - one.layer_params())) / one.layer_params()))
-    return ModelConfig(vocab_size=VOCAB, hidden_size=hidden, num_layers=layers, num_heads=hidden // HEAD_DIM)
 
 
 @dataclass
@@ -56,35 +44,10 @@ class Timing:
         return numel / t
 
 
-def fill(params: torch.Tensor, grads: torch.Tensor, seed: int = 0) -> None:
-    """Weights and gradients of a plausible scale (the kernel's speed does not depend on their values)."""
-    torch.manual_seed(seed)
-    params.normal_(0.0, 0.02)
-    grads.normal_(0.0, 1e-3)
-
-
 def reference(layout: ModelLayout, optim: OptimConfig, repeats: int) -> Timing:
     """torch.optim.AdamW(fused=True) over the layout's tensors in this process, every core's thread."""
     threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    flat_p, flat_g = torch.empty(layout.numel), torch.empty(layout.numel)
-    fill(flat_p, flat_g)
-    decay, no_decay = [], []
-    for unit in layout.units:
-        grads = unit.bind(unit.range_of(flat_g))
-        for slot in unit.slots:
-            p = torch.nn.Parameter(unit.bind(unit.range_of(flat_p))[slot.name])
-            p.grad = grads[slot.name]
-            (decay if slot.decay else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=True)
-    opt.step()  # untimed: allocates and first-touches exp_avg and exp_avg_sq
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+    times = fused_adamw_seconds(layout, optim, repeats, threads)
     return Timing(f"torch.optim.AdamW(fused=True), 1 process x {threads} threads", 0, threads, times)
 
 

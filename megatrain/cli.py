@@ -1,4 +1,4 @@
-"""`megatrain train | finetune | plan | cleanup | report`.
+"""`megatrain train | finetune | plan | cleanup | report | doctor`.
 
 Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
 Ctrl-C stops the run, removes its shared memory and exits 130.
@@ -144,6 +144,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return main_report(args.run_dir, args.step)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from megatrain.doctor import main as main_doctor
+
+    return main_doctor(args.address, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -180,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--step", type=int)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("doctor", help="check this machine: GPU, /dev/shm, page-locking, PCIe, optimizer, Ray, a step")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--address", help="the Ray cluster to report on ('auto': the one `ray start` runs here)")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -149,7 +149,8 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
 
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
-    "tests": [WHEELS, "nvidia-smi --query-gpu", "python3 -m pytest tests/test_gpu.py -m gpu -q -s",
+    "tests": [WHEELS, "== doctor (timeout 90s): python3 -m megatrain.cli doctor",
+              "python3 -m pytest tests/test_gpu.py -m gpu -q -s",
               "python3 benchmarks/pcie.py --size-mb 1024 --repeats 10",
               "python3 benchmarks/optimizer.py --params 1e9 --workers 1,2,4,8,16 --repeats 3 --out OUT/optimizer.json"],
     "peers": [WHEELS, "DS_BUILD_OPS=0 python3 -m pip install", "CPUAdamBuilder().load()",
@@ -185,6 +186,8 @@ def test_gpu_session_dry_run_lists_its_commands(part: str, tmp_path: Path) -> No
     assert positions == sorted(positions), proc.stdout  # in the order they run
     summary = lines[next(i for i, line in enumerate(lines) if "summary" in line) + 1:]
     assert summary and all(line.endswith("dry run") for line in summary), summary
+    if part == "tests":  # the machine is checked before anything is measured on it
+        assert summary[0].split()[0] == "doctor", summary
     assert not (tmp_path / "site").exists() and not (REPO / "OUT").exists()  # nothing ran, nothing written
 
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 OK, WARN, FAIL, SKIPPED = "ok", "warn", "fail", "skipped"
 NVIDIA_VERSION = Path("/proc/driver/nvidia/version")
 MIN_SHM = 1 * GiB  # below this not even a small model's arena and Ray's 256 MiB object store fit
+NEEDS_GPU = "it needs a GPU, and there is none that torch can use here (see gpu)."
 TOLERANCE = 1e-4  # relative: the GPU's fp32 loss and gradients against the CPU path's
 
 
@@ -57,18 +58,6 @@ def nvidia_driver() -> str | None:
         return None
     m = re.search(r"Kernel Module(?: for \S+)?\s+(\d[\d.]*)", text)
     return m.group(1) if m else text.splitlines()[0]
-
-
-def no_gpu_reason() -> str | None:
-    """Why the GPU checks cannot run here; None when they can."""
-    if torch.cuda.is_available():
-        return None
-    if nvidia_driver() is None:
-        return "no NVIDIA driver is loaded (no /proc/driver/nvidia/version): a CPU-only machine, where megatrain " \
-               "trains on the CPU path."
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build (see versions)."
-    return "torch sees no GPU (see gpu)."
 
 
 def cpu_model() -> str:
@@ -129,14 +118,17 @@ def check_gpu() -> Check:
                                              "or plan for what is free (megatrain plan uses the free memory).")
         return Check("gpu", OK, value)
     driver = nvidia_driver()
-    if driver and torch.version.cuda:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return Check("gpu", FAIL, f"NVIDIA driver {driver} is loaded and torch is built for CUDA "
-                                  f"{torch.version.cuda}, but torch.cuda.is_available() is False",
-                     "check that nvidia-smi lists a GPU, that CUDA_VISIBLE_DEVICES "
-                     f"({'unset' if visible is None else repr(visible)}) names it, and that the driver supports "
-                     f"CUDA {torch.version.cuda} (else update the driver or install a torch build for its CUDA).")
-    return Check("gpu", SKIPPED, "no GPU", no_gpu_reason() or "")
+    if driver is None:
+        return Check("gpu", SKIPPED, "no GPU", "no NVIDIA driver is loaded (no /proc/driver/nvidia/version): a "
+                                               "CPU-only machine, where megatrain trains on the CPU path.")
+    if torch.version.cuda is None:
+        return Check("gpu", SKIPPED, "no GPU", f"torch {torch.__version__} is a CPU-only build (see versions).")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return Check("gpu", FAIL, f"NVIDIA driver {driver} is loaded and torch is built for CUDA {torch.version.cuda}, "
+                              "but torch.cuda.is_available() is False",
+                 "check that nvidia-smi lists a GPU, that CUDA_VISIBLE_DEVICES "
+                 f"({'unset' if visible is None else repr(visible)}) names it, and that the driver supports CUDA "
+                 f"{torch.version.cuda} (else update the driver or install a torch build for its CUDA).")
 
 
 def check_host() -> Check:
@@ -191,8 +183,8 @@ def check_memlock() -> Check:
 
 
 def check_host_register(mib: int = 64, repeats: int = 10) -> Check:
-    if reason := no_gpu_reason():
-        return Check("host_register", SKIPPED, "cudaHostRegister and copy rates not measured", reason)
+    if not torch.cuda.is_available():
+        return Check("host_register", SKIPPED, "cudaHostRegister and copy rates not measured", NEEDS_GPU)
     rates = arena_copy_rates(mib * 2**20 // 4, repeats)
     pinned, pageable = statistics.median(rates.pinned.h2d), statistics.median(rates.pageable.h2d)
     value = (f"{mib} MiB /dev/shm segment, median GB/s: H2D {pinned:.1f}, D2H "
@@ -250,8 +242,8 @@ def check_cpu_step() -> Check:
 
 
 def check_gpu_step() -> Check:
-    if reason := no_gpu_reason():
-        return Check("gpu_step", SKIPPED, "the tiny step on the GPU was not compared with the CPU path", reason)
+    if not torch.cuda.is_available():
+        return Check("gpu_step", SKIPPED, "the tiny step on the GPU was not compared with the CPU path", NEEDS_GPU)
     cpu, gpu = tiny_step("cpu"), tiny_step("cuda")
     diff = relative_difference(gpu, cpu)
     value = (f"tiny model, fp32: loss {gpu[0]:.6f} on the GPU vs {cpu[0]:.6f} on the CPU; largest relative "

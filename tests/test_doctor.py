@@ -166,7 +166,7 @@ def test_gpu_verdicts_with_a_busy_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_host_register_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def rates(registered: bool, pinned: float) -> ArenaCopyRates:
         return ArenaCopyRates(registered, CopyRates([7.8] * 3, [6.0] * 3), CopyRates([pinned] * 3, [53.0] * 3,
@@ -187,7 +187,7 @@ def test_gpu_step_compares_with_the_cpu_path(monkeypatch: pytest.MonkeyPatch) ->
     cpu = doctor.tiny_step("cpu")
     assert len(cpu[1]) == 21 and all(torch.isfinite(g).all() for g in cpu[1].values())
     off = {name: g * (1 + 1e-3) if name.endswith("down_proj.weight") else g for name, g in cpu[1].items()}
-    monkeypatch.setattr(doctor, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for gpu, status in ((cpu, OK), ((cpu[0], off), FAIL), ((float("nan"), cpu[1]), FAIL)):
         monkeypatch.setattr(doctor, "tiny_step", lambda device, gpu=gpu: gpu if device == "cuda" else cpu)
         assert doctor.check_gpu_step().status == status

@@ -1,4 +1,4 @@
-"""`megatrain doctor`: what to run first on a new machine; a few seconds, one line per check.
+"""`megatrain doctor`: what to run first on a new machine; seconds, one line per check.
 
 Each check is a plain function returning a Check: ok, warn, fail or skipped, what it found, and for all but
 ok one sentence: what to do (warn, fail) or why it was not checked (skipped). run_checks runs them in order

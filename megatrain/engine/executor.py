@@ -188,7 +188,8 @@ class Executor:
         with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
         run the decoder layer through torch.compile (every layer has the same shapes, so it compiles once per
         batch shape and grad mode). send_thread: gradients go to the host from a thread of their own (None: on
-        a GPU, where the step must not wait on slots or copies; elsewhere the step's own thread does them)."""
+        a GPU, where the step must not wait on slots or copies, and under simulated streams, which test the
+        GPU's path; on the plain CPU path the step's own thread does them)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         check_choice("precision", precision, PRECISIONS)
@@ -201,7 +202,7 @@ class Executor:
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
             set_matmul_precision(precision)
-        self.send_thread = self.streams.cuda if send_thread is None else send_thread
+        self.send_thread = self.streams.asynchronous if send_thread is None else send_thread
         self.template = DecoderLayer(config)
         self.layer: Callable[..., torch.Tensor] = self.template
         if compile:

@@ -143,8 +143,9 @@ case "$PART" in
     # GB/s, Ray, the AdamW kernel, a tiny step on the GPU against the CPU path): so a failure below can be told
     # from a machine problem
     step doctor 90 "${MEGATRAIN[@]}" doctor
-    # first: correctness of the CUDA paths matters most (8 tests, 7 Engines; the compiled bf16 one compiles for a
-    # minute or so). Only tests/test_gpu.py is collected: the machine has no hypothesis, which test_fuzz.py
+    # first: correctness of the CUDA paths matters most (17 tests, 13 Engines; the compiled bf16 ones compile for
+    # a minute or so; if they use up the part's budget, the steps after are trimmed or skipped: rerun them alone
+    # with STEPS=pcie,optimizer). Only tests/test_gpu.py is collected: the machine has no hypothesis, which test_fuzz.py
     # imports, and one module failing to import stops a whole pytest run.
     step gpu-tests 330 python3 -m pytest tests/test_gpu.py -m gpu -q -s
     step pcie 60 python3 benchmarks/pcie.py --size-mb 1024 --repeats 10

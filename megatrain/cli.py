@@ -44,7 +44,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--log-every", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest good checkpoint")
-    p.add_argument("--address", help="'auto' joins the cluster of `ray start --head`")
+    p.add_argument("--address", help="the Ray cluster: 'auto' the one `ray start --head` runs here, host:port "
+                                      "another, 'local' a private Ray for this run (default: the `ray start` "
+                                      "cluster if it answers, else a private one)")
     p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
 
 

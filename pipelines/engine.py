@@ -54,6 +54,7 @@ from megatrain.memory.checkpoint import check_save_target
 from megatrain.memory.plan import MemoryPlan, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
+from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources
 
 log = logging.getLogger(__name__)
 
@@ -139,29 +140,6 @@ def reap_orphaned_ray_agents() -> list[int]:
     return killed
 
 
-def ray_memory_monitor_off() -> None:
-    """For a local Ray about to be started here (its raylet reads the environment when it starts).
-
-    Ray's memory monitor kills workers once the machine's used memory passes 95%, counting /dev/shm as used.
-    The arena is most of host memory by design (a 9 G-param model takes ~115 of 125 GiB), and the memory
-    plan has checked that it fits before allocating; a worker killed for it frees none of it (the arena
-    outlives it), so the restarted one would be killed again. Set RAY_memory_monitor_refresh_ms to keep it."""
-    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Joins a running cluster (address="auto") or starts a small local one sized for this machine."""
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    ray_memory_monitor_off()
-    # The object store carries only token batches and control messages: keep it small (it lives in /dev/shm).
-    ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=256 * 2**20, include_dashboard=False,
-             log_to_driver=True, configure_logging=False)
-
-
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, *, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
@@ -169,9 +147,13 @@ class Engine:
                  optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000):
-        """max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
-        dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message."""
+                 metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
+                 resource_timeout: float = 60.0):
+        """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
+        starts a private one; "local" always starts a private one; "auto" or host:port must answer.
+        max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
+        dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message.
+        resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
@@ -200,6 +182,8 @@ class Engine:
         self._arena: Arena | None = None
         self.store = self.executor = None
         self.workers: list[Any] = []
+        self.placement: NodePlacement | None = None
+        self.resource_timeout = resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
         reap_orphaned_ray_agents()  # ... and its local Ray's agents
         init_ray(address)
@@ -220,15 +204,17 @@ class Engine:
     # ---- actors ----
     def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
         n = self.engine_config.optimizer_workers
-        on_gpu = self.on_gpu = self._on_gpu()
+        node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
+        on_gpu = self.on_gpu = self._on_gpu(node)
+        self.placement = NodePlacement.reserve(node, n, on_gpu, self.resource_timeout, f"megatrain/{self.run_id}")
         plan = self._plan(batch, seq, on_gpu)
         self.engine_config = replace(self.engine_config, grads=plan.grads)
-        self.store = ParameterStoreActor.options(name=self._name("parameter-store")).remote(
-            model_arg, n, seed, batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu)
+        self.store = ParameterStoreActor.options(name=self._name("parameter-store"), **self.placement.pinned()
+                                                 ).remote(model_arg, n, seed, batch, seq, self.run_id, self.grads,
+                                                          plan.shadow_bytes > 0, on_gpu)
         self.handle = get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
-        self._worker_cpus = self._reserve_worker_cpus(n)
         self.workers = [self._new_worker(w) for w in range(n)]
         self.executor = self._new_executor()
         self.device = get(self.executor.device.remote())
@@ -245,12 +231,24 @@ class Engine:
         wait on the GPU); otherwise the executor handed each unit to the workers as its gradients landed."""
         return self.optim.clipping or self.grads == "device"
 
-    def _on_gpu(self) -> bool:
-        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-        if self.engine_config.device.startswith("cuda") and not has_gpu:
-            raise ConfigError(f"device {self.engine_config.device!r} was asked for but the Ray cluster has no GPU; "
-                              "use device='cpu' or 'auto', or start Ray on a machine with one.")
-        return self.engine_config.device != "cpu" and has_gpu
+    def _on_gpu(self, node: str) -> bool:
+        """Whether the run computes on a GPU of its node (Ray's view: a GPU Ray does not know of is not used)."""
+        device = self.engine_config.device
+        has_gpu = node_resources(node)[0].get("GPU", 0) >= 1
+        if device.startswith("cuda") and not has_gpu:
+            raise ConfigError(f"device {device!r} was asked for but the driver's Ray node has no GPU; use "
+                              "device='cpu' or 'auto', or start Ray (and the driver) on a machine with one.")
+        if device.startswith("cuda:") and has_gpu:
+            log.info("device %s: the executor computes on the GPU Ray grants it (choose which with "
+                     "CUDA_VISIBLE_DEVICES when starting Ray)", device)
+        return (device == "auto" or device.startswith("cuda")) and has_gpu
+
+    @property
+    def scheduling_strategy(self) -> Any:
+        """Where this run's actors are: give it to an actor of your own that feeds the run and reserves no CPU
+        (a data loader: `DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy)`)."""
+        self._check_running()
+        return self.placement.scheduling_strategy
 
     def _plan(self, batch: int, seq: int, on_gpu: bool) -> MemoryPlan:
         """This run's memory plan: where gradients wait, and whether a bf16 copy of the weights fits. The GPU's
@@ -260,7 +258,8 @@ class Engine:
         plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
                         precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
                         loss_chunk_tokens=e.loss_chunk_tokens,
-                        gpu_free=get(gpu_free_memory.remote()) if need_gpu_free else None)
+                        gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
+                        if need_gpu_free else None)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
                                         }[plan.grads])
@@ -269,28 +268,15 @@ class Engine:
                         "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
         return plan
 
-    def _reserve_worker_cpus(self, n: int) -> float:
-        """The Ray CPUs each optimizer worker reserves: the cluster's free CPUs shared out (Ray schedules on
-        reservations, so a worker asking for more than is free would wait forever, e.g. for a second Engine)."""
-        deadline = time.monotonic() + 10.0  # actors killed just before (an earlier Engine's) release theirs soon
-        while (free := float(ray.available_resources().get("CPU", 0.0))) < 0.01 * n and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if free < 0.01 * n:
-            total = float(ray.cluster_resources().get("CPU", 0.0))
-            raise MegatrainError(f"the Ray cluster has no free CPU for the {n} optimizer worker(s) (all {total:g} are "
-                                 "reserved by other actors, e.g. another Engine); shut that down first, or start Ray "
-                                 "with more CPUs.")
-        return free / n
-
     def _new_worker(self, index: int) -> Any:
-        n, per_worker = self.engine_config.optimizer_workers, self._worker_cpus
-        threads = max(1, int(per_worker))
-        return OptimizerWorker.options(num_cpus=min(per_worker, threads), name=self._name(f"optimizer/{index}")).remote(
-            self.handle, self.config, self.optim, index, n, threads, self.grads, self.metrics)
+        p = self.placement
+        return OptimizerWorker.options(name=self._name(f"optimizer/{index}"), **p.worker(index)).remote(
+            self.handle, self.config, self.optim, index, p.workers, p.worker_threads, self.grads, self.metrics)
 
     def _new_executor(self) -> Any:
-        return GPUExecutor.options(num_gpus=1 if self.on_gpu else 0, name=self._name("executor")).remote(
-            self.handle, self.config, self.engine_config, self.workers, self.optim.clipping, self.trace)
+        engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
+        return GPUExecutor.options(name=self._name("executor"), **self.placement.executor()).remote(
+            self.handle, self.config, engine, self.workers, self.optim.clipping, self.trace)
 
     def _name(self, role: str) -> str:
         """Readable in the dashboard and `ray timeline`; the restart count keeps a replacement's name free."""
@@ -540,7 +526,9 @@ class Engine:
         for actor in [self.executor, *self.workers, self.store]:
             if actor is not None:
                 ray.kill(actor)
-        self.store, self.executor, self.workers = None, None, []
+        if self.placement is not None:
+            self.placement.release()
+        self.store, self.executor, self.workers, self.placement = None, None, [], None
         remove_stale_segments()
 
     def __enter__(self) -> Engine:

@@ -61,7 +61,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
     loss_chunk_tokens: int = 4096
     seed: int = 0
-    address: str | None = None  # "auto": join the cluster of `ray start --head`
+    # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
+    # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
+    address: str | None = None
     # bookkeeping
     checkpoint_every: int = 100  # 0: none (the last step is always checkpointed otherwise)
     keep_checkpoints: int = 3
@@ -219,7 +221,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     try:
         with sigterm_stops_the_run():
             cfg.data.vocab_size = engine.config.vocab_size
-            loader = DataLoaderActor.remote(cfg.data.to_dict())
+            loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0

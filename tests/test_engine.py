@@ -245,24 +245,24 @@ def test_a_corrupt_model_directory_is_one_sentence(ray_session, hf_dir, tmp_path
 
 
 def test_a_second_engine_without_free_cpus_fails_at_once(ray_session, hf_dir, batches) -> None:
-    """The first Engine's optimizer workers reserve the cluster's free CPUs; a second one is told, instead of
+    """The first Engine's optimizer workers reserve its node's free CPUs; a second one is told, instead of
     waiting forever for Ray to schedule its workers."""
     with engine_on(hf_dir) as first:
-        with pytest.raises(MegatrainError, match="the Ray cluster has no free CPU for the 1 optimizer worker"):
+        with pytest.raises(MegatrainError, match="the driver's Ray node has no free CPU for the 1 optimizer worker"):
             engine_on(hf_dir)
         first.step(*batches[0])
 
 
 def test_cuda_on_a_cluster_without_a_gpu_is_a_config_error(ray_session, hf_dir, monkeypatch) -> None:
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    with pytest.raises(ConfigError, match="device 'cuda' was asked for but the Ray cluster has no GPU"):
+    monkeypatch.setattr("pipelines.engine.node_resources", lambda node: ({"CPU": 2.0}, {"CPU": 2.0}))
+    with pytest.raises(ConfigError, match="device 'cuda' was asked for but the driver's Ray node has no GPU"):
         megatrain.Engine(hf_dir, optimizer_workers=1, device="cuda", batch_size=2, seq_len=16)
 
 
 def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The arena in /dev/shm counts as used memory to Ray's monitor, which would kill workers holding none
     of it; a user's own setting wins."""
-    from pipelines.engine import ray_memory_monitor_off
+    from pipelines.cluster import ray_memory_monitor_off
 
     monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
     ray_memory_monitor_off()

@@ -1,0 +1,313 @@
+"""Ray as users run it: a running `ray start --head` cluster, a stale record of a killed one, a cluster of two
+nodes; where a run's actors go and what they reserve; and the device the executor actor is given.
+
+A test that needs a Ray of its own runs it in subprocesses (the session's Ray, from conftest, stays the one of
+this process) under a fresh RAY_TMPDIR, which also holds Ray's record of "the current cluster". Everything such
+a Ray starts inherits RAY_TMPDIR, which is how the test finds its processes and ends them: `ray stop` would
+stop every Ray on the machine, other people's included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import megatrain
+from megatrain import ConfigError, MegatrainError
+from megatrain.memory.arena import list_segments, segment_owner_alive
+from pipelines import cluster
+from pipelines.cluster import executor_device, resolve_address
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ("train", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
+         "--checkpoint-every", "0", "--no-save-final", "--log-every", "1")
+TIMEOUT = 240  # seconds for one subprocess; a hang fails the test instead of the CI job
+
+
+def dead_segments() -> set[Path]:
+    return {p for p in list_segments() if not segment_owner_alive(p)}
+
+
+def ray_processes(tmp: str) -> list[int]:
+    """Live processes started under RAY_TMPDIR=tmp (a Ray's daemons and workers, the drivers of this test)."""
+    mark = f"RAY_TMPDIR={tmp}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def stop_ray(tmp: str, timeout: float = 30.0) -> list[int]:
+    """Kills every process of this RAY_TMPDIR (only those: they are this test's); returns any that survive."""
+    deadline = time.monotonic() + timeout
+    while (pids := ray_processes(tmp)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    return ray_processes(tmp)
+
+
+@pytest.fixture
+def ray_env() -> Iterator[dict[str, str]]:
+    """The environment of one test's Ray: its own RAY_TMPDIR, short because Ray's unix sockets live under it
+    (at most ~107 characters), no RAY_ADDRESS from outside."""
+    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
+    try:
+        yield env
+    finally:
+        stop_ray(tmp)  # after a failure too
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def assert_nothing_left(env: dict[str, str], dead_before: set[Path]) -> None:
+    assert not stop_ray(env["RAY_TMPDIR"]), "Ray processes of this test survive a SIGKILL"
+    assert dead_segments() <= dead_before, "the run left shared memory in /dev/shm"
+
+
+def free_port() -> int:
+    """A port nothing listens on (the kernel's pick, released at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_start_head(env: dict[str, str]) -> str:
+    """`ray start --head` as a user runs it (on free ports, not to collide with other Rays on this machine);
+    returns the address it recorded."""
+    ports = {flag: free_port() for flag in ("--port", "--ray-client-server-port", "--dashboard-port",
+                                            "--dashboard-agent-listen-port")}
+    proc = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus=2",
+                           "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={100 * 2**20}",
+                           *(f"{flag}={port}" for flag, port in ports.items())],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return (Path(env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster").read_text().strip()
+
+
+def megatrain_cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT, start_new_session=True)
+
+
+# ---- which Ray ----
+
+def train_without_address(env: dict[str, str], tmp_path: Path, *said: str) -> None:
+    """`megatrain train --steps 3` without --address finishes, logs each of `said`, and leaves no Ray process and
+    nothing in /dev/shm behind."""
+    dead_before = dead_segments()
+    proc = megatrain_cli(env, tmp_path, *TRAIN, "--out", str(tmp_path / "run"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "trained 3 steps" in out and "Traceback" not in out
+    for words in said:
+        assert words in out, out
+    assert_nothing_left(env, dead_before)
+
+
+def test_train_joins_a_running_ray_start_cluster(ray_env, tmp_path) -> None:
+    address = ray_start_head(ray_env)
+    train_without_address(ray_env, tmp_path, f"joined the Ray cluster at {address} (the one `ray start` recorded in",
+                          "--address local) starts a private one instead")
+
+
+def test_train_after_a_killed_head_starts_a_private_ray(ray_env, tmp_path) -> None:
+    """What a SIGKILLed head (or a rebooted container) leaves: Ray's record of an address nobody answers at."""
+    record = Path(ray_env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
+    record.parent.mkdir(parents=True)
+    record.write_text(f"127.0.0.1:{free_port()}")
+    train_without_address(ray_env, tmp_path, f"the Ray cluster recorded in {record} is gone (nothing answers at",
+                          "starting a private local Ray instead")
+
+
+def test_a_dead_address_asked_for_is_one_sentence(ray_env, tmp_path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    proc = megatrain_cli(ray_env, tmp_path, *TRAIN, "--address", address)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"megatrain: error: address {address!r} names a Ray cluster, but nothing answers at {address} (Connection "
+        "refused); start the cluster there (ray start --head), or leave the address out to start a private Ray."]
+    assert not ray_processes(ray_env["RAY_TMPDIR"])
+
+
+def test_address_resolution(monkeypatch, tmp_path, caplog) -> None:
+    """Ray's order (an explicit address, else RAY_ADDRESS, else the record of `ray start`); a dead cluster asked
+    for by name is one sentence, a dead one only recorded is replaced by a private Ray."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    record = tmp_path / "ray" / "ray_current_cluster"
+    dead = f"127.0.0.1:{free_port()}"
+    with socket.socket() as live_socket:
+        live_socket.bind(("127.0.0.1", 0))
+        live_socket.listen()
+        live = f"127.0.0.1:{live_socket.getsockname()[1]}"
+
+        assert resolve_address(None)[0] is None  # nothing recorded: a private Ray
+        with pytest.raises(MegatrainError, match="address 'auto' joins the cluster `ray start --head` runs on this "
+                                                 "machine, but none is recorded in"):
+            resolve_address("auto")
+        record.parent.mkdir()
+        record.write_text(live)
+        assert resolve_address(None)[0] == live == resolve_address("auto")[0]
+        assert resolve_address("local")[0] is None
+        assert resolve_address(live)[0] == live
+
+        record.write_text(dead)
+        assert resolve_address(None)[0] is None
+        assert f"recorded in {record} is gone (nothing answers at {dead}" in caplog.text
+        with pytest.raises(MegatrainError, match=f"address 'auto' names the Ray cluster recorded in .* nothing "
+                                                 f"answers at {dead}"):
+            resolve_address("auto")
+        with pytest.raises(MegatrainError, match=f"address '{dead}' names a Ray cluster, but nothing answers"):
+            resolve_address(dead)
+
+        monkeypatch.setenv("RAY_ADDRESS", dead)  # explicit too: an error, also with a live record
+        record.write_text(live)
+        with pytest.raises(MegatrainError, match=f"RAY_ADDRESS '{dead}' names a Ray cluster, but nothing answers"):
+            resolve_address(None)
+        assert resolve_address(live)[0] == live  # an address argument wins over RAY_ADDRESS, as in Ray
+        assert resolve_address("local")[0] is None
+    with pytest.raises(ConfigError, match="Ray Client address"):
+        resolve_address("ray://head:10001")
+    with pytest.raises(ConfigError, match="'head' is not host:port, 'auto' or 'local'"):
+        resolve_address("head")
+
+
+# ---- where: one node ----
+
+TWO_NODES = """
+import json, ray, torch
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
+import megatrain
+from actors.data_loader import DataLoaderActor
+from megatrain.data import DataConfig
+
+node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
+nodes = Cluster(initialize_head=True, head_node_args=node_args)
+nodes.add_node(**node_args)
+try:
+    # connected by its address, as Ray's docs do: found through the record instead, Ray turns its token auth on in
+    # this driver alone, and the nodes this process started reject it (actors die unscheduled)
+    ray.init(address=nodes.address)
+    gen = torch.Generator().manual_seed(0)
+    with megatrain.Engine("tiny", batch_size=2, seq_len=32, device="auto", optimizer_workers=1) as engine:
+        losses = [engine.step(torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(3)]
+        loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(
+            DataConfig(batch_size=2, seq_len=32, vocab_size=engine.config.vocab_size))
+        actors = [engine.store, engine.executor, *engine.workers, loader]
+        where = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
+        print(json.dumps({"losses": losses, "driver": ray.get_runtime_context().get_node_id(), "actors": where,
+                          "group": sorted(set(placement_group_table(engine.placement.group)["bundles_to_node_id"]
+                                              .values())),
+                          "nodes": len(ray.nodes()), "worker_cpus": engine.placement.worker_cpus,
+                          "device": engine.device}))
+finally:
+    ray.shutdown()
+    nodes.shutdown()
+"""
+
+
+def test_engine_on_a_two_node_cluster_stays_on_the_drivers_node(ray_env, tmp_path) -> None:
+    """Two 2-CPU nodes (4 CPUs in the cluster, 2 on any node): the one optimizer worker reserves its node's 2, not
+    the cluster's 4 that no node has (which waited forever); every actor, the data loader included, runs on the
+    driver's node."""
+    dead_before = dead_segments()
+    proc = subprocess.run([sys.executable, "-c", TWO_NODES], cwd=tmp_path, env=ray_env, capture_output=True,
+                          text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["nodes"] == 2 and len(result["losses"]) == 3
+    assert result["actors"] == [result["driver"]] * 4 and result["group"] == [result["driver"]]
+    assert result["worker_cpus"] == 2.0
+    assert result["device"] == "cpu"  # "auto" on a cluster without a GPU
+    assert_nothing_left(ray_env, dead_before)
+
+
+def test_workers_share_the_nodes_cpus_in_rays_units(ray_session) -> None:
+    """Three workers on the session's 2 CPUs: 0.6666 each (Ray counts in 1/10000ths; 3 x 0.6667 is more than 2
+    and would never be granted)."""
+    with megatrain.Engine("tiny", optimizer_workers=3, device="cpu", batch_size=2, seq_len=16) as engine:
+        assert engine.placement.worker_cpus == 0.6666
+        assert math.isfinite(engine.step(torch.randint(0, 256, (2, 16))))
+
+
+def test_a_request_that_cannot_be_met_fails_by_its_deadline(ray_session, monkeypatch) -> None:
+    """A node's free CPUs seen a moment too early (here: 4 on a 2-CPU node), or its GPU held by another job: the
+    reservation fails after resource_timeout in one sentence of what was asked and what the nodes have."""
+    monkeypatch.setattr(cluster, "node_resources", lambda node: ({"CPU": 2.0}, {"CPU": 4.0}))
+    t0 = time.monotonic()
+    with pytest.raises(MegatrainError) as info:
+        megatrain.Engine("tiny", optimizer_workers=2, device="cpu", batch_size=2, seq_len=16, resource_timeout=1.0)
+    assert time.monotonic() - t0 < 30
+    message = str(info.value)
+    assert message.startswith("Ray did not grant the 2 CPU for each of 2 optimizer worker(s) this run asked for on "
+                              "the driver's node within 1 s (the driver node ") and "\n" not in message
+    assert message.endswith(" has 2 of 2 CPU free); free them (another Engine or job holds them), or start Ray with "
+                            "more.")
+
+    monkeypatch.undo()
+    monkeypatch.setattr("pipelines.engine.node_resources", lambda node: ({"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0}))
+    with pytest.raises(MegatrainError, match=r"the 1 CPU for each of 2 optimizer worker\(s\) and a GPU this run asked "
+                                             r"for on the driver's node within 1 s .* has 2 of 2 CPU and 0 of 0 GPU "
+                                             r"free\)"):
+        megatrain.Engine("tiny", optimizer_workers=2, device="auto", batch_size=2, seq_len=16, resource_timeout=1.0)
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 2.0, "a failed reservation kept its placement group"
+
+
+# ---- the executor's device ----
+
+def test_the_driver_decides_the_executors_device() -> None:
+    """Inside the actor Ray shows only the GPU it granted, as cuda:0; without one, compute stays on the CPU."""
+    assert executor_device("cuda:1", on_gpu=True) == "cuda" == executor_device("auto", on_gpu=True)
+    assert executor_device("auto", on_gpu=False) == "cpu" == executor_device("cpu", on_gpu=False)
+    assert executor_device("cpu-async:3", on_gpu=False) == "cpu-async:3"
+
+
+@pytest.mark.parametrize(("device", "given"), [("auto", "cpu"), ("cpu-async:3", "cpu-async:3")])
+def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch, device, given) -> None:
+    from pipelines import engine as engine_module
+
+    received = []
+    options = engine_module.GPUExecutor.options
+
+    class Recording:
+        def options(self, **kw):
+            actor = options(**kw)
+
+            class Remote:
+                def remote(self, handle, config, engine_config, *rest):
+                    received.append(engine_config.device)
+                    return actor.remote(handle, config, engine_config, *rest)
+
+            return Remote()
+
+    monkeypatch.setattr(engine_module, "GPUExecutor", Recording())
+    with megatrain.Engine("tiny", optimizer_workers=1, device=device, batch_size=2, seq_len=16) as engine:
+        assert engine.device == "cpu" and not engine.on_gpu
+    assert received == [given]

@@ -215,7 +215,8 @@ class NodePlacement:
         return {"num_cpus": self.worker_cpus, **self._in(index)}
 
     def executor(self) -> dict[str, Any]:
-        """Actor (or task) options of what runs on the run's GPU, or of a CPU executor (which reserves nothing)."""
+        """Options of the executor, or of a task on its GPU (both declared num_cpus=0: the GPU bundle holds no
+        CPU); on the CPU path the executor reserves nothing."""
         return {"num_gpus": 1, **self._in(self.workers)} if self.gpu else self.pinned()
 
     def pinned(self) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     os.environ["PYTHONPATH"] = pythonpath_with_repo()  # inherited by Ray's workers, which import actors/
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=args.object_store_mb * 2**20,
+    ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=args.object_store_mb * 2**20,
              include_dashboard=False, configure_logging=False)
     try:
         for n in counts:

@@ -234,7 +234,7 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
 
     # Our own small local Ray (Engine joins it): its object store carries only the token batches.
     ray_memory_monitor_off()
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20,
+    ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20,
              include_dashboard=False, configure_logging=False)
     engine = None
     try:

@@ -15,7 +15,6 @@ import os
 import platform
 import re
 import resource
-import socket
 import statistics
 import textwrap
 import time
@@ -254,28 +253,14 @@ def check_gpu_step() -> Check:
     return Check("gpu_step", OK, value)
 
 
-def unreachable(address: str, timeout: float = 5.0) -> str | None:
-    """For an explicit host:port, why nothing answers there; None otherwise. Ray itself, given an address where
-    nothing listens, retries for many minutes before it says so."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():  # "auto": Ray looks for a running cluster itself, and quickly
-        return None
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as e:
-        return f"nothing answers at {address} ({e.strerror or e})"
-    return None
-
-
 def check_ray(address: str | None = None) -> Check:
     import ray
 
-    from pipelines.engine import init_ray
+    from pipelines.cluster import init_ray, resolve_address
 
     started = not ray.is_initialized()
     try:
-        if address and (why := unreachable(address)):
-            raise ConnectionError(why)
+        resolve_address(address)  # a dead address: one sentence at once, not Ray's minutes of retrying
         init_ray(address)
         res = ray.cluster_resources()
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))

@@ -201,12 +201,14 @@ def test_relative_difference() -> None:
 
 
 def test_ray_at_an_address_where_nothing_listens() -> None:
-    check = doctor.check_ray("127.0.0.1:1")  # refused at once, instead of Ray's minutes of retrying
-    assert (check.name, check.status) == ("ray", FAIL)
-    assert "could not join 127.0.0.1:1: nothing answers" in check.value and "ray start --head" in check.advice
     import ray
 
-    assert not ray.is_initialized()
+    connected = ray.is_initialized()  # the session's Ray, when an earlier test started it
+    check = doctor.check_ray("127.0.0.1:1")  # refused at once, instead of Ray's minutes of retrying
+    assert (check.name, check.status) == ("ray", FAIL)
+    assert "could not join 127.0.0.1:1" in check.value and "nothing answers" in check.value, check.value
+    assert "ray start --head" in check.advice
+    assert ray.is_initialized() == connected, "the check neither started a Ray nor dropped the session's"
 
 
 def test_a_check_that_raises_is_that_checks_failure(monkeypatch: pytest.MonkeyPatch,

@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: clipping off")
     parser.add_argument("--out", default="/tmp/megatrain-soak")
     args = parser.parse_args()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=256 * 2**20)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=256 * 2**20)
     gen = torch.Generator().manual_seed(args.seed)
     batches = [torch.randint(0, 256, (4, 64), generator=gen) for _ in range(args.steps)]
     clean = run(args, batches, Path(args.out) / "clean", inject=False)

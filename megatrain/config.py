@@ -1,7 +1,8 @@
-"""Configs: the model shape (Llama family), named presets, and HF config.json conversion.
+"""Configs: the model shape, named presets, the optimizer and engine settings, and the errors a user can fix.
 
 Every config is a dataclass; `validate()` turns a bad value into one sentence (ConfigError) that says
-what is wrong and how to fix it.
+what is wrong and how to fix it. What a model family's HF config.json holds, and what its layers add, is its
+own file's business (megatrain/model/llama.py, qwen3.py; megatrain/model/families.py finds them by model_type).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatrain.model.llama import LlamaFamily
 
 
 class MegatrainError(Exception):
@@ -36,7 +40,7 @@ class Terminated(KeyboardInterrupt):
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), TinyLlama, SmolLM…"""
+    """A decoder of a native family: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norms), TinyLlama…"""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -55,7 +59,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    model_type: str = "llama"  # which HF architecture to write back: llama | mistral | qwen2
+    model_type: str = "llama"  # the HF architecture, and so the family: llama | mistral | qwen2 | qwen3
     sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
 
     def __post_init__(self) -> None:
@@ -111,21 +115,20 @@ class ModelConfig:
             _check_positive_int("sliding_window", self.sliding_window, "or None")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
-        if self.model_type not in ("llama", "mistral", "qwen2"):
-            raise ConfigError(f"model config: model_type must be llama, mistral or qwen2, got {self.model_type!r}.")
-        if self.model_type == "llama" and self.hidden_size % self.num_heads:
-            raise ConfigError(
-                f"model config: a llama model needs hidden_size {self.hidden_size} divisible by num_heads "
-                f"{self.num_heads} (transformers' LlamaConfig refuses others); use model_type='mistral' for an "
-                "explicit head_dim."
-            )
-        # HF layouts: Qwen2 always has q/k/v bias and no o_proj bias; Llama's attention_bias puts one on all four
-        layout = (True, False) if self.model_type == "qwen2" else (self.qkv_bias, self.qkv_bias)
-        if (self.qkv_bias, self.o_bias) != layout:
-            raise ConfigError(
-                f"model config: qkv_bias={self.qkv_bias} with o_bias={self.o_bias} is no {self.model_type} "
-                "layout transformers can load; Llama's attention_bias sets both, qwen2 has qkv_bias only."
-            )
+        types = _families().MODEL_TYPES
+        if self.model_type not in types:
+            raise ConfigError(f"model config: model_type must be {_one_of(types)}, got {self.model_type!r}.")
+        self.family.validate(self)
+
+    @property
+    def family(self) -> LlamaFamily:
+        """The family of model_type: its HF config mapping and layer options (megatrain/model/families.py)."""
+        return _families().family_of(self.model_type)
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each head's q and k before RoPE (Qwen3): set by the family, not by a config value."""
+        return self.family.qk_norm
 
     # Sizes derived from the shape: used by the layout, the memory plan and FLOP accounting.
     @property
@@ -143,6 +146,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
             attn += h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         return attn + 3 * h * f + 2 * h
 
     def num_params(self) -> int:
@@ -181,114 +186,33 @@ class ModelConfig:
             if not isinstance(hf, dict):
                 raise ConfigError(f"{path} must hold a JSON object; re-export the checkpoint's config.json.")
         model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ConfigError(
-                f"model_type {model_type!r} is not a Llama-family architecture megatrain trains; "
-                "supported: llama, mistral, qwen2."
-            )
-        if _hf_flag(hf, "mlp_bias"):
-            raise ConfigError("mlp_bias=True is not supported; megatrain trains Llama-family MLPs without bias.")
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
-        if missing:
-            raise ConfigError(f"HF config lacks {', '.join(missing)}; it does not describe a Llama-family model.")
-        rope = hf.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"HF config has a value of the wrong type for rope_parameters ({rope!r}); "
-                              "it must be a JSON object.")
-        rope_scaling = hf.get("rope_scaling") or None
-        if rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        kv_heads = hf.get("num_key_value_heads")
-
-        def get(key: str, default: Any) -> Any:
-            value = hf.get(key)
-            return default if value is None else value
-
-        attention_bias = _hf_flag(hf, "attention_bias")
+        types = _families().MODEL_TYPES
+        if model_type not in types:
+            raise ConfigError(f"model_type {model_type!r} is not an architecture megatrain trains natively; "
+                              f"supported: {', '.join(types)}.")
         try:
-            return cls(
-                vocab_size=hf["vocab_size"],
-                hidden_size=hf["hidden_size"],
-                num_layers=hf["num_hidden_layers"],
-                num_heads=hf["num_attention_heads"],
-                num_kv_heads=hf["num_attention_heads"] if kv_heads is None else kv_heads,
-                intermediate_size=hf.get("intermediate_size"),
-                head_dim=hf.get("head_dim"),
-                rope_theta=_hf_number(hf, "rope_theta", rope.get("rope_theta", get("rope_theta", 10000.0))),
-                rope_scaling=rope_scaling,
-                rms_norm_eps=_hf_number(hf, "rms_norm_eps",
-                                        get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
-                tie_embeddings=_hf_flag(hf, "tie_word_embeddings"),
-                qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type != "qwen2" and attention_bias,
-                max_position_embeddings=get("max_position_embeddings", 4096),
-                initializer_range=get("initializer_range", 0.02),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=eos,
-                model_type=model_type,
-                sliding_window=_sliding_window(hf, model_type),
-            )
+            return cls(**_families().family_of(model_type).from_hf(hf, model_type))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
 
     def to_hf(self) -> dict[str, Any]:
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        if self.model_type == "qwen2" and self.o_bias:
-            raise ConfigError("qwen2 has no o_proj bias; save this model as model_type='llama'.")
-        if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
-            raise ConfigError("q/k/v bias without o_proj bias is Qwen2's layout; set model_type='qwen2'.")
-        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling:
-            rope.update(self.rope_scaling)
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-        hf: dict[str, Any] = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_embeddings,
-            "attention_dropout": 0.0,
-            "torch_dtype": "float32",
-            "dtype": "float32",
-            "use_cache": True,
-        }
-        if self.model_type != "qwen2":
-            hf["attention_bias"] = self.qkv_bias
-            hf["mlp_bias"] = False
-        if self.model_type == "mistral" or self.sliding_window is not None:
-            hf["sliding_window"] = self.sliding_window  # MistralConfig defaults to 4096 when absent
-        if self.model_type == "qwen2" and self.sliding_window is not None:
-            hf["use_sliding_window"] = True
-        # written even when None: transformers' Llama and Mistral configs default to ids 1 and 2 when absent
-        hf["bos_token_id"] = self.bos_token_id
-        hf["eos_token_id"] = self.eos_token_id
-        return hf
+        """The config.json that transformers reads as this model (the family's own architecture and keys)."""
+        self.validate()  # a config changed after it was made may no longer be a layout transformers loads
+        return self.family.to_hf(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> Any:
-    """The attention window that applies, if any (Qwen2 carries one that is off unless use_sliding_window)."""
-    window = hf.get("sliding_window")
-    if model_type == "qwen2" and not _hf_flag(hf, "use_sliding_window"):
-        return None
-    return window if window not in (None, 0) else None
+def _families() -> Any:
+    """megatrain.model.families, imported when first needed: the families import this module's ModelConfig."""
+    from megatrain.model import families
+
+    return families
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -346,23 +270,6 @@ def _check_rope_scaling(scaling: Any) -> None:
                           f"{', '.join(map(repr, unknown))}.")
 
 
-def _hf_flag(hf: dict[str, Any], key: str) -> bool:
-    value = hf.get(key)
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); "
-                      "it must be true or false.")
-
-
-def _hf_number(hf: dict[str, Any], key: str, value: Any) -> float:
-    if _is_int(value) or isinstance(value, float):
-        try:
-            return float(value)
-        except OverflowError:
-            pass
-    raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); it must be a number.")
-
-
 # Named shapes. tiny is for tests and the laptop default; the rest follow public models of that size.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=260, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -394,6 +301,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Llama-3-70B
     "70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                 intermediate_size=28672, rope_theta=500000.0),
+    # Qwen3-0.6B and Qwen3-8B (per-head q/k norms; head_dim 128 whatever the width)
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, intermediate_size=3072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960, tie_embeddings=True, model_type="qwen3"),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, intermediate_size=12288, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=40960, model_type="qwen3"),
 }
 
 

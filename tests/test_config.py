@@ -41,6 +41,8 @@ def assert_one_sentence(message: str) -> None:
     ("7b", 6.738e9),  # Llama-2-7B
     ("14b", 14.77e9),  # Qwen2.5-14B
     ("70b", 70.55e9),  # Llama-3-70B
+    ("qwen3-0.6b", 0.596e9),  # Qwen3-0.6B
+    ("qwen3-8b", 8.191e9),  # Qwen3-8B
 ])
 def test_preset_param_counts(name: str, expected: float) -> None:
     assert ModelConfig.from_name(name).num_params() == pytest.approx(expected, rel=2e-3)
@@ -211,9 +213,10 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (lambda _: ModelConfig(hidden_size=60, num_heads=4),
      r"head_dim must be even for rotary embeddings, got 15"),
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt2"),
-     r"model_type must be llama, mistral or qwen2, got 'gpt2'"),
+     r"model_type must be llama, mistral, qwen2 or qwen3, got 'gpt2'"),
     (lambda _: ModelConfig.from_name("huge"), r"unknown model preset 'huge'; choose one of tiny, .*70b"),
-    (_unknown_model_type, r"model_type 'gpt2' is not a Llama-family architecture"),
+    (_unknown_model_type, r"model_type 'gpt2' is not an architecture megatrain trains natively; "
+                          r"supported: llama, mistral, qwen2, qwen3"),
     (_bad_json, r"config.json is not valid JSON"),
     (_json_not_object, r"must hold a JSON object"),
     (_no_config, r"no HF config at .*config.json"),

@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import megatrain
 from megatrain.config import (
@@ -108,7 +108,7 @@ def scratch_dir() -> Iterator[Path]:
 # No '.' in generated text: a '.' followed by a capital would read as a second sentence in a message that
 # quotes the value.
 TEXT = st.text(st.characters(exclude_characters=".", codec="utf-8"), max_size=10)
-NAMES = st.sampled_from(["llama", "mistral", "qwen2", "gpt2", "default", "linear", "llama3", "yarn", ""]) \
+NAMES = st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "gpt2", "default", "linear", "llama3", "yarn", ""]) \
     | TEXT
 SCALARS = (st.none() | st.booleans() | st.integers(-3, 300) | st.integers(-2**80, 2**80)
            | st.sampled_from([0, -1, 2**31, 2**63, 10**400, 0.0, -0.0, 0.5, 1e-300, 1e300])
@@ -159,7 +159,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "initializer_range": st.floats(0.0, 0.1),
     "bos_token_id": st.none() | st.integers(0, 511),
     "eos_token_id": st.none() | st.integers(0, 511),
-    "model_type": st.sampled_from(["llama", "mistral", "qwen2"]),
+    "model_type": st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]),
     "sliding_window": st.none() | st.integers(1, 1 << 17),
 }
 TINY = dict(PRESETS["tiny"])
@@ -230,6 +230,7 @@ def hf_bases() -> dict[str, dict[str, Any]]:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}).to_dict(),
         "qwen2": Qwen2Config(**small, tie_word_embeddings=True).to_dict(),
+        "qwen3": Qwen3Config(**small, head_dim=8).to_dict(),
         "tiny": ModelConfig.from_name("tiny").to_hf(),
         "minimal": {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2},
     }

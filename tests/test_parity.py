@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
@@ -48,6 +48,10 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2-tied": lambda: Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True),
+    # per-head q/k norms, and an explicit head_dim as every Qwen3 has (more tests in test_qwen3.py)
+    "qwen3-head-dim": lambda: Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, rope_theta=1e6),
 }
 
 
@@ -134,7 +138,8 @@ def test_loaded_config_and_weights(family: Family, mt_model: megatrain.Model) ->
     name, hf, _ = family
     c = mt_model.config
     assert c.model_type == hf.config.model_type
-    assert c.head_dim == (24 if name == "mistral-head-dim" else 16)
+    assert c.head_dim == (24 if name in ("mistral-head-dim", "qwen3-head-dim") else 16)
+    assert c.qk_norm == (name == "qwen3-head-dim")
     assert c.tie_embeddings == (name == "qwen2-tied")
     assert c.qkv_bias == (name in ("qwen2-tied", "llama3-rope"))
     if name == "llama3-rope":

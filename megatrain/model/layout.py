@@ -189,6 +189,9 @@ def _layer_tensors(config: ModelConfig, i: int) -> list[tuple[str, str, tuple[in
                     ("self_attn.v_proj.bias", (kv,), False)]
     if config.o_bias:
         tensors.append(("self_attn.o_proj.bias", (h,), False))
+    if config.qk_norm:
+        d = config.head_dim
+        tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
     tensors += [
         ("post_attention_layernorm.weight", (h,), False),
         ("mlp.gate_proj.weight", (f, h), True),

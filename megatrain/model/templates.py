@@ -24,10 +24,14 @@ Weights = dict[str, torch.Tensor]
 
 
 class DecoderLayer:
-    """x -> x + attn(norm(x)) -> x + mlp(norm(x)); one instance serves every layer."""
+    """x -> x + attn(norm(x)) -> x + mlp(norm(x)); one instance serves every layer.
+
+    Options a family's config turns on: q/k/v and o_proj biases (present in `w` or not), and Qwen3's RMSNorm
+    over each head's query and key (qk_norm)."""
 
     def __init__(self, config: ModelConfig):
         self.config = config
+        self.qk_norm = config.qk_norm  # read once: the family lookup behind it is no part of a compiled graph
 
     def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         c = self.config
@@ -36,8 +40,12 @@ class DecoderLayer:
         q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
         k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
         v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = q.view(b, t, c.num_heads, c.head_dim)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        if self.qk_norm:  # over head_dim, one weight shared by the heads, before RoPE (as transformers' Qwen3)
+            q = ops.rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = ops.rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)

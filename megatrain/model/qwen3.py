@@ -1,0 +1,71 @@
+"""Qwen3 (dense): Llama's layer with an RMSNorm over each head's query and key vector after the projections and
+before RoPE (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, head_dim long, shared by the heads).
+
+The template is templates.DecoderLayer with its q/k norm on (ModelConfig.qk_norm, from `qk_norm` below); the
+layout adds the two norm weights to every layer (not weight-decayed, as norms never are). What differs from
+Llama's config.json: head_dim is explicit (128 when absent), attention_bias puts a bias on q, k, v and o as
+Llama's does, and the sliding-window keys are Qwen2's (use_sliding_window, max_window_layers, layer_types).
+Published Qwen3 models use full attention in every layer; megatrain refuses a config with sliding layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.llama import LlamaFamily, hf_flag
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class Qwen3Family(LlamaFamily):
+    architectures = {"qwen3": "Qwen3ForCausalLM"}
+    qk_norm = True
+
+    def hf_defaults(self, model_type: str) -> dict[str, Any]:
+        # Qwen3Config's own defaults, which transformers applies to keys a config.json leaves out
+        return {"rms_norm_eps": 1e-6, "head_dim": 128, "max_position_embeddings": 32768}
+
+    def attention_biases(self, hf: dict[str, Any], model_type: str) -> tuple[bool, bool]:
+        bias = hf_flag(hf, "attention_bias")
+        return bias, bias
+
+    def sliding_window(self, hf: dict[str, Any], model_type: str) -> None:
+        """None, or a ConfigError: every layer must attend to the whole sequence.
+
+        Qwen3Config slides layers from max_window_layers on when use_sliding_window is set (or where layer_types
+        says so); megatrain's attention is full causal, so such a model is refused rather than trained as
+        another model."""
+        layers = hf.get("num_hidden_layers")
+        types = hf.get("layer_types")
+        if types is not None:
+            if not (isinstance(types, list) and len(types) == layers and all(t in (FULL, SLIDING) for t in types)):
+                raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
+                                  f"num_hidden_layers ({layers!r}) layers; fix config.json.")
+            sliding = SLIDING in types
+        else:
+            first = hf.get("max_window_layers", 28)  # Qwen3Config's default
+            window = hf.get("sliding_window")
+            sliding = hf_flag(hf, "use_sliding_window") and window not in (None, 0) and not (
+                isinstance(first, int) and isinstance(layers, int) and first >= layers)
+        if sliding:
+            raise ConfigError("this Qwen3 config has sliding-window attention layers (use_sliding_window or "
+                              "layer_types), which megatrain does not implement; use a config with full attention "
+                              "in every layer.")
+        return None
+
+    def validate(self, c: ModelConfig) -> None:
+        if c.qkv_bias != c.o_bias:
+            raise ConfigError(f"model config: qkv_bias={c.qkv_bias} with o_bias={c.o_bias} is no qwen3 layout "
+                              "transformers can load; Qwen3's attention_bias puts a bias on q, k, v and o alike.")
+        if c.sliding_window is not None:
+            raise ConfigError(f"model config: sliding_window={c.sliding_window} is not implemented for qwen3 "
+                              "(megatrain trains Qwen3 with full attention in every layer); set it to None.")
+
+    def hf_attention_keys(self, c: ModelConfig) -> dict[str, Any]:
+        # full attention everywhere, said the way Qwen3Config reads it (it derives layer_types from these)
+        return {"attention_bias": c.qkv_bias, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": c.num_layers}
+
+
+QWEN3 = Qwen3Family()

@@ -148,8 +148,8 @@ def _check_model(model: str, given: bool) -> ModelConfig:
 
 def _check_data(source: str, given: bool) -> None:
     if not given or source == "synthetic":
-        raise DataError("finetune needs data: pass --data with a chat JSONL (a 'messages' field per line) "
-                        "or a text/jsonl/parquet/arrow file or folder.")
+        raise DataError("finetune needs data: pass --data with chats (JSON or JSONL of messages, Alpaca or "
+                        "ShareGPT records) or a text/jsonl/parquet/arrow file or folder.")
     if not Path(source).exists():
         raise DataError(f"data file {source} does not exist; pass --data an existing file or folder.")
 

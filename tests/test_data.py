@@ -466,8 +466,10 @@ def test_malformed_json_and_messages(tmp_path):
     bad.write_text('{"text": "ok"}\n\n{"text": "broken",\n')
     assert f"{bad} line 3 is not valid JSON" in error(lambda: drain(loader(source=str(bad))))
     arr = tmp_path / "arr.json"
-    arr.write_text('[{"text": "a"}]')
-    assert "holds a JSON array, not JSON Lines" in error(loader, source=str(arr))
+    arr.write_text('[{"text": "a"}, {"text": "b"},]')
+    assert f"{arr} is not a valid JSON array (a comma before ']' at line 1)" in error(loader, source=str(arr))
+    arr.write_text('[{"text": "a"},\n "b"]')
+    assert f"{arr} record 2 (line 2) holds a JSON str, not an object" in error(loader, source=str(arr))
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                             {"role": "assistant"}]}])
     message = error(loader, source=str(chat))

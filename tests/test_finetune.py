@@ -163,6 +163,23 @@ def test_finetune_cli_end_to_end_and_resume(ray_session, model_dir, chat_file, c
     assert (out / "checkpoints" / "step-00000030").is_dir() and (final / "model.safetensors").is_file()
 
 
+def test_finetune_on_an_alpaca_json_file(ray_session, model_dir, chats, tmp_path):
+    """An Alpaca export (a JSON array) trains like the messages chats: the data room turns each record into a
+    chat, so the model's template, the assistant-only loss and the eval split apply unchanged."""
+    records = [{"instruction": user["content"].split(": ")[0], "input": user["content"].split(": ")[1],
+                "output": assistant["content"]} for user, assistant in chats]
+    data = tmp_path / "alpaca.json"
+    data.write_text(json.dumps(records, indent=2))
+    out = tmp_path / "sft"
+    assert cli(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--steps", "2",
+                "--device", "cpu", "--precision", "fp32", "--batch-size", "2", "--seq-len", "64",
+                "--optimizer-workers", "1", "--eval-every", "2", "--log-every", "1"]) == 0
+    log = steps_log(out)
+    assert [r["step"] for r in log] == [0, 1]
+    assert all(0 < r["tokens"] < 2 * 64 for r in log)  # only the assistant turns are trained
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 def one_line_error(capsys, args: list[str]) -> str:
     capsys.readouterr()  # drop what came before (transformers' progress bars)
     assert cli(args) == 2
@@ -208,6 +225,15 @@ def test_defaults_toml_and_flags(model_dir, chat_file, tmp_path):
         finetune_config(model_dir, chat_file, tmp_path / "d", overrides={"data.eval_fraction": 0.0, "eval_every": 5})
     with pytest.raises(MegatrainError, match="finetune needs a model"):
         finetune_config(None, chat_file, tmp_path / "e")
+
+
+def test_record_format_from_the_toml(model_dir, chat_file, tmp_path):
+    toml = tmp_path / "ft.toml"
+    toml.write_text('[data]\nrecord_format = "sharegpt"\n')
+    assert finetune_config(model_dir, chat_file, tmp_path / "a", config=toml).data.record_format == "sharegpt"
+    toml.write_text('[data]\nrecord_format = "jsonl"\n')
+    with pytest.raises(MegatrainError, match="record_format must be one of messages, alpaca, sharegpt"):
+        finetune_config(model_dir, chat_file, tmp_path / "b", config=toml)
 
 
 def test_tokenizer_fallback_to_bytes_only_when_it_fits(model_dir, chat_file, tmp_path):

@@ -5,6 +5,7 @@
     batch = loader.next_batch()  # {"input_ids": int64 [8, 256], "labels": int64 [8, 256]}, labels unshifted
 """
 
+from megatrain.data.formats import RECORD_FORMATS
 from megatrain.data.loader import BatchLoader, DataConfig
 from megatrain.data.packing import IGNORE, RowPacker, Sample, make_sample
 from megatrain.data.sources import (
@@ -20,7 +21,7 @@ from megatrain.data.sources import (
 from megatrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
-    "IGNORE", "BatchLoader", "ByteTokenizer", "DataConfig", "DataError", "Doc", "Document", "DocumentStream",
-    "EvalSplit", "HFTokenizer", "RowPacker", "Sample", "Source", "Tokenizer", "find_data_files", "load_tokenizer",
-    "make_sample", "open_source", "synthetic_document",
+    "IGNORE", "RECORD_FORMATS", "BatchLoader", "ByteTokenizer", "DataConfig", "DataError", "Doc", "Document",
+    "DocumentStream", "EvalSplit", "HFTokenizer", "RowPacker", "Sample", "Source", "Tokenizer", "find_data_files",
+    "load_tokenizer", "make_sample", "open_source", "synthetic_document",
 ]

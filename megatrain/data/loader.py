@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from megatrain.config import ConfigError
+from megatrain.data.formats import RECORD_FORMATS
 from megatrain.data.packing import RowPacker, Sample, make_sample
 from megatrain.data.sources import FORMATS, Doc, DocumentStream, EvalSplit, open_source
 from megatrain.data.tokenizers import DataError, Tokenizer, load_tokenizer
@@ -31,6 +32,9 @@ STATE_VERSION = 1
 class DataConfig:
     source: str = "synthetic"  # "synthetic", or a file or folder
     format: str | None = None  # None: from the file extension; synthetic | text | jsonl | parquet | arrow
+    # JSON / JSONL records: None = detected per file from its first record; messages (messages_field or
+    # text_field) | alpaca (instruction, input, output) | sharegpt (conversations of from/value)
+    record_format: str | None = None
     text_field: str = "text"  # JSONL field / Parquet-Arrow column holding text (or token-id lists)
     messages_field: str = "messages"  # JSONL field / column holding chats: [{"role", "content"}, ...]
     column: str | None = None  # Parquet/Arrow: the column to read (None: text_field, else messages_field)
@@ -80,6 +84,9 @@ class DataConfig:
         check(self.seq_len >= 2, "seq_len must be at least 2 to have a next token", self.seq_len)
         check(self.format is None or self.format in FORMATS,
               f"format must be one of {', '.join(FORMATS)} (or None: from the extension)", self.format)
+        check(self.record_format is None or self.record_format in RECORD_FORMATS,
+              f"record_format must be one of {', '.join(RECORD_FORMATS)} (or None: detected per file)",
+              self.record_format)
         check(self.text_split in ("paragraph", "file"),
               "text_split must be 'paragraph' or 'file'", self.text_split)
         check(self.epochs is None or count(self.epochs, 1),

@@ -6,16 +6,19 @@ pre-tokenized ids (`list[int]`). Sources:
 - synthetic: the default, no files. Seeded, learnable documents (see `synthetic_document`).
 - text (.txt .text .md, or any file with format="text"): documents are paragraphs separated by blank lines
   (text_split="paragraph"), or whole files (text_split="file").
-- jsonl (.jsonl .ndjson .json): one JSON object per line; the document is its `messages_field` (a chat) or its
-  `text_field` (text or token ids); blank lines are skipped.
+- jsonl (.jsonl .ndjson .json): one JSON object per line (blank lines are skipped), or a file holding one JSON
+  array of objects. A record's document is its `messages_field` (a chat) or its `text_field` (text or token
+  ids), or it is an Alpaca or ShareGPT record, converted to a chat (formats.py). The record format is detected
+  per file from its first record (or set with `record_format`); every other record of the file must fit it.
 - parquet (.parquet .pq) and arrow (.arrow .feather .ipc .arrows, Arrow IPC file or stream format): one
   column (`column`, else `text_field`, else `messages_field`) of strings, token-id lists or message lists.
 A folder is read as all its files of one format, in sorted path order.
 
 Every source is cut into shards that can be read on their own, so nothing is ever read whole: a Parquet row
-group, an Arrow record batch, about `shard_bytes` of a text/JSONL file cut at a line (text: a blank line),
-a whole file with text_split="file", or 100 synthetic documents. The shard index is built when the source is
-opened (one pass over text/JSONL files, metadata only for Parquet/Arrow).
+group, an Arrow record batch, about `shard_bytes` of a text/JSONL file cut at a line (text: a blank line) or
+of a JSON array cut between elements, a whole file with text_split="file", or 100 synthetic documents. The
+shard index is built when the source is opened (one pass over text/JSON files, parsing each element of a JSON
+array once, one at a time; metadata only for Parquet/Arrow).
 
 Shuffling is two-level: the shard order is permuted per epoch, then the documents inside each shard. A
 position is therefore (epoch, shard slot, document slot): three integers from which a stream resumes
@@ -24,15 +27,27 @@ exactly, re-reading one shard.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from megatrain.data.formats import (
+    ALPACA_KEYS,
+    NAMES,
+    SHAREGPT_KEY,
+    alpaca_chat,
+    check_entries,
+    detect,
+    fits,
+    sharegpt_chat,
+)
 from megatrain.data.tokenizers import DataError, Message
 
 if TYPE_CHECKING:
@@ -150,45 +165,250 @@ class TextSource(Source):
         return docs
 
 
+# ---- JSON: JSON Lines (shards cut at line ends) and JSON arrays (shards cut between elements) ----
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+_NOT_SPACE = re.compile(r"[^ \t\n\r]")
+_BETWEEN_ELEMENTS = re.compile(r"[ \t\n\r,]*")
+_READ_BYTES = 1 << 20
+# json reports a value cut by the end of a read as an error at most a few characters before that end (a cut
+# literal, number or \\u escape) or as an unterminated string; anything else is a real syntax error
+_CUT_VALUE_CHARS = 16
+
+
+def _is_json_array(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4096).removeprefix(_UTF8_BOM).lstrip().startswith(b"[")
+
+
+def _array_where(path: Path, record: int, line: int) -> str:
+    return f"{path} record {record} (line {line})"
+
+
+class _ArrayScanner:
+    """The elements of a file holding one JSON array, parsed one at a time from 1 MiB reads: the json module
+    has no streaming parser, and a ShareGPT export can be gigabytes while each record is small.
+
+    Iterating yields (start byte, end byte, line, record number from 1, value) per element."""
+
+    def __init__(self, f: BinaryIO, path: Path):
+        self.f, self.path = f, path
+        self.decoder = json.JSONDecoder()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.pos, self.eof = "", 0, False
+        self.byte, self.line = 0, 1  # of text[pos]
+        if f.read(3) == _UTF8_BOM:
+            self.byte = 3
+        else:
+            f.seek(0)
+
+    def _fill(self) -> bool:
+        """Reads on (dropping what is behind pos); False at the end of the file."""
+        if self.eof:
+            return False
+        chunk = self.f.read(_READ_BYTES)
+        self.eof = not chunk
+        try:
+            self.text = self.text[self.pos :] + self.utf8.decode(chunk, final=self.eof)
+        except UnicodeDecodeError:
+            raise DataError(f"{self.path} is not UTF-8 text (after line {self.line}); re-encode it as "
+                            "UTF-8.") from None
+        self.pos = 0
+        return not self.eof
+
+    def _advance(self, to: int) -> None:
+        self.byte += len(self.text[self.pos : to].encode("utf-8"))
+        self.line += self.text.count("\n", self.pos, to)
+        self.pos = to
+
+    def _peek(self) -> str | None:
+        """The next character that is not white space (pos moved to it); None at the end of the file."""
+        while True:
+            m = _NOT_SPACE.search(self.text, self.pos)
+            if m:
+                self._advance(m.start())
+                return self.text[self.pos]
+            self._advance(len(self.text))
+            if not self._fill():
+                return None
+
+    def _fail(self, what: str, line: int | None = None) -> DataError:
+        return DataError(f"{self.path} is not a valid JSON array ({what} at line {line or self.line}); fix the "
+                         "file, or write one JSON object per line (JSON Lines).")
+
+    def _value(self) -> tuple[Any, int]:
+        """The value at pos and where it ends, reading on while the read so far cuts it."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.text, self.pos)
+            except json.JSONDecodeError as e:
+                cut = e.msg.startswith("Unterminated string") or len(self.text) - e.pos <= _CUT_VALUE_CHARS
+                if cut and self._fill():
+                    continue
+                what = e.msg.removesuffix(" at")  # "Invalid control character at": the line follows here
+                raise self._fail(what, self.line + self.text.count("\n", self.pos, e.pos)) from None
+            if end < len(self.text) or not self._fill():  # a number ending the read may go on in the next
+                return value, end
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, int, Any]]:
+        self._peek()
+        self._advance(self.pos + 1)  # the "[" (the caller saw it)
+        if self._peek() == "]":
+            return
+        record = 0
+        while True:
+            start, line = self.byte, self.line
+            value, end = self._value()
+            self._advance(end)
+            record += 1
+            yield start, self.byte, line, record, value
+            after = self._peek()
+            if after not in (",", "]"):
+                raise self._fail("expected ',' or ']' after an element" if after else "the array is not closed")
+            self._advance(self.pos + 1)
+            if after == "]":
+                if self._peek() is not None:
+                    raise self._fail("text after the array")
+                return
+            if self._peek() == "]":
+                raise self._fail("a comma before ']'")
+
+
+def _array_shards(path: Path, shard_bytes: int) -> tuple[list[tuple[int, int, int, int]], tuple[Any, str] | None]:
+    """(start byte, end byte, first record, its line) of each shard of a JSON array file, cut after about
+    shard_bytes between elements; and the first record with its place (None for an empty array)."""
+    shards: list[tuple[int, int, int, int]] = []
+    first: tuple[Any, str] | None = None
+    open_shard: tuple[int, int, int] | None = None  # (start byte, first record, its line) of the shard being cut
+    end = 0
+    with open(path, "rb") as f:
+        for start, end, line, record, value in _ArrayScanner(f, path):
+            if first is None:
+                first = (value, _array_where(path, record, line))
+            if open_shard is None:
+                open_shard = (start, record, line)
+            if end - open_shard[0] >= shard_bytes:
+                shards.append((open_shard[0], end, *open_shard[1:]))
+                open_shard = None
+    if open_shard is not None:
+        shards.append((open_shard[0], end, *open_shard[1:]))
+    return shards, first
+
+
+def _array_records(path: Path, start: int, end: int, record: int, line: int) -> Iterator[tuple[Any, str]]:
+    """The elements of one shard of a JSON array file (already parsed once when it was indexed)."""
+    text = _read_range(path, start, end).decode("utf-8")
+    decoder, pos = json.JSONDecoder(), 0
+    while (begin := _BETWEEN_ELEMENTS.match(text, pos).end()) < len(text):
+        line += text.count("\n", pos, begin)
+        value, pos = decoder.raw_decode(text, begin)
+        yield value, _array_where(path, record, line)
+        line += text.count("\n", begin, pos)
+        record += 1
+
+
+def _parse_line(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise DataError(f"{where} is not valid JSON ({detail}); fix or remove that line.") from None
+
+
+def _line_records(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[Any, str]]:
+    for j, raw in enumerate(_read_range(path, start, end).split(b"\n")):
+        if raw.strip():
+            where = f"{path} line {first_line + j}"
+            yield _parse_line(raw, where), where
+
+
+def _first_line_record(path: Path) -> tuple[Any, str] | None:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if raw.strip():
+                where = f"{path} line {n}"
+                return _parse_line(raw, where), where
+    return None
+
+
+def _as_record(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise DataError(f"{where} holds a JSON {type(value).__name__}, not an object; make every record a JSON "
+                        "object.")
+    return value
+
+
 class JsonlSource(Source):
+    """JSON Lines files, or files holding one JSON array of records, in any record format of formats.py:
+    detected per file from its first record, or `record_format` for every file."""
+
     def __init__(self, files: list[Path], shard_bytes: int, text_field: str, messages_field: str,
-                 prefer_text: bool):
-        for f in files:
-            with open(f, "rb") as fh:
-                if fh.read(4096).lstrip().startswith(b"["):
-                    raise DataError(f"{f} holds a JSON array, not JSON Lines; write one JSON object per line "
-                                    "(e.g. jq -c '.[]').")
+                 prefer_text: bool, record_format: str | None = None):
         self.name, self.files = str(files[0].parent if len(files) > 1 else files[0]), files
         self.fields = (text_field, messages_field) if prefer_text else (messages_field, text_field)
-        self.messages_field = messages_field
-        self.index = [(f, *s) for f in files for s in _line_shards(f, shard_bytes, at_blank_line=False)]
+        self.messages_field, self.record_format = messages_field, record_format
+        self.arrays: set[Path] = set()
+        self.formats: dict[Path, tuple[str, str]] = {}  # file -> its record format, and the record that said so
+        self.index: list[tuple[Path, int, int, int, int]] = []  # file, start, end, first record, its line
+        for f in files:
+            if _is_json_array(f):
+                self.arrays.add(f)
+                shards, first = _array_shards(f, shard_bytes)
+            else:
+                shards = [(a, b, line, line) for a, b, line in _line_shards(f, shard_bytes, at_blank_line=False)]
+                first = _first_line_record(f)
+            self.index += [(f, *s) for s in shards]
+            if first is not None:
+                self.formats[f] = (self._file_format(_as_record(*first), first[1]), first[1])
         self.num_shards = len(self.index)
 
+    def _file_format(self, record: dict[str, Any], where: str) -> str:
+        if self.record_format is not None:
+            return self.record_format
+        fmt = detect(record, self.fields)
+        if fmt is None:
+            raise self._missing(record, where, "messages", where)
+        return fmt
+
+    def _missing(self, record: dict[str, Any], where: str, fmt: str, first: str) -> DataError:
+        """A record without the fields of its file's format: which fields, and what to change."""
+        wanted = {"alpaca": ALPACA_KEYS, "sharegpt": (SHAREGPT_KEY,)}.get(fmt, self.fields)
+        if self.record_format is not None:
+            fix = (f"record_format is {fmt!r}, so give every record those fields or set record_format to the "
+                   "records' format")
+        elif where != first:
+            fix = f"{first} is {NAMES[fmt]} record, so give every record of the file those fields"
+        else:
+            fix = ("set text_field or messages_field to the one holding the documents, or write Alpaca "
+                   "(instruction, output) or ShareGPT (conversations) records")
+        return DataError(f"{where} has no {' or '.join(map(repr, wanted))} field (its fields are: "
+                         f"{', '.join(record) or 'none'}); {fix}.")
+
+    def _document(self, record: dict[str, Any], where: str, path: Path) -> Document | None:
+        """The record as a document: Alpaca and ShareGPT records become messages chats."""
+        fmt, first = self.formats[path]
+        if not fits(record, fmt, self.fields):
+            other = None if self.record_format is not None else detect(record, self.fields)
+            if other is not None:
+                raise DataError(f"{where} is {NAMES[other]} record but {first} is {NAMES[fmt]} record; a file "
+                                "holds one record format, so split it into one file per format.")
+            raise self._missing(record, where, fmt, first)
+        if fmt == "alpaca":
+            return alpaca_chat(record, where)
+        if fmt == "sharegpt":
+            return sharegpt_chat(record, where)
+        key = next(k for k in self.fields if k in record)
+        return as_document(record[key], where, key, chat=key == self.messages_field)
+
     def read_shard(self, index: int) -> list[Doc]:
-        path, start, end, first_line = self.index[index]
+        path, start, end, first, line = self.index[index]
+        records = (_array_records(path, start, end, first, line) if path in self.arrays
+                   else _line_records(path, start, end, line))
         docs = []
-        for j, raw in enumerate(_read_range(path, start, end).split(b"\n")):
-            if not raw.strip():
-                continue
-            where = f"{path} line {first_line + j}"
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                bad_json = isinstance(e, json.JSONDecodeError)
-                detail = f"{e.msg} at column {e.colno}" if bad_json else "not UTF-8"
-                raise DataError(f"{where} is not valid JSON ({detail}); fix or remove that line.") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where} holds a JSON {type(record).__name__}, not an object; "
-                                "write one JSON object per line.")
-            key = next((k for k in self.fields if k in record), None)
-            if key is None:
-                names = ", ".join(record) or "none"
-                raise DataError(f"{where} has no {self.fields[0]!r} or {self.fields[1]!r} field (its fields "
-                                f"are: {names}); set text_field or messages_field to the one holding the "
-                                "documents.")
-            value = as_document(record[key], where, key, chat=key == self.messages_field)
-            if value is not None:
-                docs.append(Doc(value, where))
+        for value, where in records:
+            document = self._document(_as_record(value, where), where, path)
+            if document is not None:
+                docs.append(Doc(document, where))
         return docs
 
 
@@ -307,13 +527,7 @@ def as_document(value: Any, where: str, field: str, chat: bool = False) -> Docum
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
             return [int(v) for v in value]
         if all(isinstance(v, dict) for v in value):
-            for j, m in enumerate(value):
-                for key in ("role", "content"):
-                    if not isinstance(m.get(key), str):
-                        keys = ", ".join(m) or "none"
-                        got = f"a {type(m[key]).__name__}" if key in m else f"none (its keys are: {keys})"
-                        raise DataError(f"{where}: {field} entry {j} needs a string {key!r} but has {got}; give every "
-                                        "message a string role and content.")
+            check_entries(value, where, field, ("role", "content"))
             return value
     raise DataError(f"{where}: {field!r} holds a {type(value).__name__}, not text, token ids or a list of "
                     "messages; point text_field, messages_field or column at the documents.")
@@ -373,8 +587,12 @@ def open_source(cfg: DataConfig) -> tuple[str, Source]:
         return fmt, SyntheticSource(cfg.synthetic_docs, cfg.seed)
     if fmt == "text":
         return fmt, TextSource(files, cfg.shard_bytes, cfg.text_split)
+    if cfg.record_format is not None and fmt != "jsonl":
+        raise DataError(f"record_format applies to JSON and JSON Lines files but {cfg.source} is {fmt}; unset "
+                        "record_format, or convert the data to JSON Lines.")
     if fmt == "jsonl":
-        return fmt, JsonlSource(files, cfg.shard_bytes, cfg.text_field, cfg.messages_field, cfg.sft is False)
+        return fmt, JsonlSource(files, cfg.shard_bytes, cfg.text_field, cfg.messages_field, cfg.sft is False,
+                                cfg.record_format)
     if fmt == "parquet":
         return fmt, ParquetSource(files, cfg.column, cfg.text_field, cfg.messages_field)
     return fmt, ArrowSource(files, cfg.column, cfg.text_field, cfg.messages_field)

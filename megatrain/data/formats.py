@@ -1,0 +1,132 @@
+"""Record formats of JSON / JSON Lines files, and their conversion to the chats of the `messages` format.
+
+A record (one JSON object: a line of a JSONL file, an element of a JSON array) is one of
+
+- messages: a `messages_field` chat (`[{"role", "content"}, ...]`) or a `text_field` text / token-id list;
+- Alpaca: `{"instruction", "input"?, "output", "system"?, "history"?}`, the Stanford Alpaca / LLaMA-Factory
+  layout. The user turn is the instruction, then a newline and the input when there is one (LLaMA-Factory's
+  `"\\n".join`); the output is the assistant turn; `history` (`[[user, assistant], ...]`) are earlier turns;
+- ShareGPT: `{"conversations": [{"from", "value"}, ...], "system"?}`, with `from` one of system, human / user,
+  gpt / assistant.
+
+Alpaca and ShareGPT records become `messages` chats here, before anything else sees them: tokenizing, chat
+templates, loss masks, packing and resume are those of the `messages` format, not copies of them.
+
+Consecutive turns of one role are kept as they are (not merged or refused), as a `messages` chat keeps them:
+the plain chat format renders them one after the other, and a template that wants alternating roles says so
+through its own raise_exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from megatrain.data.tokenizers import DataError, Message
+
+RECORD_FORMATS = ("messages", "alpaca", "sharegpt")  # the values of DataConfig.record_format
+NAMES = {"messages": "a messages/text", "alpaca": "an Alpaca", "sharegpt": "a ShareGPT"}  # "line 3 is an Alpaca record"
+ALPACA_KEYS = ("instruction", "output")  # either one marks a record as Alpaca (the other is then missing)
+SHAREGPT_KEY = "conversations"
+# ShareGPT's speaker names (and the OpenAI names some exports use instead) -> the messages format's roles
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def _got(record: Mapping[str, Any], key: str, what: str = "keys") -> str:
+    """How a missing or mistyped field reads in an error: "a int", or "none (its keys are: a, b)"."""
+    if key in record:
+        return f"a {type(record[key]).__name__}"
+    return f"none (its {what} are: {', '.join(record) or 'none'})"
+
+
+def check_entries(entries: list[Any], where: str, field: str, keys: tuple[str, str]) -> None:
+    """Every entry of a chat list is an object with string `keys` (role/content, or ShareGPT's from/value)."""
+    for j, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise DataError(f"{where}: {field} entry {j} is a {type(entry).__name__}, not an object with "
+                            f"{keys[0]!r} and {keys[1]!r}; make every entry such an object.")
+        for key in keys:
+            if not isinstance(entry.get(key), str):
+                raise DataError(f"{where}: {field} entry {j} needs a string {key!r} but has {_got(entry, key)}; "
+                                f"give every entry a string {keys[0]} and {keys[1]}.")
+
+
+def detect(record: Mapping[str, Any], fields: tuple[str, str]) -> str | None:
+    """The format a record's keys say it is in; None when none fits. `fields` are the messages format's two
+    fields in the order they are preferred (the text field first when sft=False, as the messages path reads
+    them), so a record with both a chat and a text field reads the way it always has."""
+    if fields[0] in record:
+        return "messages"
+    if SHAREGPT_KEY in record:
+        return "sharegpt"
+    if any(k in record for k in ALPACA_KEYS):
+        return "alpaca"
+    return "messages" if fields[1] in record else None
+
+
+def fits(record: Mapping[str, Any], fmt: str, fields: tuple[str, str]) -> bool:
+    """Does the record have the field(s) that format reads? (Their contents are checked when converted.)"""
+    if fmt == "alpaca":
+        return any(k in record for k in ALPACA_KEYS)
+    if fmt == "sharegpt":
+        return SHAREGPT_KEY in record
+    return any(k in record for k in fields)
+
+
+def _optional_text(record: Mapping[str, Any], key: str, where: str, fmt: str) -> str:
+    """An optional string field; absent and null read as empty (Alpaca files write `"input": ""` or null)."""
+    value = record.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {fmt} field {key!r} holds a {type(value).__name__}, not a string; store it as "
+                        "text or leave it out.")
+    return value
+
+
+def alpaca_chat(record: Mapping[str, Any], where: str) -> list[Message]:
+    """An Alpaca record as a messages chat: [system], (history user, assistant)*, user, assistant."""
+    for key in ALPACA_KEYS:
+        if not isinstance(record.get(key), str):
+            raise DataError(f"{where}: an Alpaca record needs a string {key!r} but has "
+                            f"{_got(record, key, 'fields')}; give every record a string instruction and output.")
+    system = _optional_text(record, "system", where, "Alpaca")
+    chat = [{"role": "system", "content": system}] if system else []
+    history = record.get("history") or []
+    if not (isinstance(history, list) and all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history)):
+        raise DataError(f"{where}: Alpaca field 'history' is not a list of [instruction, output] string pairs; "
+                        "fix it or leave it out.")
+    for user, assistant in history:
+        chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    query = "\n".join(t for t in (record["instruction"], _optional_text(record, "input", where, "Alpaca")) if t)
+    return [*chat, {"role": "user", "content": query}, {"role": "assistant", "content": record["output"]}]
+
+
+def sharegpt_chat(record: Mapping[str, Any], where: str) -> list[Message] | None:
+    """A ShareGPT record as a messages chat; None (skipped) for an empty or null conversation."""
+    turns = record[SHAREGPT_KEY]
+    if turns is None or turns == []:
+        return None
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: {SHAREGPT_KEY!r} holds a {type(turns).__name__}, not a list of {{from, value}} "
+                        "turns; store the conversation as a JSON list.")
+    check_entries(turns, where, SHAREGPT_KEY, ("from", "value"))
+    system = _optional_text(record, "system", where, "ShareGPT")
+    chat = [{"role": "system", "content": system}] if system else []
+    for j, turn in enumerate(turns):
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise DataError(f"{where}: {SHAREGPT_KEY} entry {j} is from {turn['from']!r}, not one of "
+                            f"{', '.join(SHAREGPT_ROLES)}; rename that speaker or drop the record.")
+        if role == "system" and system:  # two system prompts: which one the model should follow is unclear
+            raise DataError(f"{where} has both a top-level 'system' and a system turn ({SHAREGPT_KEY} entry {j}); "
+                            "keep one of them.")
+        chat.append({"role": role, "content": turn["value"]})
+    return chat
+
+
+__all__ = [
+    "ALPACA_KEYS", "NAMES", "RECORD_FORMATS", "SHAREGPT_KEY", "alpaca_chat", "check_entries", "detect", "fits",
+    "sharegpt_chat",
+]

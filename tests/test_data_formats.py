@@ -139,6 +139,10 @@ def test_record_format_forces_a_format(tmp_path):
     for kw in ({"record_format": "messages"}, {"sft": False}):
         row = batches(source=str(data), pack=False, batch_size=1, **kw)[0]["input_ids"][0]
         assert bytes(int(t) for t in row if t < 256).decode() == record["text"]
+    # `output` beside a text field is not an Alpaca record: it reads as text, as before
+    data = write(tmp_path / "o.jsonl", [{"text": "plain", "output": "x"}], array=False)
+    row = batches(source=str(data), pack=False, batch_size=1)[0]["input_ids"][0]
+    assert bytes(int(t) for t in row if t < 256).decode() == "plain"
     assert "record_format must be one of messages, alpaca, sharegpt" in error(DataConfig, record_format="csv")
     with pytest.raises(ConfigError):
         DataConfig(record_format=1)

@@ -26,7 +26,7 @@ from megatrain.data.tokenizers import DataError, Message
 
 RECORD_FORMATS = ("messages", "alpaca", "sharegpt")  # the values of DataConfig.record_format
 NAMES = {"messages": "a messages/text", "alpaca": "an Alpaca", "sharegpt": "a ShareGPT"}  # "line 3 is an Alpaca record"
-ALPACA_KEYS = ("instruction", "output")  # either one marks a record as Alpaca (the other is then missing)
+ALPACA_KEYS = ("instruction", "output")  # an Alpaca record has both; in an Alpaca file either one marks one
 SHAREGPT_KEY = "conversations"
 # ShareGPT's speaker names (and the OpenAI names some exports use instead) -> the messages format's roles
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -59,7 +59,9 @@ def detect(record: Mapping[str, Any], fields: tuple[str, str]) -> str | None:
         return "messages"
     if SHAREGPT_KEY in record:
         return "sharegpt"
-    if any(k in record for k in ALPACA_KEYS):
+    # "instruction" alone decides: `output` is too common a name (beside a text field, say) to turn a record
+    # that trained as text before into a broken Alpaca record
+    if ALPACA_KEYS[0] in record:
         return "alpaca"
     return "messages" if fields[1] in record else None
 

@@ -1,6 +1,6 @@
-"""Alpaca and ShareGPT records, in JSON arrays and JSON Lines: the same batches as the equivalent `messages` chats
-(ids and loss masks, plain format and a Jinja template, shuffled shards, the eval split, resume), the JSON array
-reader against json.load, and one sentence for each record that does not fit."""
+"""Alpaca and ShareGPT records, in JSON arrays, JSON Lines, Parquet and Arrow: the same batches as the
+equivalent `messages` chats (ids and loss masks, plain format and a Jinja template, shuffled shards, the eval
+split, resume), the JSON array reader against json.load, and one sentence for each record that does not fit."""
 
 from __future__ import annotations
 
@@ -146,9 +146,38 @@ def test_record_format_forces_a_format(tmp_path):
     assert "record_format must be one of messages, alpaca, sharegpt" in error(DataConfig, record_format="csv")
     with pytest.raises(ConfigError):
         DataConfig(record_format=1)
-    pq.write_table(pa.table({"instruction": ["a"], "output": ["b"]}), tmp_path / "a.parquet")
-    message = first_error(tmp_path / "a.parquet", record_format="alpaca")
-    assert "record_format applies to JSON and JSON Lines files but" in message
+    (tmp_path / "t.txt").write_text("plain")
+    assert "record_format applies to JSON, JSON Lines, Parquet and Arrow files but" in first_error(
+        tmp_path / "t.txt", record_format="alpaca")
+
+
+@pytest.mark.parametrize("container", ["parquet", "arrow"])
+@pytest.mark.parametrize("fmt", ["alpaca", "sharegpt"])
+def test_parquet_and_arrow_rows_are_records(tmp_path, fmt, container):
+    """Columns instead of keys: each row is a record (missing values are nulls), read by record batch."""
+    records = CASES[fmt] * 2
+    keys = {k: None for r, _ in records for k in r}  # from_pylist takes its columns from the first row
+    table = pa.Table.from_pylist([{**keys, **r} for r, _ in records])
+    path = tmp_path / f"d.{container}"
+    if container == "parquet":
+        pq.write_table(table, path, row_group_size=3)
+    else:
+        with pa.ipc.new_file(path, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=3):
+                writer.write_batch(batch)
+    chats = write(tmp_path / "m.jsonl", [as_messages(t) for _, t in records], array=False)
+    assert_same(batches(source=str(path)), batches(source=str(chats)))
+    assert BatchLoader(config(source=str(path))).source.num_shards == 3
+
+    pq.write_table(pa.table({"instruction": ["a"], "text": ["b"]}), tmp_path / "i.parquet")
+    message = first_error(tmp_path / "i.parquet")
+    assert "i.parquet has no 'output' column (its columns are: instruction, text); an Alpaca file needs " \
+        "instruction and output columns." in message
+    assert_same(batches(source=str(tmp_path / "i.parquet"), column="text"),  # a named column: as before
+                batches(source=str(write(tmp_path / "t.jsonl", [{"text": "b"}], array=False))))
+    pq.write_table(pa.table({"instruction": ["a"], "output": [None]}), tmp_path / "n.parquet")
+    assert "n.parquet row 0: an Alpaca record needs a string 'output' but has a NoneType" in first_error(
+        tmp_path / "n.parquet")
 
 
 # ---- records that do not fit: one sentence, naming the record and the field ----

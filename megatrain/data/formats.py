@@ -1,6 +1,7 @@
 """Record formats of JSON / JSON Lines files, and their conversion to the chats of the `messages` format.
 
-A record (one JSON object: a line of a JSONL file, an element of a JSON array) is one of
+A record (one JSON object: a line of a JSONL file, an element of a JSON array; or a row of a Parquet / Arrow
+file, its columns as keys) is one of
 
 - messages: a `messages_field` chat (`[{"role", "content"}, ...]`) or a `text_field` text / token-id list;
 - Alpaca: `{"instruction", "input"?, "output", "system"?, "history"?}`, the Stanford Alpaca / LLaMA-Factory
@@ -28,6 +29,9 @@ RECORD_FORMATS = ("messages", "alpaca", "sharegpt")  # the values of DataConfig.
 NAMES = {"messages": "a messages/text", "alpaca": "an Alpaca", "sharegpt": "a ShareGPT"}  # "line 3 is an Alpaca record"
 ALPACA_KEYS = ("instruction", "output")  # an Alpaca record has both; in an Alpaca file either one marks one
 SHAREGPT_KEY = "conversations"
+# the fields each format reads (the columns a Parquet / Arrow file of that format is read by)
+FIELDS = {"alpaca": ("instruction", "input", "output", "system", "history"), "sharegpt": (SHAREGPT_KEY, "system")}
+REQUIRED = {"alpaca": ALPACA_KEYS, "sharegpt": (SHAREGPT_KEY,)}
 # ShareGPT's speaker names (and the OpenAI names some exports use instead) -> the messages format's roles
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -68,11 +72,7 @@ def detect(record: Mapping[str, Any], fields: tuple[str, str]) -> str | None:
 
 def fits(record: Mapping[str, Any], fmt: str, fields: tuple[str, str]) -> bool:
     """Does the record have the field(s) that format reads? (Their contents are checked when converted.)"""
-    if fmt == "alpaca":
-        return any(k in record for k in ALPACA_KEYS)
-    if fmt == "sharegpt":
-        return SHAREGPT_KEY in record
-    return any(k in record for k in fields)
+    return any(k in record for k in REQUIRED.get(fmt, fields))
 
 
 def _optional_text(record: Mapping[str, Any], key: str, where: str, fmt: str) -> str:
@@ -128,7 +128,12 @@ def sharegpt_chat(record: Mapping[str, Any], where: str) -> list[Message] | None
     return chat
 
 
+def to_chat(record: Mapping[str, Any], where: str, fmt: str) -> list[Message] | None:
+    """An Alpaca or ShareGPT record as a messages chat (None: nothing to train on)."""
+    return alpaca_chat(record, where) if fmt == "alpaca" else sharegpt_chat(record, where)
+
+
 __all__ = [
-    "ALPACA_KEYS", "NAMES", "RECORD_FORMATS", "SHAREGPT_KEY", "alpaca_chat", "check_entries", "detect", "fits",
-    "sharegpt_chat",
+    "ALPACA_KEYS", "FIELDS", "NAMES", "RECORD_FORMATS", "REQUIRED", "SHAREGPT_KEY", "alpaca_chat", "check_entries",
+    "detect", "fits", "sharegpt_chat", "to_chat",
 ]

@@ -32,8 +32,8 @@ STATE_VERSION = 1
 class DataConfig:
     source: str = "synthetic"  # "synthetic", or a file or folder
     format: str | None = None  # None: from the file extension; synthetic | text | jsonl | parquet | arrow
-    # JSON / JSONL records: None = detected per file from its first record; messages (messages_field or
-    # text_field) | alpaca (instruction, input, output) | sharegpt (conversations of from/value)
+    # JSON / JSONL records (Parquet / Arrow rows): None = detected per file from its first record (its columns);
+    # messages (messages_field or text_field) | alpaca (instruction, input, output) | sharegpt (conversations)
     record_format: str | None = None
     text_field: str = "text"  # JSONL field / Parquet-Arrow column holding text (or token-id lists)
     messages_field: str = "messages"  # JSONL field / column holding chats: [{"role", "content"}, ...]

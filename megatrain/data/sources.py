@@ -11,7 +11,9 @@ pre-tokenized ids (`list[int]`). Sources:
   ids), or it is an Alpaca or ShareGPT record, converted to a chat (formats.py). The record format is detected
   per file from its first record (or set with `record_format`); every other record of the file must fit it.
 - parquet (.parquet .pq) and arrow (.arrow .feather .ipc .arrows, Arrow IPC file or stream format): one
-  column (`column`, else `text_field`, else `messages_field`) of strings, token-id lists or message lists.
+  column (`column`, else `text_field`, else `messages_field`) of strings, token-id lists or message lists; or,
+  detected from the column names as a first JSON record is (or set with `record_format`), each row an Alpaca
+  or ShareGPT record.
 A folder is read as all its files of one format, in sorted path order.
 
 Every source is cut into shards that can be read on their own, so nothing is ever read whole: a Parquet row
@@ -38,16 +40,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from megatrain.data.formats import (
-    ALPACA_KEYS,
-    NAMES,
-    SHAREGPT_KEY,
-    alpaca_chat,
-    check_entries,
-    detect,
-    fits,
-    sharegpt_chat,
-)
+from megatrain.data.formats import FIELDS, NAMES, REQUIRED, check_entries, detect, fits, to_chat
 from megatrain.data.tokenizers import DataError, Message
 
 if TYPE_CHECKING:
@@ -372,7 +365,7 @@ class JsonlSource(Source):
 
     def _missing(self, record: dict[str, Any], where: str, fmt: str, first: str) -> DataError:
         """A record without the fields of its file's format: which fields, and what to change."""
-        wanted = {"alpaca": ALPACA_KEYS, "sharegpt": (SHAREGPT_KEY,)}.get(fmt, self.fields)
+        wanted = REQUIRED.get(fmt, self.fields)
         if self.record_format is not None:
             fix = (f"record_format is {fmt!r}, so give every record those fields or set record_format to the "
                    "records' format")
@@ -393,10 +386,8 @@ class JsonlSource(Source):
                 raise DataError(f"{where} is {NAMES[other]} record but {first} is {NAMES[fmt]} record; a file "
                                 "holds one record format, so split it into one file per format.")
             raise self._missing(record, where, fmt, first)
-        if fmt == "alpaca":
-            return alpaca_chat(record, where)
-        if fmt == "sharegpt":
-            return sharegpt_chat(record, where)
+        if fmt != "messages":
+            return to_chat(record, where, fmt)
         key = next(k for k in self.fields if k in record)
         return as_document(record[key], where, key, chat=key == self.messages_field)
 
@@ -414,43 +405,73 @@ class JsonlSource(Source):
 
 # ---- Parquet and Arrow IPC: shards are row groups / record batches, one column read at a time ----
 
-def _pick_column(names: list[str], path: Path, column: str | None, text_field: str,
-                 messages_field: str) -> str:
+@dataclass(frozen=True)
+class _Columns:
+    """How one Parquet / Arrow file is read: one messages/text column, or the columns of Alpaca / ShareGPT
+    records (each row read as a record, as a JSON line is)."""
+
+    format: str
+    names: list[str]
+    chat: bool = False  # messages format: the column holds chats
+
+
+def _pick_columns(names: list[str], path: Path, column: str | None, text_field: str, messages_field: str,
+                  record_format: str | None, prefer_text: bool) -> _Columns:
+    # a named column is one column of documents; else the columns say the format, as a first JSON record does
+    fields = (text_field, messages_field) if prefer_text else (messages_field, text_field)
+    fmt = record_format or ("messages" if column is not None else detect(dict.fromkeys(names), fields))
+    if fmt in REQUIRED:
+        missing = [c for c in REQUIRED[fmt] if c not in names]
+        if missing:
+            raise DataError(f"{path} has no {missing[0]!r} column (its columns are: {', '.join(names)}); "
+                            f"{NAMES[fmt]} file needs {' and '.join(REQUIRED[fmt])} columns.")
+        return _Columns(fmt, [c for c in FIELDS[fmt] if c in names])
     if column is not None:
         if column not in names:
             raise DataError(f"{path} has no column {column!r} (its columns are: {', '.join(names)}); "
                             "set column to one of them.")
-        return column
+        return _Columns("messages", [column], column == messages_field)
     for name in (text_field, messages_field):
         if name in names:
-            return name
+            return _Columns("messages", [name], name == messages_field)
     raise DataError(f"{path} has no {text_field!r} or {messages_field!r} column (its columns are: "
-                    f"{', '.join(names)}); set column to the one holding the documents.")
+                    f"{', '.join(names)}); set column to the one holding the documents, or give it Alpaca "
+                    "(instruction, output) or ShareGPT (conversations) columns.")
 
 
-def _column_docs(values: list[Any], path: Path, column: str, first_row: int, chat: bool) -> list[Doc]:
+def _batch_docs(batch: Any, path: Path, columns: _Columns, first_row: int) -> list[Doc]:
+    """The documents of a record batch holding (at least) the file's columns."""
+    if columns.format == "messages":
+        name = columns.names[0]
+        values = batch.column(name).to_pylist()
+        convert = lambda v, where: as_document(v, where, name, columns.chat)
+    else:
+        values = batch.select(columns.names).to_pylist()
+        convert = lambda v, where: to_chat(v, where, columns.format)
     docs = []
     for i, v in enumerate(values):
         where = f"{path} row {first_row + i}"
-        value = as_document(v, where, column, chat)
+        value = convert(v, where)
         if value is not None:
             docs.append(Doc(value, where))
     return docs
 
 
 class ParquetSource(Source):
-    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str):
+    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str,
+                 record_format: str | None = None, prefer_text: bool = False):
         import pyarrow.parquet as pq
 
-        self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
-        self.messages_field = messages_field
+        self.name, self.index = str(files[0].parent if len(files) > 1 else files[0]), []
+        self.columns: dict[Path, _Columns] = {}
         for f in files:
             try:
                 pf = pq.ParquetFile(f)
             except Exception as e:
                 raise DataError(f"{f} is not a readable Parquet file ({e}); re-export it.") from None
             meta = pf.metadata
-            self.columns[f] = _pick_column(pf.schema_arrow.names, f, column, text_field, messages_field)
+            self.columns[f] = _pick_columns(pf.schema_arrow.names, f, column, text_field, messages_field,
+                                            record_format, prefer_text)
             first = 0
             for g in range(meta.num_row_groups):
                 self.index.append((f, g, first))
@@ -461,9 +482,9 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         path, group, first_row = self.index[index]
-        column, docs, row = self.columns[path], [], first_row
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=[column]):
-            docs += _column_docs(batch.column(0).to_pylist(), path, column, row, column == self.messages_field)
+        columns, docs, row = self.columns[path], [], first_row
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=columns.names):
+            docs += _batch_docs(batch, path, columns, row)
             row += batch.num_rows
         return docs
 
@@ -483,12 +504,14 @@ def _open_arrow(path: Path) -> tuple[Any, bool]:
 
 
 class ArrowSource(Source):
-    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str):
-        self.name, self.index, self.columns = str(files[0].parent if len(files) > 1 else files[0]), [], {}
-        self.messages_field = messages_field
+    def __init__(self, files: list[Path], column: str | None, text_field: str, messages_field: str,
+                 record_format: str | None = None, prefer_text: bool = False):
+        self.name, self.index = str(files[0].parent if len(files) > 1 else files[0]), []
+        self.columns: dict[Path, _Columns] = {}
         for f in files:
             reader, is_file = _open_arrow(f)
-            self.columns[f] = _pick_column(reader.schema.names, f, column, text_field, messages_field)
+            self.columns[f] = _pick_columns(reader.schema.names, f, column, text_field, messages_field,
+                                            record_format, prefer_text)
             # the stream format has no footer: count its batches (and rows) by reading them one at a time
             sizes = ([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)] if is_file
                      else [b.num_rows for b in reader])
@@ -507,8 +530,7 @@ class ArrowSource(Source):
             for i, batch in enumerate(reader):  # noqa: B007 (stop at the b-th batch)
                 if i == b:
                     break
-        column = self.columns[path]
-        return _column_docs(batch.column(column).to_pylist(), path, column, first_row, column == self.messages_field)
+        return _batch_docs(batch, path, self.columns[path], first_row)
 
 
 # ---- documents ----
@@ -586,16 +608,15 @@ def open_source(cfg: DataConfig) -> tuple[str, Source]:
     if fmt == "synthetic":
         return fmt, SyntheticSource(cfg.synthetic_docs, cfg.seed)
     if fmt == "text":
+        if cfg.record_format is not None:  # plain text has no records: a forced format is a mistaken config
+            raise DataError(f"record_format applies to JSON, JSON Lines, Parquet and Arrow files but {cfg.source} "
+                            "is text; unset record_format, or set format to the data's.")
         return fmt, TextSource(files, cfg.shard_bytes, cfg.text_split)
-    if cfg.record_format is not None and fmt != "jsonl":
-        raise DataError(f"record_format applies to JSON and JSON Lines files but {cfg.source} is {fmt}; unset "
-                        "record_format, or convert the data to JSON Lines.")
     if fmt == "jsonl":
         return fmt, JsonlSource(files, cfg.shard_bytes, cfg.text_field, cfg.messages_field, cfg.sft is False,
                                 cfg.record_format)
-    if fmt == "parquet":
-        return fmt, ParquetSource(files, cfg.column, cfg.text_field, cfg.messages_field)
-    return fmt, ArrowSource(files, cfg.column, cfg.text_field, cfg.messages_field)
+    columnar = (cfg.column, cfg.text_field, cfg.messages_field, cfg.record_format, cfg.sft is False)
+    return fmt, (ParquetSource if fmt == "parquet" else ArrowSource)(files, *columnar)
 
 
 # ---- eval split and the document stream ----

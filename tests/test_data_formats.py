@@ -280,6 +280,10 @@ def test_broken_json_arrays(tmp_path, monkeypatch, text, what):
         monkeypatch.setattr(sources, "_READ_BYTES", read_bytes)
         assert f"{path} is not a valid JSON array ({what}); fix the file, or write one JSON object per line" in \
             first_error(path)
+    path.write_text(json.dumps({"data": [{"text": "a"}]}, indent=2))  # one object over many lines
+    message = first_error(path)
+    assert message.startswith(f"{path} line 1 is not valid JSON (Expecting property name enclosed in double quotes")
+    assert "); a JSON file holds one record per line or one array of records, so fix that line or rewrite" in message
     path.write_bytes(b'[{"text": "\xff"}]')
     assert f"{path} is not UTF-8 text (after line 1); re-encode it as UTF-8." == first_error(path)
 

@@ -300,12 +300,12 @@ def _array_records(path: Path, start: int, end: int, record: int, line: int) -> 
         record += 1
 
 
-def _parse_line(raw: bytes, where: str) -> Any:
+def _parse_line(raw: bytes, where: str, fix: str = "fix or remove that line") -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-        raise DataError(f"{where} is not valid JSON ({detail}); fix or remove that line.") from None
+        raise DataError(f"{where} is not valid JSON ({detail}); {fix}.") from None
 
 
 def _line_records(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[Any, str]]:
@@ -320,7 +320,11 @@ def _first_line_record(path: Path) -> tuple[Any, str] | None:
         for n, raw in enumerate(f, start=1):
             if raw.strip():
                 where = f"{path} line {n}"
-                return _parse_line(raw, where), where
+                # a first line that is no record is most often a whole file of another shape (one object
+                # pretty-printed over many lines, say): say which shapes are read
+                fix = ("a JSON file holds one record per line or one array of records, so fix that line or "
+                       "rewrite the file in one of those shapes")
+                return _parse_line(raw, where, fix), where
     return None
 
 

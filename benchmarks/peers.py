@@ -230,7 +230,7 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
     import ray
 
     import megatrain
-    from pipelines.engine import ray_memory_monitor_off
+    from pipelines.cluster import ray_memory_monitor_off
 
     # Our own small local Ray (Engine joins it): its object store carries only the token batches.
     ray_memory_monitor_off()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatrain.model.llama import LlamaFamily
+    from megatrain.model.families import Family
 
 
 class MegatrainError(Exception):
@@ -121,7 +121,7 @@ class ModelConfig:
         self.family.validate(self)
 
     @property
-    def family(self) -> LlamaFamily:
+    def family(self) -> Family:
         """The family of model_type: its HF config mapping and layer options (megatrain/model/families.py)."""
         return _families().family_of(self.model_type)
 

@@ -6,13 +6,38 @@ options it sets); adding one means adding its file, a line here, and its tests.
 
 from __future__ import annotations
 
-from megatrain.model.llama import LLAMA, LlamaFamily
+from typing import Any, Protocol
+
+from megatrain.config import ModelConfig
+from megatrain.model.llama import LLAMA
 from megatrain.model.qwen3 import QWEN3
 
-FAMILIES: dict[str, LlamaFamily] = {t: family for family in (LLAMA, QWEN3) for t in family.model_types}
+
+class Family(Protocol):
+    """What ModelConfig asks of a family (llama.py's LlamaFamily is the one the others build on)."""
+
+    qk_norm: bool  # DecoderLayer option: per-head RMSNorm on q and k
+
+    @property
+    def model_types(self) -> tuple[str, ...]: ...
+
+    def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+        """ModelConfig's keyword arguments for a parsed config.json; ConfigError for what is not implemented."""
+        ...
+
+    def validate(self, c: ModelConfig) -> None:
+        """ConfigError unless `c` is a layout of this family that transformers loads."""
+        ...
+
+    def to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        """The config.json transformers reads back as the same model."""
+        ...
+
+
+FAMILIES: dict[str, Family] = {t: family for family in (LLAMA, QWEN3) for t in family.model_types}
 MODEL_TYPES = tuple(FAMILIES)
 
 
-def family_of(model_type: str) -> LlamaFamily:
+def family_of(model_type: str) -> Family:
     """The family of a model_type in MODEL_TYPES (ModelConfig checks the type before it asks)."""
     return FAMILIES[model_type]

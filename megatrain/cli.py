@@ -11,13 +11,13 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, MegatrainError, Terminated, cause_chain
+from megatrain.config import GRAD_PLACEMENTS, PRESETS, MegatrainError, Terminated, cause_chain
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
 
 
-PRESETS_HELP = "preset name (tiny, 125m, 1b, 2.8b, 3b, 7b, 9b, 14b, 32b, 70b) or HF directory"
+PRESETS_HELP = f"preset name ({', '.join(PRESETS)}) or HF directory"
 
 
 def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP) -> None:

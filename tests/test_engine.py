@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
@@ -43,15 +43,18 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None) -> tuple[list[float], dict]:
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim: dict = OPTIM,
+                 dtype: torch.dtype = torch.float32) -> tuple[list[float], dict]:
+    """transformers' model trained by torch.optim.AdamW (norms and biases not decayed) on HF's cosine schedule;
+    `dtype` float64 gives the exact result that fp32 runs are judged against (parameters returned in fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
     named = list(model.named_parameters())
     no_decay = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
     decay = [p for n, p in named if not (n.endswith("norm.weight") or n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
-    sched = get_cosine_schedule_with_warmup(opt, OPTIM["warmup_steps"], OPTIM["total_steps"])
+                            lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
+    sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     losses = []
     for ids, labels in batches:
         loss = model(input_ids=ids, labels=labels).loss
@@ -62,7 +65,7 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None) -> tu
         opt.step()
         sched.step()
         opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in named}
+    return losses, {n: p.detach().float().clone() for n, p in named}
 
 
 def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto",

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from test_engine import hf_reference
 from test_parity import assert_matches_hf, assert_one_sentence, batch, build_hf_model, hf_loss_and_grads, make_labels
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 import megatrain
 from megatrain import ConfigError
@@ -179,30 +180,6 @@ def test_a_qwen3_checkpoint_called_llama_is_refused(tmp_path: Path) -> None:
 OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, total_steps=4)
 
 
-def hf_adamw(directory: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-             ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' model trained by torch.optim.AdamW (norms and biases not decayed), clipped at 1.0, on HF's
-    cosine schedule; `dtype` float64 gives the exact result the fp32 runs are judged against."""
-    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=dtype)
-    named = list(model.named_parameters())
-    plain = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
-    decayed = [p for n, p in named if not (n.endswith("norm.weight") or n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": OPTIM["weight_decay"]},
-                             {"params": plain, "weight_decay": 0.0}],
-                            lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
-    sched = get_cosine_schedule_with_warmup(opt, OPTIM["warmup_steps"], OPTIM["total_steps"])
-    losses = []
-    for ids, labels in batches:
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().float() for n, p in named}
-
-
 def max_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     return {n: ((ours[n] - want).abs().max() / want.abs().max()).item() for n, want in ref.items()}
 
@@ -221,8 +198,8 @@ def test_engine_matches_transformers_and_adamw(ray_session: None, tmp_path: Path
                           **OPTIM) as engine:
         losses = [engine.step(ids, labels) for ids, labels in batches]
         params = engine.parameters()
-    exact_losses, exact = hf_adamw(directory, batches, torch.float64)
-    hf_losses, hf_params = hf_adamw(directory, batches, torch.float32)
+    exact_losses, exact = hf_reference(directory, batches, 1.0, OPTIM, torch.float64)
+    hf_losses, hf_params = hf_reference(directory, batches, 1.0, OPTIM)
     assert losses == pytest.approx(exact_losses, rel=1e-5)
     assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
     assert params.keys() == exact.keys()

@@ -140,15 +140,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def layer_params(self) -> int:
-        h, f = self.hidden_size, self.intermediate_size
-        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
-        if self.qkv_bias:
-            attn += self.q_size + 2 * self.kv_size
-        if self.o_bias:
-            attn += h
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        return attn + 3 * h * f + 2 * h
+        """Parameters of one decoder layer (the first: a family whose layers differ counts them in num_params)."""
+        return sum(math.prod(shape) for _, shape, _ in self.family.layer_tensors(self, 0))
 
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size

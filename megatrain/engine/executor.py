@@ -37,8 +37,9 @@ import torch
 from megatrain.config import PRECISIONS, MegatrainError, ModelConfig, check_choice
 from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
+from megatrain.model.architecture import Batch, LayerFn
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout, Unit
-from megatrain.model.templates import DecoderLayer, embed, embed_backward, head_loss_and_grads, recompute_grads
+from megatrain.model.templates import embed, embed_backward, head_loss_and_grads, recompute_grads
 from megatrain.telemetry import Recorder
 
 UnitCallback = Callable[[Unit], None]
@@ -203,13 +204,12 @@ class Executor:
         if self.device.type == "cuda":
             set_matmul_precision(precision)
         self.send_thread = self.streams.asynchronous if send_thread is None else send_thread
-        self.template = DecoderLayer(config)
-        self.layer: Callable[..., torch.Tensor] = self.template
+        self.arch = config.family.architecture(config)
+        self.compile = compile
         if compile:
             allow_recompiles(COMPILED_SHAPES_LIMIT)
-            self.layer = torch.compile(self.template.__call__, fullgraph=True, dynamic=False)
+        self._compiled: dict[int, LayerFn] = {}  # id of a structure's layer function -> its compiled form
         self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
         # each unit's squared gradient norm lands here (page-locked on a GPU: one buffer, not one per unit)
         self._norms_host = self.streams.pinned(len(layout.units), dtype=torch.float64)
@@ -219,10 +219,14 @@ class Executor:
         self._sender: threading.Thread | None = None
 
     # ---- helpers ----
-    def _rope_for(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq not in self._rope:
-            self._rope[seq] = ops.rope_cos_sin(self.config, seq, self.device, self.dtype)
-        return self._rope[seq]
+    def _layer(self, unit: Unit) -> LayerFn:
+        """The function of `unit`'s layer (compiled once per layer structure when compiling)."""
+        fn = self.arch.layer(unit.layer)
+        if not self.compile:
+            return fn
+        if id(fn) not in self._compiled:
+            self._compiled[id(fn)] = torch.compile(fn, fullgraph=True, dynamic=False)
+        return self._compiled[id(fn)]
 
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """H2D of a small host tensor (token ids, gathered rows) on the h2d stream, ordered before compute."""
@@ -428,7 +432,7 @@ class Executor:
         labels = None if labels is None else labels.long()
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         host_targets = ops.shift_labels(input_ids, labels)
-        rope = self._rope_for(input_ids.shape[1])
+        batch = self.arch.batch(input_ids.shape[0], input_ids.shape[1], self.device, self.dtype)
         self.slots.invalidate()
 
         # embedding: gather on the host only the rows this batch uses
@@ -443,6 +447,8 @@ class Executor:
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
         with self.rec.span("compute", "embed", embed_unit.index, s.compute):
             x = embed(rows, row_of_token)
+            if self.arch.embed_scale is not None:  # in the compute dtype, as transformers' scaled embeddings
+                x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
 
         # forward: x[l] kept as the checkpoint of layer l
         checkpoints = []
@@ -452,12 +458,13 @@ class Executor:
             slot, w = self.slots.acquire(unit)
             checkpoints.append(x)
             with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
-                x = self.layer(x, w, rope)
+                x = self._layer(unit)(x, w, *batch.layer_args(unit.layer))
             self.slots.release(slot)
             if i + 1 < len(layers):
                 wait_weights(layers[i + 1])
                 self.slots.fetch(layers[i + 1], keep=unit)
 
+        extra_loss = batch.forward_done()
         # head: forward and backward at once
         wait_weights(head_unit)
         head_w = head_unit.bind(self._head_weights(head_unit))
@@ -466,22 +473,25 @@ class Executor:
             wait_weights(embed_unit)
             lm_head = self._to_device(table, self.dtype)
         with self.rec.span("compute", "head", head_unit.index, s.compute):
+            norm_w = {name: t for name, t in head_w.items() if name.startswith("norm.")}
             loss, grad_x, grad_norm_w, grad_lm = head_loss_and_grads(
-                x, head_w["norm.weight"], lm_head, targets, self.config.rms_norm_eps, self.loss_chunk_tokens,
-                host_targets)
-        del x, head_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
+                x, self.arch.final_norm, norm_w, lm_head, targets, self.loss_chunk_tokens, host_targets,
+                self.arch.logit_softcap)
+            if extra_loss is not None:
+                loss = loss + extra_loss
+        del x, head_w, norm_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
         n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
         if loss_ready is not None and not loss_ready(float(loss)):
             return StepOutput(float(loss), n_tokens)
         try:
-            return self._backward(checkpoints, loss, n_tokens, grad_x, grad_norm_w, grad_lm, rope, rows_idx,
+            return self._backward(checkpoints, loss, n_tokens, grad_x, grad_norm_w, grad_lm, batch, rows_idx,
                                   row_of_token, grads_landed, slot_free, hold_grads)
         except BaseException:
             self._abandon_sends()
             raise
 
     def _backward(self, checkpoints: list[torch.Tensor], loss: torch.Tensor, n_tokens: int, grad: torch.Tensor,
-                  grad_norm_w: torch.Tensor, grad_lm: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  grad_norm_w: dict[str, torch.Tensor], grad_lm: torch.Tensor, batch: Batch,
                   rows_idx: torch.Tensor, row_of_token: torch.Tensor, grads_landed: LandedCallback,
                   slot_free: UnitCallback, hold_grads: bool) -> StepOutput:
         """The head's gradients out, then each layer's recomputed from its checkpoint, then the embedding's."""
@@ -499,7 +509,7 @@ class Executor:
                 self._emit(out, grads_landed, slot_free, slot_users)
 
         head_dst = self.grad_layout.bind(head_unit, self.grads)
-        head_grads = [(grad_norm_w, head_dst["norm.weight"])]
+        head_grads = [(g, head_dst[name]) for name, g in grad_norm_w.items()]
         if not self.config.tie_embeddings:
             head_grads.append((grad_lm, head_dst["lm_head.weight"]))
             grad_lm = None  # type: ignore[assignment]  # its GradsOut holds it until it has landed
@@ -514,7 +524,8 @@ class Executor:
             permit = None if hold_grads else self._permit(in_flight, unit)
             slot, w = self.slots.acquire(unit)
             with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
-                grad, wgrads = recompute_grads(self.layer, checkpoints[i], w, grad, rope)
+                grad, wgrads = recompute_grads(self._layer(unit), checkpoints[i], w, grad,
+                                               *batch.layer_args(unit.layer))
             checkpoints[i] = None  # type: ignore[call-overload]
             self.slots.release(slot)
             if i > 0:
@@ -525,6 +536,8 @@ class Executor:
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
         with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
+            if self.arch.embed_scale is not None:
+                grad = grad * torch.tensor(self.arch.embed_scale, dtype=grad.dtype)
             grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
         del grad
         embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from megatrain.config import ModelConfig
+from megatrain.model.architecture import Architecture
 from megatrain.model.llama import LLAMA
 from megatrain.model.qwen3 import QWEN3
 
@@ -31,6 +32,14 @@ class Family(Protocol):
 
     def to_hf(self, c: ModelConfig) -> dict[str, Any]:
         """The config.json transformers reads back as the same model."""
+        ...
+
+    def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """Decoder layer `index`'s tensors: (name inside the layer, shape, weight-decayed), in layout order."""
+        ...
+
+    def architecture(self, c: ModelConfig) -> Architecture:
+        """The math the executor runs (megatrain/model/architecture.py)."""
         ...
 
 

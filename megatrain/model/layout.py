@@ -69,7 +69,9 @@ class ModelLayout:
         h, v = config.hidden_size, config.vocab_size
         layout._add("embed", [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)])
         for i in range(config.num_layers):
-            layout._add("layer", _layer_tensors(config, i), layer=i)
+            tensors = config.family.layer_tensors(config, i)
+            layout._add("layer", [(name, f"model.layers.{i}.{name}", shape, decay) for name, shape, decay in tensors],
+                        layer=i)
         head = [("norm.weight", "model.norm.weight", (h,), False)]
         if not config.tie_embeddings:
             head.append(("lm_head.weight", "lm_head.weight", (v, h), True))
@@ -173,29 +175,3 @@ class GradLayout:
 
     def bind(self, unit: Unit, grads_flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return unit.bind(self.range_of(unit, grads_flat))
-
-
-def _layer_tensors(config: ModelConfig, i: int) -> list[tuple[str, str, tuple[int, ...], bool]]:
-    h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    tensors = [
-        ("input_layernorm.weight", (h,), False),
-        ("self_attn.q_proj.weight", (q, h), True),
-        ("self_attn.k_proj.weight", (kv, h), True),
-        ("self_attn.v_proj.weight", (kv, h), True),
-        ("self_attn.o_proj.weight", (h, q), True),
-    ]
-    if config.qkv_bias:
-        tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
-                    ("self_attn.v_proj.bias", (kv,), False)]
-    if config.o_bias:
-        tensors.append(("self_attn.o_proj.bias", (h,), False))
-    if config.qk_norm:
-        d = config.head_dim
-        tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
-    tensors += [
-        ("post_attention_layernorm.weight", (h,), False),
-        ("mlp.gate_proj.weight", (f, h), True),
-        ("mlp.up_proj.weight", (f, h), True),
-        ("mlp.down_proj.weight", (h, f), True),
-    ]
-    return [(name, f"model.layers.{i}.{name}", shape, decay) for name, shape, decay in tensors]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.architecture import LlamaArchitecture
 
 # HF config.json keys every family here needs: the shape of the model
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -125,6 +126,35 @@ class LlamaFamily:
                 f"model config: qkv_bias={c.qkv_bias} with o_bias={c.o_bias} is no {c.model_type} "
                 "layout transformers can load; Llama's attention_bias sets both, qwen2 has qkv_bias only."
             )
+
+    # ---- the model ----
+    def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """Decoder layer `index`'s tensors: (name inside the layer, shape, weight-decayed), in layout order."""
+        h, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+        tensors = [
+            ("input_layernorm.weight", (h,), False),
+            ("self_attn.q_proj.weight", (q, h), True),
+            ("self_attn.k_proj.weight", (kv, h), True),
+            ("self_attn.v_proj.weight", (kv, h), True),
+            ("self_attn.o_proj.weight", (h, q), True),
+        ]
+        if c.qkv_bias:
+            tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
+                        ("self_attn.v_proj.bias", (kv,), False)]
+        if c.o_bias:
+            tensors.append(("self_attn.o_proj.bias", (h,), False))
+        if self.qk_norm:
+            d = c.head_dim
+            tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
+        return tensors + [
+            ("post_attention_layernorm.weight", (h,), False),
+            ("mlp.gate_proj.weight", (f, h), True),
+            ("mlp.up_proj.weight", (f, h), True),
+            ("mlp.down_proj.weight", (h, f), True),
+        ]
+
+    def architecture(self, c: ModelConfig) -> LlamaArchitecture:
+        return LlamaArchitecture(c)
 
     # ---- out ----
     def to_hf(self, c: ModelConfig) -> dict[str, Any]:

@@ -90,17 +90,28 @@ def shift_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.
     return shifted
 
 
-def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, scale: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, scale: float,
+                               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token cross-entropy of one chunk (hidden [n, h], targets [n], IGNORE_INDEX skipped) and the
     gradient of scale * that sum with respect to the fp32 logits: scale * (softmax - onehot) on labelled rows.
+    softcap: the logits are capped first, cap * tanh(logits / cap) (Gemma 2), and the gradient taken through it.
 
     The arithmetic is autograd's for F.cross_entropy (log_softmax, then its backward exp(logp) * scale less
     scale at the target), so results agree with transformers' to the last bit where they can; it is written
-    out so that the gradient reuses the log-probabilities' memory: one [n, vocab] fp32 tensor at the peak."""
-    logp = torch.log_softmax(F.linear(hidden, lm_head).float(), dim=-1)
+    out so that the gradient reuses the log-probabilities' memory: one [n, vocab] fp32 tensor at the peak
+    (two with a softcap, whose tanh the gradient needs)."""
+    logits = F.linear(hidden, lm_head).float()
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    logp = torch.log_softmax(logits, dim=-1)
+    del logits
     valid = (targets != IGNORE_INDEX).to(logp.dtype).unsqueeze(1)
     picked_target = targets.clamp_min(0).unsqueeze(1)  # ignored rows pick column 0; `valid` masks them out
     loss = -(logp.gather(1, picked_target) * valid).sum()
     grad = logp.exp_().mul_(valid * scale)
-    return loss, grad.scatter_add_(1, picked_target, valid * -scale)
+    grad.scatter_add_(1, picked_target, valid * -scale)
+    if capped is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+        grad.mul_(capped.square_().neg_().add_(1.0))
+    return loss, grad

@@ -77,16 +77,18 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
     return grads[0], dict(zip(leaves, grads[1:], strict=True))
 
 
-def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,
-                        eps: float, chunk_tokens: int, host_targets: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
+                        norm_weights: Weights, lm_head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                        host_targets: torch.Tensor | None = None, softcap: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, Weights, torch.Tensor]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
     Never holds more than [chunk_tokens, vocab] logits, nor a [vocab, hidden] tensor beside the lm_head's
-    gradient: each chunk's share is added into it from the logits' gradient. Returns (loss, dL/dx,
-    dL/d norm, dL/d lm_head); the loss is the mean over targets that are not IGNORE_INDEX, as transformers
-    computes it. targets are on x's device; host_targets, the same on the host (None: targets are there), are
-    what counting and skipping chunks read, so that they need not wait for the device.
+    gradient: each chunk's share is added into it from the logits' gradient. final_norm(x, norm_weights) is the
+    model's norm before the head; softcap, if set, caps the logits (cap * tanh(logits / cap)). Returns (loss,
+    dL/dx, {name: dL/d norm weight}, dL/d lm_head); the loss is the mean over targets that are not IGNORE_INDEX,
+    as transformers computes it. targets are on x's device; host_targets, the same on the host (None: targets
+    are there), are what counting and skipping chunks read, so that they need not wait for the device.
     """
     flat_x = x.reshape(-1, x.shape[-1])
     flat_t = targets.reshape(-1)
@@ -97,23 +99,25 @@ def head_loss_and_grads(x: torch.Tensor, norm_weight: torch.Tensor, lm_head: tor
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
     grad_x = torch.zeros_like(flat_x)
     # summed over chunks in fp32 whatever the compute dtype: bf16 sums would round at every chunk
-    grad_norm = torch.zeros_like(norm_weight, dtype=torch.float32)
+    grad_norm = {name: torch.zeros_like(w, dtype=torch.float32) for name, w in norm_weights.items()}
     grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
-    norm_leaf = norm_weight.detach().requires_grad_(True)
+    norm_leaves = {name: w.detach().requires_grad_(True) for name, w in norm_weights.items()}
     for start in range(0, flat_x.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
         if not bool((host_t[chunk] != ops.IGNORE_INDEX).any()):
             continue  # nothing to learn here (prompt or padding): its gradient is zero
         xc = flat_x[chunk].detach().requires_grad_(True)
         with torch.enable_grad():
-            normed = ops.rms_norm(xc, norm_leaf, eps)
+            normed = final_norm(xc, norm_leaves)
         hidden = normed.detach()
-        chunk_loss, grad_logits = ops.cross_entropy_sum_and_grad(hidden, lm_head, flat_t[chunk], 1.0 / n_valid)
+        chunk_loss, grad_logits = ops.cross_entropy_sum_and_grad(hidden, lm_head, flat_t[chunk], 1.0 / n_valid,
+                                                                 softcap)
         grad_head.addmm_(grad_logits.t(), hidden.float())
         grad_hidden = grad_logits.to(lm_head.dtype) @ lm_head
         del grad_logits
-        gx, gn = torch.autograd.grad(normed, [xc, norm_leaf], grad_hidden)
+        gx, *gn = torch.autograd.grad(normed, [xc, *norm_leaves.values()], grad_hidden)
         loss += chunk_loss
         grad_x[chunk] = gx
-        grad_norm += gn
+        for name, g in zip(norm_leaves, gn, strict=True):
+            grad_norm[name] += g
     return loss / n_valid, grad_x.view_as(x), grad_norm, grad_head

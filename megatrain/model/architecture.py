@@ -1,0 +1,88 @@
+"""What the executor runs of a model: per-layer pure functions, the context a batch gives them, the final norm
+and the head's options. Each family answers with one of these (Family.architecture); the executor knows
+nothing else of the model's math.
+
+    batch = arch.batch(batch_size, seq, device, dtype)     # rotary tables, masks: once per batch
+    x = embed(rows, row_index) * arch.embed_scale
+    for i: x = arch.layer(i)(x, weights_i, *batch.layer_args(i))
+    loss += batch.forward_done()                             # a loss term over all layers (MoE routers)
+    head: arch.final_norm(x, norm weights), lm_head, cross-entropy (logits soft-capped at arch.logit_softcap)
+
+Layers of one structure share one function object (`layer(i) is layer(j)`), so a compiled layer compiles once
+per structure. A layer function may be rerun, with grad, on the same arguments for the backward: whatever it
+records in the forward (`batch`) it must replay then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from megatrain.config import ModelConfig
+from megatrain.model import ops
+from megatrain.model.templates import DecoderLayer, Weights
+
+LayerFn = Callable[..., torch.Tensor]  # fn(x, weights, *batch.layer_args(i)) -> x
+
+
+class Batch(Protocol):
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        """The arguments after (x, weights) of layer `index`'s function."""
+        ...
+
+    def forward_done(self) -> torch.Tensor | None:
+        """Called once the forward has run every layer: a term to add to the loss (a scalar on the device), or
+        None. Its gradient reaches the layers through their recompute."""
+        ...
+
+
+class Architecture(Protocol):
+    embed_scale: float | None  # the embedding's output is multiplied by this (Gemma: sqrt(hidden)), or None
+    logit_softcap: float | None  # logits -> cap * tanh(logits / cap) before the loss (Gemma 2), or None
+
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype) -> Batch: ...
+
+    def layer(self, index: int) -> LayerFn: ...
+
+    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """The norm before the head; `weights` are the head unit's tensors named "norm.*"."""
+        ...
+
+
+class RopeBatch:
+    """Every layer gets the same rotary (cos, sin); nothing is added to the loss."""
+
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor]):
+        self.rope = rope
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        return (self.rope,)
+
+    def forward_done(self) -> torch.Tensor | None:
+        return None
+
+
+class LlamaArchitecture:
+    """The Llama family's (and Qwen3's) decoder: one DecoderLayer for every layer, RoPE, RMSNorm, plain head."""
+
+    embed_scale = None
+    logit_softcap = None
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.template = DecoderLayer(config)
+        self._rope: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype) -> RopeBatch:
+        key = (seq, device, dtype)
+        if key not in self._rope:
+            self._rope[key] = ops.rope_cos_sin(self.config, seq, device, dtype)
+        return RopeBatch(self._rope[key])
+
+    def layer(self, index: int) -> LayerFn:
+        return self.template
+
+    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        return ops.rms_norm(x, weights["norm.weight"], self.config.rms_norm_eps)

@@ -61,6 +61,9 @@ class ModelConfig:
     eos_token_id: int | None = None
     model_type: str = "llama"  # the HF architecture, and so the family: llama | mistral | qwen2 | qwen3
     sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
+    # the model's config.json, for a model_type of the generic path (transformers' own layers,
+    # megatrain/model/hf_generic.py); None for the native families
+    hf_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads"):  # the defaults below derive from these
@@ -115,9 +118,10 @@ class ModelConfig:
             _check_positive_int("sliding_window", self.sliding_window, "or None")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
-        types = _families().MODEL_TYPES
-        if self.model_type not in types:
-            raise ConfigError(f"model config: model_type must be {_one_of(types)}, got {self.model_type!r}.")
+        if not _families().is_supported(self.model_type):
+            raise ConfigError(f"model config: model_type must be {_one_of(_families().MODEL_TYPES)} (or a "
+                              f"decoder-only model transformers implements, from its config.json), got "
+                              f"{self.model_type!r}.")
         self.family.validate(self)
 
     @property
@@ -144,6 +148,8 @@ class ModelConfig:
         return sum(math.prod(shape) for _, shape, _ in self.family.layer_tensors(self, 0))
 
     def num_params(self) -> int:
+        if not self.family.uniform_layers:  # layers differ (MoE beside dense, hybrids): the family counts
+            return self.family.num_params(self)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_embeddings else embed
         return embed + self.num_layers * self.layer_params() + self.hidden_size + head
@@ -179,10 +185,8 @@ class ModelConfig:
             if not isinstance(hf, dict):
                 raise ConfigError(f"{path} must hold a JSON object; re-export the checkpoint's config.json.")
         model_type = hf.get("model_type", "llama")
-        types = _families().MODEL_TYPES
-        if model_type not in types:
-            raise ConfigError(f"model_type {model_type!r} is not an architecture megatrain trains natively; "
-                              f"supported: {', '.join(types)}.")
+        if not isinstance(model_type, str):
+            raise ConfigError(f"HF config's model_type must be a string, got {model_type!r}; fix config.json.")
         try:
             return cls(**_families().family_of(model_type).from_hf(hf, model_type))
         except (TypeError, ValueError) as e:

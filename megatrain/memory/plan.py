@@ -138,10 +138,15 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
-    # Decoder layers are alike: plan from a one-layer layout, so a config claiming 10^9 layers is refused at
-    # once instead of after building a layout of 10^9 units.
-    layout = ModelLayout.build(replace(config, num_layers=1))
-    arena_numel = layout.numel + (config.num_layers - 1) * layout.max_layer_numel()
+    # Where decoder layers are alike, plan from a one-layer layout, so a config claiming 10^9 layers is refused at
+    # once instead of after building a layout of 10^9 units; layers that differ (MoE beside dense layers, hybrid
+    # stacks) are planned from the whole layout, sized per structure.
+    if config.family.uniform_layers:
+        layout = ModelLayout.build(replace(config, num_layers=1))
+        arena_numel = layout.numel + (config.num_layers - 1) * layout.max_layer_numel()
+    else:
+        layout = ModelLayout.build(config)
+        arena_numel = layout.numel
     act_bytes = 2 if precision == "bf16" else 4
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     tokens = batch * seq

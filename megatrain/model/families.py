@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from megatrain.config import ModelConfig
 from megatrain.model.architecture import Architecture
+from megatrain.model.hf_generic import GENERIC
 from megatrain.model.llama import LLAMA
 from megatrain.model.qwen3 import QWEN3
 
@@ -18,6 +19,7 @@ class Family(Protocol):
     """What ModelConfig asks of a family (llama.py's LlamaFamily is the one the others build on)."""
 
     qk_norm: bool  # DecoderLayer option: per-head RMSNorm on q and k
+    uniform_layers: bool  # every decoder layer has the same tensors (else num_params counts them)
 
     @property
     def model_types(self) -> tuple[str, ...]: ...
@@ -38,15 +40,24 @@ class Family(Protocol):
         """Decoder layer `index`'s tensors: (name inside the layer, shape, weight-decayed), in layout order."""
         ...
 
+    def num_params(self, c: ModelConfig) -> int:
+        """All parameters (asked only of a family whose layers are not uniform)."""
+        ...
+
     def architecture(self, c: ModelConfig) -> Architecture:
         """The math the executor runs (megatrain/model/architecture.py)."""
         ...
 
 
 FAMILIES: dict[str, Family] = {t: family for family in (LLAMA, QWEN3) for t in family.model_types}
-MODEL_TYPES = tuple(FAMILIES)
+MODEL_TYPES = tuple(FAMILIES)  # the native ones
 
 
 def family_of(model_type: str) -> Family:
-    """The family of a model_type in MODEL_TYPES (ModelConfig checks the type before it asks)."""
-    return FAMILIES[model_type]
+    """The native family of `model_type`, or else the generic path (transformers' own layers), which refuses in one
+    sentence what it cannot train (and says to install transformers where it is missing)."""
+    return FAMILIES.get(model_type, GENERIC)
+
+
+def is_supported(model_type: str) -> bool:
+    return model_type in FAMILIES or GENERIC.supports(model_type)

@@ -38,6 +38,7 @@ class LlamaFamily:
 
     architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     qk_norm = False  # per-head RMSNorm on q and k (Qwen3): an option of the DecoderLayer template
+    uniform_layers = True
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -152,6 +153,9 @@ class LlamaFamily:
             ("mlp.up_proj.weight", (f, h), True),
             ("mlp.down_proj.weight", (h, f), True),
         ]
+
+    def num_params(self, c: ModelConfig) -> int:
+        raise NotImplementedError  # uniform layers: ModelConfig.num_params counts them
 
     def architecture(self, c: ModelConfig) -> LlamaArchitecture:
         return LlamaArchitecture(c)

@@ -11,6 +11,7 @@ or disagrees with the files is refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -117,25 +118,47 @@ def weight_files(directory: Path, stem: str) -> list[Path]:
     raise CheckpointError(f"no {stem}.safetensors or {stem}.safetensors.index.json in {directory}{hint}.")
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_lazy(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read) for every tensor of `files`, where read() loads it: what reads a checkpoint can hold on to
+    names without holding every tensor in memory."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                names = list(f.keys())
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            detail = " ".join(str(e).split())  # the reader may quote the header, line breaks and all
-            raise CheckpointError(f"{path} is not a readable safetensors file ({detail}); it may be truncated or "
-                                  "corrupt, so copy it again.") from None
+            raise _unreadable(path, e) from None
+        for name in names:
+            yield name, functools.partial(_read_tensor, path, name)
 
 
-def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "") -> None:
-    """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes."""
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: BaseException) -> CheckpointError:
+    detail = " ".join(str(e).split())  # the reader may quote the header, line breaks and all
+    return CheckpointError(f"{path} is not a readable safetensors file ({detail}); it may be truncated or "
+                           "corrupt, so copy it again.")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, read in iter_safetensors_lazy(files):
+        yield name, read()
+
+
+def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "",
+              tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes. `tensors`:
+    the (name, tensor) pairs to load, if not those of `files` as stored."""
     slots = layout.slots_by_hf_name()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
     tied_head = None
-    for name, t in iter_safetensors(files):
+    for name, t in iter_safetensors(files) if tensors is None else tensors:
         if prefix and not name.startswith(prefix):
             continue
         hf_name = name[len(prefix):]
@@ -186,7 +209,13 @@ def read_hf_config(directory: Path) -> ModelConfig:
 
 
 def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) -> None:
-    load_into(layout, params, weight_files(directory, "model"), where=str(directory))
+    files = weight_files(directory, "model")
+    tensors = None
+    if layout.config.hf_config is not None:  # the generic path: names as the hub stores them, converted as
+        from megatrain.model.hf_generic import checkpoint_tensors  # transformers converts them on loading
+
+        tensors = checkpoint_tensors(layout.config.hf_config, iter_safetensors_lazy(files))
+    load_into(layout, params, files, where=str(directory), tensors=tensors)
 
 
 def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -169,7 +169,8 @@ class GenericFamily:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         active = getattr(text, "num_experts_per_tok", None) or 1  # an MoE layer's experts each token passes
-        ffn = max(getattr(text, "intermediate_size", None) or 0, (getattr(text, "moe_intermediate_size", None) or 0) * active)
+        moe_ffn = (getattr(text, "moe_intermediate_size", None) or 0) * active
+        ffn = max(getattr(text, "intermediate_size", None) or 0, moe_ffn)
         if isinstance(head_dim, int) and head_dim % 2:
             head_dim = None  # ModelConfig's check is for its own rotary: the generic path's rotary is the model's
         eps = getattr(text, "rms_norm_eps", None)
@@ -433,3 +434,34 @@ class GenericArchitecture:
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
         params = {name[len("norm."):]: w for name, w in weights.items()}
         return torch.func.functional_call(self.norm, params, (x,), strict=True)
+
+
+def checkpoint_tensors(hf: dict[str, Any], stored: Iterable[tuple[str, Callable[[], torch.Tensor]]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's own (name, tensor) pairs from a checkpoint's (name, read) pairs, converted as transformers converts
+    them on loading (Mixtral's per-expert w1/w2/w3 into fused expert tensors, say): its own conversion mapping, run
+    on one target tensor at a time, so a checkpoint is never held in memory whole. Names the mapping does not know
+    pass through unchanged (for the loader to refuse)."""
+    import copy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = meta_model(hf)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    own = model.state_dict()
+    pending: dict[str, Any] = {}  # target name -> its converter, collecting its sources' readers
+    for name, read in stored:
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, own)
+        if target not in own and name in own:
+            target, pattern = name, None
+        if pattern is None:
+            yield target, read()
+        else:
+            pending.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, name, pattern, read)
+    for target, converter in pending.items():
+        yield from converter.convert(target, model=model, config=model.config).items()
+        converter.collected_tensors.clear()

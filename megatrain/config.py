@@ -59,6 +59,8 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # the embedding's padding_idx: transformers' nn.Embedding gives its row no gradient, and neither does megatrain
+    pad_token_id: int | None = None
     model_type: str = "llama"  # the HF architecture, and so the family: llama | mistral | qwen2 | qwen3
     sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
     # the model's config.json, for a model_type of the generic path (transformers' own layers,
@@ -110,7 +112,7 @@ class ModelConfig:
         for name in ("tie_embeddings", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model config: {name} must be true or false, got {getattr(self, name)!r}.")
-        for name in ("bos_token_id", "eos_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ConfigError(f"model config: {name} must be an integer token id or None, got {value!r}.")

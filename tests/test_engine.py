@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -44,15 +46,20 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim: dict = OPTIM,
-                 dtype: torch.dtype = torch.float32) -> tuple[list[float], dict]:
-    """transformers' model trained by torch.optim.AdamW (norms and biases not decayed) on HF's cosine schedule;
-    `dtype` float64 gives the exact result that fp32 runs are judged against (parameters returned in fp32)."""
+                 dtype: torch.dtype = torch.float32, no_decay: Callable[[str], Any] | None = None
+                 ) -> tuple[list[float], dict]:
+    """transformers' model trained by torch.optim.AdamW (norms and biases not decayed, or the parameters whose
+    names `no_decay` accepts) on HF's cosine schedule; `dtype` float64 gives the exact result that fp32 runs are
+    judged against (parameters returned in fp32)."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
     named = list(model.named_parameters())
-    no_decay = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
-    decay = [p for n, p in named if not (n.endswith("norm.weight") or n.endswith(".bias"))]
+    if dtype == torch.float64 and any(".experts." in n for n, _ in named):
+        model.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
+    if no_decay is None:
+        no_decay = lambda n: n.endswith("norm.weight") or n.endswith(".bias")  # noqa: E731
+    decay = [p for n, p in named if not no_decay(n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
+                             {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}],
                             lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
     sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     losses = []

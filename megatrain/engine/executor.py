@@ -539,6 +539,9 @@ class Executor:
             if self.arch.embed_scale is not None:
                 grad = grad * torch.tensor(self.arch.embed_scale, dtype=grad.dtype)
             grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
+            pad = self.config.pad_token_id
+            if pad is not None:  # transformers' embedding (padding_idx) gives the padding row no gradient
+                grad_rows.masked_fill_(self._to_device(rows_idx == pad).unsqueeze(1), 0.0)
         del grad
         embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
         if self.config.tie_embeddings:

@@ -212,7 +212,9 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) 
     files = weight_files(directory, "model")
     tensors = None
     if layout.config.hf_config is not None:  # the generic path: names as the hub stores them, converted as
-        from megatrain.model.hf_generic import checkpoint_tensors  # transformers converts them on loading
+        from megatrain.model.hf_generic import check_not_quantized, checkpoint_tensors  # transformers does
+
+        check_not_quantized(layout.config.hf_config, directory)
 
         tensors = checkpoint_tensors(layout.config.hf_config, iter_safetensors_lazy(files))
     load_into(layout, params, files, where=str(directory), tensors=tensors)

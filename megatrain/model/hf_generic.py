@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -38,6 +39,8 @@ from megatrain.config import ConfigError, ModelConfig
 from megatrain.model.templates import Weights
 
 LAYERS_PREFIX = "model.layers."
+# what transformers' Trainer leaves out of weight decay, by name: biases and norms
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.", "lm_head.weight"
 
 
@@ -70,6 +73,17 @@ def check_generic(hf: dict[str, Any]) -> None:
     if model_type not in causal_lm_types():
         raise ConfigError(f"model_type {model_type!r} is no decoder-only causal language model transformers "
                           "knows; megatrain cannot train it.")
+
+
+def check_not_quantized(hf: dict[str, Any], directory: Any) -> None:
+    """ConfigError for a checkpoint whose weights are stored quantized: megatrain trains fp32 master weights and
+    reads the stored tensors as they are, so they must be dequantized (and saved) first."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ConfigError(f"{directory} holds {method}-quantized weights, which megatrain cannot train from; "
+                          "dequantize them first (transformers: from_pretrained with the quantization config's "
+                          "dequantize=True, then save_pretrained) and drop quantization_config from config.json.")
 
 
 def hf_config_object(hf: dict[str, Any]) -> Any:
@@ -181,6 +195,7 @@ class GenericFamily:
             initializer_range=getattr(text, "initializer_range", 0.02) or 0.02, tie_embeddings=tied,
             rms_norm_eps=eps if isinstance(eps, (int, float)) and eps > 0 else 1e-6,
             bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=eos, model_type=model_type,
+            pad_token_id=getattr(_base(model).embed_tokens, "padding_idx", None),
             hf_config=dict(hf),
         )
 
@@ -196,8 +211,7 @@ class GenericFamily:
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
         assert c.hf_config is not None
         layer = _base(meta_model(c.hf_config)).layers[index]
-        # matrices are weight-decayed; vectors (norms, biases, attention sinks) are not
-        return [(name, tuple(p.shape), p.dim() >= 2) for name, p in layer.named_parameters()]
+        return [(name, tuple(p.shape), not NO_DECAY.search(name)) for name, p in layer.named_parameters()]
 
     def num_params(self, c: ModelConfig) -> int:
         assert c.hf_config is not None

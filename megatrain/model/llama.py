@@ -33,6 +33,14 @@ def hf_number(hf: dict[str, Any], key: str, value: Any) -> float:
     raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); it must be a number.")
 
 
+def pad_id(hf: dict[str, Any]) -> int | None:
+    """The padding token whose embedding row gets no gradient, if it is one of the vocabulary's."""
+    pad = hf.get("pad_token_id")
+    vocab = hf.get("vocab_size")
+    valid = isinstance(pad, int) and not isinstance(pad, bool) and isinstance(vocab, int) and 0 <= pad < vocab
+    return pad if valid else None
+
+
 class LlamaFamily:
     """HF config.json <-> ModelConfig for the model types in `architectures`; subclasses change what differs."""
 
@@ -107,6 +115,7 @@ class LlamaFamily:
             initializer_range=get("initializer_range", 0.02),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            pad_token_id=pad_id(hf),
             model_type=model_type,
             sliding_window=self.sliding_window(hf, model_type),
         )
@@ -194,6 +203,7 @@ class LlamaFamily:
         # written even when None: transformers' Llama and Mistral configs default to ids 1 and 2 when absent
         hf["bos_token_id"] = c.bos_token_id
         hf["eos_token_id"] = c.eos_token_id
+        hf["pad_token_id"] = c.pad_token_id
         return hf
 
     def hf_attention_keys(self, c: ModelConfig) -> dict[str, Any]:

@@ -212,11 +212,13 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
      r"num_layers must be a positive integer, got 0"),
     (lambda _: ModelConfig(hidden_size=60, num_heads=4),
      r"head_dim must be even for rotary embeddings, got 15"),
+    (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt9"),
+     r"model_type must be llama, mistral, qwen2 or qwen3 \(or a decoder-only model transformers implements, from "
+     r"its config.json\), got 'gpt9'"),
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt2"),
-     r"model_type must be llama, mistral, qwen2 or qwen3, got 'gpt2'"),
+     r"model_type 'gpt2' runs on the generic path, which needs the model's config.json"),
     (lambda _: ModelConfig.from_name("huge"), r"unknown model preset 'huge'; choose one of tiny, .*70b"),
-    (_unknown_model_type, r"model_type 'gpt2' is not an architecture megatrain trains natively; "
-                          r"supported: llama, mistral, qwen2, qwen3"),
+    (_unknown_model_type, r"GPT2LMHeadModel has parameters outside megatrain's decoder layout \(transformer.wte"),
     (_bad_json, r"config.json is not valid JSON"),
     (_json_not_object, r"must hold a JSON object"),
     (_no_config, r"no HF config at .*config.json"),

@@ -50,6 +50,9 @@ def transformers_module() -> Any:
     except ImportError:
         raise ConfigError("this model runs on megatrain's generic path, which needs transformers; install it with "
                           "pip install -e '.[hf]'.") from None
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ConfigError(f"megatrain's generic path needs transformers 5 or later (its weight conversion mapping), "
+                          f"found {transformers.__version__}; upgrade it with pip install -e '.[hf]'.")
     return transformers
 
 

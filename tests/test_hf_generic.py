@@ -204,8 +204,10 @@ def test_plan_of_real_moe_configs(name: str, tmp_path: Path, capsys: pytest.Capt
     if not source.is_file():
         pytest.fail(f"{source} is missing")
     (tmp_path / "config.json").write_text(source.read_text())
-    assert main(["plan", "--model", str(tmp_path), "--seq", "1024", "--batch", "1"]) == 0
+    code = main(["plan", "--model", str(tmp_path), "--seq", "1024", "--batch", "1", "--device", "cuda",
+                 "--gpu-gib", "80"])
     out = capsys.readouterr().out
+    assert ("fits: yes" if code == 0 else "fits: NO: ") in out  # this machine's host memory decides which
     params = float(re.search(r"\(([\d.]+) G params\)", out).group(1))  # type: ignore[union-attr]
     expected = {"qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "gpt-oss-120b": 116.8}[name]
     assert abs(params - expected) / expected < 0.01, out

@@ -21,6 +21,8 @@ from test_parity import VOCAB, assert_one_sentence, batch, build_hf_model, hf_lo
 from test_qwen3 import max_rel
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GptOssConfig,
     MixtralConfig,
     Olmo2Config,
@@ -43,6 +45,15 @@ MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05)
 
 # name -> factory(aux): tiny random configs of the architectures the generic path is for
 MODELS: dict[str, Callable[[bool], PretrainedConfig]] = {
+    # Gemma 2: attention-logit and final-logit soft-capping, sliding window 8 < 16 tokens, scaled tied embeddings
+    "gemma2": lambda aux: Gemma2Config(**SHAPE, intermediate_size=96, num_hidden_layers=2, sliding_window=8,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                       query_pre_attn_scalar=16, pad_token_id=0),
+    # Gemma 3 text: q/k norms, local and global rotary tables (the global one scaled), sliding / full layers
+    "gemma3": lambda aux: Gemma3TextConfig(**SHAPE, intermediate_size=96, num_hidden_layers=3, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           query_pre_attn_scalar=16, pad_token_id=0,
+                                           rope_scaling={"rope_type": "linear", "factor": 8.0}),
     "phi3": lambda aux: Phi3Config(**DENSE),
     "olmo2": lambda aux: Olmo2Config(**DENSE),
     "mixtral": lambda aux: MixtralConfig(**SHAPE, **MOE, intermediate_size=48, num_hidden_layers=2,
@@ -62,7 +73,8 @@ MODELS: dict[str, Callable[[bool], PretrainedConfig]] = {
                                               output_router_logits=aux),
 }
 MOE_MODELS = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")
-CASES = [f"{name}-aux" for name in MOE_MODELS] + [f"{name}-noaux" for name in MOE_MODELS] + ["phi3", "olmo2"]
+CASES = [f"{name}-aux" for name in MOE_MODELS] + [f"{name}-noaux" for name in MOE_MODELS] + [
+    "phi3", "olmo2", "gemma2", "gemma3"]
 
 Case = tuple[str, torch.nn.Module, Path]
 
@@ -173,7 +185,7 @@ def test_dropout_is_replayed_in_the_recompute(tmp_path: Path) -> None:
         assert model.loss_and_grads(input_ids)[0] != loss
 
 
-@pytest.mark.parametrize("case", ["mixtral-aux", "qwen3_next-aux"])
+@pytest.mark.parametrize("case", ["mixtral-aux", "qwen3_next-aux", "gemma2"])
 def test_engine_three_steps_match_transformers_adamw(case: str, tmp_path: Path, ray_session: Any) -> None:
     """Three Engine steps (clipping on) against transformers + torch.optim.AdamW, judged against an fp64 run of the
     reference: megatrain within twice fp32 transformers' own distance from it (Adam amplifies rounding)."""

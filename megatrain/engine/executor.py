@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from megatrain.config import PRECISIONS, MegatrainError, ModelConfig, check_choice
+from megatrain.engine.checkpoints import CheckpointStore
 from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
 from megatrain.model.architecture import Batch, LayerFn
@@ -183,14 +184,18 @@ class Executor:
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
-                 shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None):
+                 shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
+                 tile_tokens: int | None = None, checkpoint_budget: int | None = None):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
         simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer;
         with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
         run the decoder layer through torch.compile (every layer has the same shapes, so it compiles once per
         batch shape and grad mode). send_thread: gradients go to the host from a thread of their own (None: on
         a GPU, where the step must not wait on slots or copies, and under simulated streams, which test the
-        GPU's path; on the plain CPU path the step's own thread does them)."""
+        GPU's path; on the plain CPU path the step's own thread does them). tile_tokens: the layers' token-wise
+        parts run over tiles of that many tokens (None: whole). checkpoint_budget: bytes of device memory for the
+        layer inputs the backward recomputes from; the rest wait in host memory (None: all on the device;
+        megatrain/engine/checkpoints.py)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         check_choice("precision", precision, PRECISIONS)
@@ -205,6 +210,12 @@ class Executor:
             set_matmul_precision(precision)
         self.send_thread = self.streams.asynchronous if send_thread is None else send_thread
         self.arch = config.family.architecture(config)
+        if tile_tokens is not None:
+            if tile_tokens <= 0:
+                raise MegatrainError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}.")
+            self.arch.tile(tile_tokens)
+        self.tiled = tile_tokens is not None
+        self.checkpoints = CheckpointStore(self.streams, checkpoint_budget)
         self.compile = compile
         if compile:
             allow_recompiles(COMPILED_SHAPES_LIMIT)
@@ -413,7 +424,7 @@ class Executor:
                 raise MegatrainError(f"label {int(labels[bad][0])} is outside the vocabulary [0, "
                                      f"{self.config.vocab_size}) and is not -100 (ignored).")
 
-    def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
             hold_grads: bool = False) -> StepOutput:
@@ -424,6 +435,8 @@ class Executor:
         asked before the backward whether to go on (False: skip, e.g. a non-finite loss); slot_free(unit)
         blocks until the optimizer has read `unit`'s gradient, whose host slot the next unit is about to reuse.
         hold_grads: the gradients stay on the device, returned in StepOutput.held for `send_held`.
+        position_ids: [batch, seq], each packed document's positions from 0 (a document attends within itself
+        only, as transformers reads packed position_ids); None: 0..seq-1 in every row.
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
@@ -432,7 +445,9 @@ class Executor:
         labels = None if labels is None else labels.long()
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         host_targets = ops.shift_labels(input_ids, labels)
-        batch = self.arch.batch(input_ids.shape[0], input_ids.shape[1], self.device, self.dtype)
+        if position_ids is not None:
+            position_ids = self._check_positions(position_ids, input_ids)
+        batch = self.arch.batch(input_ids.shape[0], input_ids.shape[1], self.device, self.dtype, position_ids)
         self.slots.invalidate()
 
         # embedding: gather on the host only the rows this batch uses
@@ -451,12 +466,12 @@ class Executor:
                 x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
 
         # forward: x[l] kept as the checkpoint of layer l
-        checkpoints = []
+        self.checkpoints.begin(len(layers))
         wait_weights(layers[0])
         self.slots.fetch(layers[0], keep=None)
         for i, unit in enumerate(layers):
             slot, w = self.slots.acquire(unit)
-            checkpoints.append(x)
+            self.checkpoints.put(i, x)
             with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
                 x = self._layer(unit)(x, w, *batch.layer_args(unit.layer))
             self.slots.release(slot)
@@ -482,15 +497,18 @@ class Executor:
         del x, head_w, norm_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
         n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
         if loss_ready is not None and not loss_ready(float(loss)):
+            self.checkpoints.end()
             return StepOutput(float(loss), n_tokens)
         try:
-            return self._backward(checkpoints, loss, n_tokens, grad_x, grad_norm_w, grad_lm, batch, rows_idx,
+            return self._backward(loss, n_tokens, grad_x, grad_norm_w, grad_lm, batch, rows_idx,
                                   row_of_token, grads_landed, slot_free, hold_grads)
         except BaseException:
             self._abandon_sends()
             raise
+        finally:
+            self.checkpoints.end()
 
-    def _backward(self, checkpoints: list[torch.Tensor], loss: torch.Tensor, n_tokens: int, grad: torch.Tensor,
+    def _backward(self, loss: torch.Tensor, n_tokens: int, grad: torch.Tensor,
                   grad_norm_w: dict[str, torch.Tensor], grad_lm: torch.Tensor, batch: Batch,
                   rows_idx: torch.Tensor, row_of_token: torch.Tensor, grads_landed: LandedCallback,
                   slot_free: UnitCallback, hold_grads: bool) -> StepOutput:
@@ -524,9 +542,12 @@ class Executor:
             permit = None if hold_grads else self._permit(in_flight, unit)
             slot, w = self.slots.acquire(unit)
             with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
-                grad, wgrads = recompute_grads(self._layer(unit), checkpoints[i], w, grad,
-                                               *batch.layer_args(unit.layer))
-            checkpoints[i] = None  # type: ignore[call-overload]
+                x = self.checkpoints.get(i)
+                if self.tiled:  # the layer takes its own gradients, tile by tile
+                    grad, wgrads = self.arch.layer(unit.layer).backward(x, w, grad, *batch.layer_args(unit.layer))
+                else:
+                    grad, wgrads = recompute_grads(self._layer(unit), x, w, grad, *batch.layer_args(unit.layer))
+                del x
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
@@ -558,6 +579,15 @@ class Executor:
             norm_values = torch.stack([norms[u.index] for u in self.layout.units]).cpu().tolist()
             loss_value = float(loss)
         return StepOutput(loss_value, n_tokens, norm_values, held)
+
+    def _check_positions(self, position_ids: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.as_tensor(position_ids)
+        if position_ids.shape != input_ids.shape:
+            raise MegatrainError(f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                                 f"{tuple(position_ids.shape)}.")
+        if position_ids.dtype not in TOKEN_DTYPES or bool((position_ids < 0).any()):
+            raise MegatrainError("position_ids must be non-negative integers (each packed document counting from 0).")
+        return position_ids.long()
 
     def _permit(self, in_flight: threading.Semaphore, unit: Unit) -> threading.Semaphore:
         """Waits until fewer than GRAD_SETS_IN_FLIGHT layers' gradients are on the device (the others on their

@@ -2,7 +2,7 @@
 and the head's options. Each family answers with one of these (Family.architecture); the executor knows
 nothing else of the model's math.
 
-    batch = arch.batch(batch_size, seq, device, dtype)     # rotary tables, masks: once per batch
+    batch = arch.batch(batch_size, seq, device, dtype, position_ids)  # rotary tables, masks: once per batch
     x = embed(rows, row_index) * arch.embed_scale
     for i: x = arch.layer(i)(x, weights_i, *batch.layer_args(i))
     loss += batch.forward_done()                             # a loss term over all layers (MoE routers)
@@ -22,7 +22,7 @@ import torch
 
 from megatrain.config import ModelConfig
 from megatrain.model import ops
-from megatrain.model.templates import DecoderLayer, Weights
+from megatrain.model.templates import DecoderLayer, Spans, Weights
 
 LayerFn = Callable[..., torch.Tensor]  # fn(x, weights, *batch.layer_args(i)) -> x
 
@@ -42,9 +42,20 @@ class Architecture(Protocol):
     embed_scale: float | None  # the embedding's output is multiplied by this (Gemma: sqrt(hidden)), or None
     logit_softcap: float | None  # logits -> cap * tanh(logits / cap) before the loss (Gemma 2), or None
 
-    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype) -> Batch: ...
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> Batch:
+        """position_ids: [batch, seq] on the host, each packed document from 0 (None: 0..seq-1 in every row); a
+        document attends within itself only, as transformers reads packed position_ids."""
+        ...
 
-    def layer(self, index: int) -> LayerFn: ...
+    def layer(self, index: int) -> LayerFn:
+        """Layer `index`'s function; one with a `backward(x, w, grad_out, *args) -> (dL/dx, {name: dL/dw})` method
+        computes its gradients itself (tiled), else the executor reruns it under autograd (recompute_grads)."""
+        ...
+
+    def tile(self, tile_tokens: int) -> None:
+        """Run the layers' token-wise parts over tiles of `tile_tokens` tokens (ConfigError where they cannot)."""
+        ...
 
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
         """The norm before the head; `weights` are the head unit's tensors named "norm.*"."""
@@ -52,13 +63,13 @@ class Architecture(Protocol):
 
 
 class RopeBatch:
-    """Every layer gets the same rotary (cos, sin); nothing is added to the loss."""
+    """Every layer gets the same rotary (cos, sin) and packed documents; nothing is added to the loss."""
 
-    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor]):
-        self.rope = rope
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None):
+        self.rope, self.spans = rope, spans
 
     def layer_args(self, index: int) -> tuple[Any, ...]:
-        return (self.rope,)
+        return (self.rope, self.spans)
 
     def forward_done(self) -> torch.Tensor | None:
         return None
@@ -75,11 +86,18 @@ class LlamaArchitecture:
         self.template = DecoderLayer(config)
         self._rope: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype) -> RopeBatch:
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> RopeBatch:
+        spans = None if position_ids is None else ops.document_spans(position_ids)
+        if position_ids is not None and not torch.equal(position_ids, torch.arange(seq).expand_as(position_ids)):
+            return RopeBatch(ops.rope_cos_sin(self.config, seq, device, dtype, position_ids), spans)
         key = (seq, device, dtype)
         if key not in self._rope:
             self._rope[key] = ops.rope_cos_sin(self.config, seq, device, dtype)
-        return RopeBatch(self._rope[key])
+        return RopeBatch(self._rope[key], spans)
+
+    def tile(self, tile_tokens: int) -> None:
+        self.template.tile_tokens = tile_tokens
 
     def layer(self, index: int) -> LayerFn:
         return self.template

@@ -425,25 +425,34 @@ class GenericArchitecture:
         return self._skeleton[device]
 
     def _run_skeleton(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
-                      fill: float = 0.0) -> list[dict[str, Any]]:
+                      fill: float = 0.0, position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
         base = self._skeleton_for(device)
         calls: list[dict[str, Any]] = []
         n = len(base.layers)
         base.layers = nn.ModuleList(_StandIn(i, calls, n - 1) for i in range(n))
         x = torch.full((batch_size, seq, self.model_config.hidden_size), fill, device=device, dtype=dtype)
         with contextlib.suppress(_Recorded), torch.no_grad():
-            base(inputs_embeds=x, use_cache=False)
+            base(inputs_embeds=x, position_ids=position_ids, use_cache=False)
         if len(calls) != n:
             raise ConfigError(f"{type(self.model).__name__}'s forward called {len(calls)} of its {n} layers; "
                               "megatrain's generic path cannot train this model.")
         return calls
 
-    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype) -> GenericBatch:
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> GenericBatch:
+        """The model's own forward makes the layers' arguments: from position_ids too, packed documents and all."""
+        if position_ids is not None:
+            calls = self._run_skeleton(batch_size, seq, device, dtype, position_ids=position_ids.to(device))
+            return GenericBatch(self, [{k: v for k, v in c.items() if not k.startswith("__")} for c in calls])
         key = (batch_size, seq, device, dtype)
         if key not in self._calls:
             calls = self._run_skeleton(batch_size, seq, device, dtype)
             self._calls[key] = [{k: v for k, v in c.items() if not k.startswith("__")} for c in calls]
         return GenericBatch(self, self._calls[key])
+
+    def tile(self, tile_tokens: int) -> None:
+        raise ConfigError("sequence tiling (tile_tokens) is for megatrain's native families; the generic path runs "
+                          "transformers' layers whole: leave tile_tokens unset for this model.")
 
     def layer(self, index: int) -> GenericLayer:
         return self.layers[index]

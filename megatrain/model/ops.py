@@ -45,13 +45,32 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_cos_sin(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq, head_dim] for positions 0..seq-1."""
-    positions = torch.arange(seq_len, device=device, dtype=torch.float)
-    freqs = positions[:, None] * rope_inv_freq(config).to(device)[None, :]
+def rope_cos_sin(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq, head_dim] for positions 0..seq-1, or [batch, 1, seq, head_dim] for the given
+    positions [batch, seq] (packed documents, each from 0)."""
+    if positions is None:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float)
+    else:
+        positions = positions.to(device=device, dtype=torch.float)[:, None]
+    freqs = positions[..., None] * rope_inv_freq(config).to(device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) token ranges of the documents packed in it, a new one wherever a position is not its
+    predecessor's plus one (as transformers reads packed position_ids); None when every row is one document."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    seq = position_ids.shape[1]
+    spans = []
+    for row in starts:
+        first = row.nonzero().flatten().tolist()
+        spans.append(list(zip(first, first[1:] + [seq], strict=True)))
+    return spans
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +83,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     spans: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
+    """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads). spans: per row, the
+    documents packed in it (document_spans); each attends within itself only, by SDPA over its own tokens: no
+    [t, t] mask is ever made, so long packed rows keep the fused kernels."""
+    if spans is not None:
+        rows = [torch.cat([causal_attention(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e])
+                           for a, e in row], dim=2) for r, row in enumerate(spans)]
+        return torch.cat(rows, dim=0)
     groups = q.shape[1] // k.shape[1]
     # enable_gqa only where a fused kernel takes it: on CUDA the flash kernel (half precision only) does, the
     # memory-efficient one (fp32's) does not, and SDPA would fall back to the math kernel, which materialises

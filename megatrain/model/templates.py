@@ -23,17 +23,70 @@ from megatrain.model import ops
 Weights = dict[str, torch.Tensor]
 
 
+Spans = list[list[tuple[int, int]]] | None  # per row, the packed documents (ops.document_spans)
+MLP_WEIGHTS = ("post_attention_layernorm.", "mlp.")  # the second half of a layer: what tiling runs tile by tile
+
+
 class DecoderLayer:
     """x -> x + attn(norm(x)) -> x + mlp(norm(x)); one instance serves every layer.
 
     Options a family's config turns on: q/k/v and o_proj biases (present in `w` or not), and Qwen3's RMSNorm
-    over each head's query and key (qk_norm)."""
+    over each head's query and key (qk_norm).
 
-    def __init__(self, config: ModelConfig):
+    tile_tokens: the MLP half runs over tiles of that many tokens, in the forward and in `backward`, so no
+    [tokens, intermediate] tensor exists whole (at 128k tokens of a 7B model one is 5.6 GB in fp32); attention
+    runs over the whole sequence (SDPA's fused kernels hold O(tokens) beside q, k and v)."""
+
+    def __init__(self, config: ModelConfig, tile_tokens: int | None = None):
         self.config = config
         self.qk_norm = config.qk_norm  # read once: the family lookup behind it is no part of a compiled graph
+        self.tile_tokens = tile_tokens
 
-    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+                 ) -> torch.Tensor:
+        x = self.attention(x, w, rope, spans)
+        if self.tile_tokens is None or torch.is_grad_enabled():
+            return self.mlp(x, w)
+        out = torch.empty_like(x)
+        flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+        for start in range(0, flat_in.shape[0], self.tile_tokens):
+            tile = slice(start, start + self.tile_tokens)
+            flat_out[tile] = self.mlp(flat_in[tile], w)
+        return out
+
+    def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 spans: Spans = None) -> tuple[torch.Tensor, Weights]:
+        """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
+        half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's
+        gradients from the MLP's input gradient."""
+        attn_w = {n: t for n, t in w.items() if not n.startswith(MLP_WEIGHTS)}
+        mlp_w = {n: t for n, t in w.items() if n.startswith(MLP_WEIGHTS)}
+        x = x.detach().requires_grad_(True)
+        attn_leaves = {n: t.detach().requires_grad_(True) for n, t in attn_w.items()}
+        with torch.enable_grad():
+            mid = self.attention(x, attn_leaves, rope, spans)
+        flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
+        grad_mid = torch.empty_like(flat_mid)
+        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()}
+        tile_tokens = self.tile_tokens or flat_mid.shape[0]
+        for start in range(0, flat_mid.shape[0], tile_tokens):
+            tile = slice(start, start + tile_tokens)
+            grad_tile, tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
+            grad_mid[tile] = grad_tile
+            for n, g in tile_grads.items():
+                mlp_grads[n] += g
+        grads = torch.autograd.grad(mid, [x, *attn_leaves.values()], grad_mid.view_as(mid))
+        attn_grads = dict(zip(attn_leaves, grads[1:], strict=True))
+        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w}
+
+    def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
+        """x + mlp(norm(x)): token by token, so any tiling of the tokens gives the same result."""
+        h = ops.rms_norm(x, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        return x + ops.swiglu(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+
+    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+                  ) -> torch.Tensor:
+        """x + attn(norm(x))."""
         c = self.config
         b, t, _ = x.shape
         h = ops.rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
@@ -49,10 +102,8 @@ class DecoderLayer:
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        attn = ops.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, c.q_size)
-        x = x + F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
-        h = ops.rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps)
-        return x + ops.swiglu(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2).reshape(b, t, c.q_size)
+        return x + F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
 
 
 def embed(rows: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:

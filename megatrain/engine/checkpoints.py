@@ -1,0 +1,120 @@
+"""The layer inputs the backward recomputes from, kept on the device up to a byte budget, the rest in host memory.
+
+    forward   put(l, x): layer l's input. The top layers' (the first the backward needs) stay on the device as
+              long as they fit the budget; the others are copied to a page-locked host buffer on the D2H stream
+              (at most one such copy in flight: its device tensor is freed once it has landed)
+    backward  get(l) for l from the top: a host-resident input is brought back on the H2D stream, and `get`
+              starts bringing the one below too, so that it crosses while layer l computes (two transfer
+              buffers, like the weights')
+
+Checkpoints are kept in the compute dtype (bf16 in bf16 runs). The store's accounting (`kept_bytes`,
+`transfer_bytes` and their peaks) is what the memory plan's numbers are checked against: kept checkpoints never
+exceed the budget, transfers never more than two checkpoints. Host buffers are kept from step to step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatrain.config import MegatrainError
+from megatrain.engine.streams import Streams
+
+
+class CheckpointStore:
+    def __init__(self, streams: Streams, budget: int | None = None):
+        """budget: bytes of device memory for kept checkpoints (None: every checkpoint stays on the device; 0:
+        every one goes to the host)."""
+        if budget is not None and budget < 0:
+            raise MegatrainError(f"the checkpoint budget must be a non-negative number of bytes, got {budget}.")
+        self.streams, self.budget = streams, budget
+        self._host: dict[int, torch.Tensor] = {}  # layer -> its page-locked buffer, reused from step to step
+        self._host_read: dict[int, Any] = {}  # layer -> event after the last H2D read of its buffer
+        self.kept_bytes = self.transfer_bytes = 0
+        self.peak_kept_bytes = self.peak_transfer_bytes = 0
+        self.offloaded = 0  # checkpoints copied to the host, all steps
+
+    def begin(self, num_layers: int) -> None:
+        """A step of `num_layers` checkpoints (anything left of the previous step is dropped)."""
+        self._kept: dict[int, torch.Tensor] = {}
+        self._on_host: dict[int, Any] = {}  # layer -> event after its D2H copy
+        self._incoming: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._outgoing: tuple[torch.Tensor, Any] | None = None
+        self._num_layers = num_layers
+        self._first_kept: int | None = None  # decided at the first put, from the checkpoint size
+        self.kept_bytes = self.transfer_bytes = 0
+
+    def put(self, index: int, x: torch.Tensor) -> None:
+        size = x.numel() * x.element_size()
+        if self._first_kept is None:
+            fits = self._num_layers if self.budget is None else min(self._num_layers, self.budget // max(size, 1))
+            self._first_kept = self._num_layers - fits
+        if index >= self._first_kept:
+            self._kept[index] = x
+            self._count("kept", size)
+            return
+        s = self.streams
+        self._land_outgoing()  # one copy out at a time: its device tensor is freed before the next one is made
+        host = self._host.get(index)
+        if host is None or host.shape != x.shape or host.dtype != x.dtype:
+            host = self._host[index] = s.pinned(*x.shape, dtype=x.dtype)
+            self._host_read.pop(index, None)
+        s.wait(s.d2h, self._host_read.pop(index, None))  # last step's read of the buffer is done
+        s.wait(s.d2h, s.record(s.compute))  # x is written by compute
+        s.copy(host, x, s.d2h)
+        event = s.record(s.d2h, blocking=True)
+        self._on_host[index] = event
+        self._outgoing = (x, event)
+        self._count("transfer", size)
+        self.offloaded += 1
+
+    def get(self, index: int) -> torch.Tensor:
+        """Layer `index`'s input on the device, ready for compute; starts bringing the next one down."""
+        if index in self._kept:
+            x = self._kept.pop(index)
+            self._count("kept", -x.numel() * x.element_size())
+        else:
+            self._land_outgoing()
+            self.prefetch(index)
+            x, event = self._incoming.pop(index)
+            self.streams.wait(self.streams.compute, event)
+            self.streams.compute_uses(x)
+            self._count("transfer", -x.numel() * x.element_size())
+        self.prefetch(index - 1)
+        return x
+
+    def prefetch(self, index: int) -> None:
+        """Starts the H2D copy of a host-resident checkpoint (nothing for one on the device or already coming)."""
+        if index < 0 or index not in self._on_host or index in self._incoming:
+            return
+        s, host = self.streams, self._host[index]
+        s.wait(s.h2d, self._on_host.pop(index))
+        x = s.to_device(host, s.h2d)
+        self._host_read[index] = s.record(s.h2d)
+        self._incoming[index] = (x, s.record(s.h2d))
+        self._count("transfer", x.numel() * x.element_size())
+
+    def _land_outgoing(self) -> None:
+        if self._outgoing is None:
+            return
+        x, event = self._outgoing
+        if event is not None:
+            event.synchronize()
+        self._outgoing = None
+        self._count("transfer", -x.numel() * x.element_size())
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        if kind == "kept":
+            self.kept_bytes += nbytes
+            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        else:
+            self.transfer_bytes += nbytes
+            self.peak_transfer_bytes = max(self.peak_transfer_bytes, self.transfer_bytes)
+
+    def end(self) -> None:
+        """The step is over (or failed): nothing of it stays on the device."""
+        self._land_outgoing()
+        self._kept.clear()
+        self._incoming.clear()
+        self.kept_bytes = self.transfer_bytes = 0

@@ -22,13 +22,14 @@ from megatrain.model.layout import ModelLayout
 
 class Model:
     def __init__(self, store: ParameterStore, device: str = "cpu", precision: str = "fp32",
-                 loss_chunk_tokens: int = 4096):
+                 loss_chunk_tokens: int = 4096, tile_tokens: int | None = None, checkpoint_budget: int | None = None):
         self.store = store
         self.config = store.config
         self.layout: ModelLayout = store.layout
         try:
             self.executor = Executor(self.config, self.layout, store.arena.params, store.arena.grads, device,
-                                     precision, loss_chunk_tokens)
+                                     precision, loss_chunk_tokens, tile_tokens=tile_tokens,
+                                     checkpoint_budget=checkpoint_budget)
         except BaseException:
             store.close()  # e.g. no such device: don't leave the new arena in /dev/shm until GC
             raise
@@ -71,7 +72,11 @@ class Model:
 
 
 def from_pretrained(path_or_preset: str | Path, device: str = "cpu", precision: str = "fp32", seed: int = 0,
-                    loss_chunk_tokens: int = 4096) -> Model:
-    """Loads an HF directory (or builds a preset with HF's init) into a new shared-memory arena."""
+                    loss_chunk_tokens: int = 4096, tile_tokens: int | None = None,
+                    checkpoint_budget: int | None = None) -> Model:
+    """Loads an HF directory (or builds a preset with HF's init) into a new shared-memory arena. tile_tokens and
+    checkpoint_budget (bytes): sequence tiling and the device budget of the layer-input checkpoints (the rest wait
+    in host memory), for long sequences."""
     on_gpu = resolve_device(device).type == "cuda"  # then activations take GPU memory, not host memory
-    return Model(ParameterStore(path_or_preset, seed=seed, on_gpu=on_gpu), device, precision, loss_chunk_tokens)
+    return Model(ParameterStore(path_or_preset, seed=seed, on_gpu=on_gpu), device, precision, loss_chunk_tokens,
+                 tile_tokens, checkpoint_budget)

@@ -36,15 +36,16 @@ class Model:
         if self.executor.device.type == "cuda":
             store.arena.register_cuda()
 
-    def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean next-token loss and its gradient for every parameter, by HF name.
 
         Labels follow transformers: same shape as input_ids, shifted inside, -100 ignored; None means
-        input_ids. The gradients are views of the arena, valid until the next call.
+        input_ids. position_ids: packed documents, each from 0 (as transformers reads them in training: each
+        attends within itself). The gradients are views of the arena, valid until the next call.
         """
         self._check_open()
-        out = self.executor.run(input_ids, labels)
+        out = self.executor.run(input_ids, labels, position_ids)
         return torch.tensor(out.loss), self.layout.hf_views(self.store.arena.grads)
 
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatrain.config import ModelConfig
+from megatrain.config import MegatrainError, ModelConfig
 
 IGNORE_INDEX = -100
 # enable_gqa arrived in torch 2.5; older versions get the kv heads repeated
@@ -97,11 +97,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # memory-efficient one (fp32's) does not, and SDPA would fall back to the math kernel, which materialises
     # [b, heads, t, t] scores (4 GiB per layer at 8 x 2048 tokens). Expanding k and v costs far less.
     if groups > 1 and _SDPA_HAS_GQA and q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return _fused_sdpa(q, k, v, enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return _fused_sdpa(q, k, v)
+
+
+# From this many tokens on, attention on a GPU must run in a fused SDPA kernel (flash, memory-efficient, cuDNN):
+# the math kernel's [b, heads, t, t] scores would take 16 GiB per head at 64k tokens in fp32.
+FUSED_ONLY_TOKENS = 8192
+
+
+def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+    t = q.shape[2]
+    if not q.is_cuda or t < FUSED_ONLY_TOKENS or torch.compiler.is_compiling():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with sdpa_kernel(fused):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    except RuntimeError:
+        raise MegatrainError(f"attention over {t} tokens (head_dim {q.shape[-1]}, {q.dtype}) has no fused SDPA kernel "
+                             f"on this GPU and would need the math kernel's [heads, {t}, {t}] scores; train in bf16, "
+                             "or with a shorter sequence.") from None
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -59,5 +59,5 @@ def family_of(model_type: str) -> Family:
     return FAMILIES.get(model_type, GENERIC)
 
 
-def is_supported(model_type: str) -> bool:
-    return model_type in FAMILIES or GENERIC.supports(model_type)
+def is_supported(model_type: object) -> bool:
+    return isinstance(model_type, str) and (model_type in FAMILIES or GENERIC.supports(model_type))

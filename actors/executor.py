@@ -26,11 +26,13 @@ POLL_SECONDS = 0.0005
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
 
 
-def _batch_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # arrays from the object store are read-only views: token_ids copies the (small) token ids
-    labels = batch.get("labels")
+def _batch_tensors(batch: dict[str, np.ndarray]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """input_ids, labels and position_ids (None where the batch has none) of a loader batch."""
+    # arrays from the object store are read-only views: token_ids copies the (small) integer arrays
+    optional = [batch.get(key) for key in ("labels", "position_ids")]
     return (torch.from_numpy(token_ids(batch["input_ids"])),
-            None if labels is None else torch.from_numpy(token_ids(labels)))
+            *(None if a is None else torch.from_numpy(token_ids(a)) for a in optional))
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
@@ -100,9 +102,10 @@ class GPUExecutor:
         def loss_ready(loss: float) -> bool:
             return bool(np.isfinite(loss))
 
-        input_ids, labels = _batch_tensors(batch)
-        out = self.executor.run(input_ids, labels, wait_weights, grads_landed, loss_ready, slot_free,
-                                self.hold_grads)
+        input_ids, labels, position_ids = _batch_tensors(batch)
+        out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
+                                grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
+                                hold_grads=self.hold_grads)
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm): they go at once
         self._held = {step: out.held} if out.held and out.finite else {}
@@ -116,12 +119,12 @@ class GPUExecutor:
     def evaluate(self, batch: dict[str, np.ndarray], expected_version: int, pending: list[ray.ObjectRef]
                  ) -> dict[str, Any]:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
-        input_ids, labels = _batch_tensors(batch)
+        input_ids, labels, position_ids = _batch_tensors(batch)
         rec = self.executor.rec
         rec.begin_step(rec.step, self.executor.device)
         try:
-            out = self.executor.run(input_ids, labels,
-                                    lambda unit: self._wait_for_version(unit, expected_version, pending),
+            out = self.executor.run(input_ids, labels, position_ids,
+                                    wait_weights=lambda unit: self._wait_for_version(unit, expected_version, pending),
                                     loss_ready=lambda loss: False)
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's

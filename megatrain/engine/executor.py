@@ -425,7 +425,7 @@ class Executor:
                                      f"{self.config.vocab_size}) and is not -100 (ignored).")
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
+            *, wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
             hold_grads: bool = False) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.

@@ -35,17 +35,25 @@ def _batch_tensors(batch: dict[str, np.ndarray]
             *(None if a is None else torch.from_numpy(token_ids(a)) for a in optional))
 
 
+def checkpoint_budget_bytes(engine: EngineConfig) -> int | None:
+    """The device bytes for layer checkpoints of an EngineConfig the memory plan resolved (None: all of them)."""
+    budget = engine.checkpoint_budget_gib
+    return None if budget is None else round(float(budget) * 2**30)
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
 class GPUExecutor:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
                  clipping: bool, trace: bool = False):
-        """`engine.grads` is resolved ("arena", "stream" or "device"), as the parameter store sized the arena."""
+        """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
+        the arena), tile_tokens and checkpoint_budget_gib."""
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
                                  GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
-                                 engine.compile)
+                                 engine.compile, tile_tokens=engine.tile_tokens,
+                                 checkpoint_budget=checkpoint_budget_bytes(engine))
         self.hold_grads = engine.grads == "device"
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing

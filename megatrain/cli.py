@@ -36,6 +36,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                    help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
+    _add_long_context_flags(p)
+    p.add_argument("--document-positions", dest="data.document_positions", action="store_true", default=None,
+                   help="packed rows carry per-document position_ids: each document attends within itself only")
     p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: none)")
     p.add_argument("--no-save-final", dest="save_final", action="store_false", default=None,
@@ -48,6 +51,22 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                                       "another, 'local' a private Ray for this run (default: the `ray start` "
                                       "cluster if it answers, else a private one)")
     p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
+
+
+def _auto_none_or(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        lowered = text.lower()
+        return None if lowered == "none" else "auto" if lowered == "auto" else kind(text)
+    parse.__name__ = kind.__name__  # what argparse names in its "invalid value" message
+    return parse
+
+
+def _add_long_context_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tile-tokens", type=_auto_none_or(int),
+                   help="tokens per tile of the layers' token-wise work: auto (the plan picks), none, or N")
+    p.add_argument("--checkpoint-budget-gib", type=_auto_none_or(float),
+                   help="GiB of GPU memory for layer checkpoints, the rest in host memory: auto (the plan picks), "
+                        "none (all on the GPU), or N (0: all in host memory)")
 
 
 def _overrides(args: argparse.Namespace, skip: tuple[str, ...]) -> dict[str, Any]:
@@ -91,26 +110,42 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The plan of the run `megatrain train` would make with the same config file and flags."""
     from megatrain.config import ConfigError, EngineConfig, OptimConfig
-    from megatrain.memory.plan import gpu_free_here, plan_run
+    from megatrain.memory.plan import gpu_free_here, longest_seq, plan_run
     from megatrain.memory.store import resolve_model
     from pipelines.train import TrainConfig
 
     cfg = TrainConfig.load(args.config, {"model": args.model, "data.batch_size": args.batch, "data.seq_len": args.seq,
                                          "precision": args.precision, "optimizer_workers": args.optimizer_workers,
                                          "device": args.device, "grads": args.grads,
-                                         "max_grad_norm": args.max_grad_norm})
+                                         "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
+                                         "checkpoint_budget_gib": args.checkpoint_budget_gib})
     # the checks the Engine would make at its start
-    EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads)
+    EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
+                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
-    if args.gpu_gib is not None and args.gpu_gib <= 0:
-        raise ConfigError(f"--gpu-gib must be positive, got {args.gpu_gib}.")
+    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be a positive number of GiB, got {value}.")
     config, _, name = resolve_model(cfg.model)
     on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and _cuda())
     gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
+    budget = cfg.checkpoint_budget_gib
+    common = dict(name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
+                  gpu_free=gpu_free, host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
+    long_context = dict(tile_tokens=cfg.tile_tokens,
+                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
-                    name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
-                    gpu_free=gpu_free)
+                    **long_context, **common)
     print(plan.report())
+    longest = plan.longest_seq
+    if longest is None:  # it fits: how far it would
+        longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context, **common)
+    where = "the GPU and host given" if args.gpu_gib or args.host_gib else "this machine"
+    if on_gpu and gpu_free is None:
+        where += " (GPU memory unknown: give --gpu-gib)"
+    print(f"longest sequence at batch {cfg.data.batch_size} on {where}: {longest} tokens"
+          + (f" (the model has {config.max_position_embeddings} positions)"
+             if longest > config.max_position_embeddings else ""))
     return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
 
 
@@ -176,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-workers", type=int)
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
+    p.add_argument("--host-gib", type=float, help="host memory to plan for, /dev/shm included (default: what this "
+                                                   "machine has available)")
+    _add_long_context_flags(p)
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
     p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
     p.set_defaults(func=cmd_plan)

@@ -389,8 +389,14 @@ class EngineConfig:
     seed: int = 0
     grads: str = "auto"  # auto | arena | stream | device: where gradients wait for the optimizer (GRAD_PLACEMENTS)
     compile: bool = False  # torch.compile the decoder layer template (minutes of compiling at the first step)
+    # long sequences (megatrain/memory/plan.py picks what is "auto"): the layers' token-wise work in tiles of this
+    # many tokens (None: whole), and GiB of device memory for the layer checkpoints (None: all of them; 0: every
+    # one in host memory)
+    tile_tokens: int | None | str = "auto"
+    checkpoint_budget_gib: float | None | str = "auto"
 
     def __post_init__(self) -> None:
+        check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         check_choice("precision", self.precision, PRECISIONS)
         if not (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1):
             raise ConfigError(f"optimizer_workers must be an integer of at least 1, "
@@ -406,6 +412,17 @@ class EngineConfig:
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
         check_device(self.device)
+
+
+def check_tiling(tile_tokens: object, checkpoint_budget_gib: object) -> None:
+    """tile_tokens: "auto", None or a positive integer; checkpoint_budget_gib: "auto", None or a number >= 0."""
+    if not (tile_tokens in ("auto", None) or (_is_int(tile_tokens) and tile_tokens >= 1)):
+        raise ConfigError(f"tile_tokens must be 'auto', none or a positive number of tokens, got {tile_tokens!r}.")
+    budget = checkpoint_budget_gib
+    number = isinstance(budget, int | float) and not isinstance(budget, bool)
+    if not (budget in ("auto", None) or (number and math.isfinite(budget) and budget >= 0)):
+        raise ConfigError("checkpoint_budget_gib must be 'auto', none or a number of GiB >= 0 (0: every layer "
+                          f"checkpoint in host memory), got {budget!r}.")
 
 
 def check_device(device: object) -> None:

@@ -148,17 +148,21 @@ class Engine:
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
-                 resource_timeout: float = 60.0):
+                 resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
+                 checkpoint_budget_gib: float | None | str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
         dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message.
-        resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node."""
+        resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node.
+        tile_tokens, checkpoint_budget_gib: long sequences (EngineConfig); "auto" lets the memory plan pick, and a
+        run the plan says will not fit is refused before anything is allocated."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
-                                          compile=compile)
+                                          compile=compile, tile_tokens=tile_tokens,
+                                          checkpoint_budget_gib=checkpoint_budget_gib)
         self.config, hf_dir, self.model_name = resolve_model(model)
         if seq_len > self.config.max_position_embeddings:
             log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
@@ -208,10 +212,19 @@ class Engine:
         on_gpu = self.on_gpu = self._on_gpu(node)
         self.placement = NodePlacement.reserve(node, n, on_gpu, self.resource_timeout, f"megatrain/{self.run_id}")
         plan = self._plan(batch, seq, on_gpu)
-        self.engine_config = replace(self.engine_config, grads=plan.grads)
+        plan.check()  # before the arena is made: one sentence on what does not fit and what would
+        budget = plan.checkpoint_budget
+        self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
+                                     checkpoint_budget_gib=None if budget is None else budget / 2**30)
+        if plan.tile_tokens or budget is not None:
+            log.info("long sequences: %s, %s", f"{plan.tile_tokens}-token tiles" if plan.tile_tokens else "untiled",
+                     "every layer checkpoint on the device" if budget is None else
+                     f"{budget / 2**30:.2f} GiB of layer checkpoints on the device, "
+                     f"{plan.host_checkpoints / 2**30:.2f} GiB in host memory")
         self.store = ParameterStoreActor.options(name=self._name("parameter-store"), **self.placement.pinned()
                                                  ).remote(model_arg, n, seed, batch, seq, self.run_id, self.grads,
-                                                          plan.shadow_bytes > 0, on_gpu)
+                                                          plan.shadow_bytes > 0, on_gpu, plan.tile_tokens,
+                                                          plan.checkpoint_budget)
         self.handle = get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -251,15 +264,16 @@ class Engine:
         return self.placement.scheduling_strategy
 
     def _plan(self, batch: int, seq: int, on_gpu: bool) -> MemoryPlan:
-        """This run's memory plan: where gradients wait, and whether a bf16 copy of the weights fits. The GPU's
-        free memory is measured (in a throwaway process) only when the choice of placement depends on it."""
+        """This run's memory plan: where gradients wait, whether a bf16 copy of the weights fits, the tiles and the
+        device budget of layer checkpoints. On a GPU its free memory is measured first, in a throwaway process."""
         e = self.engine_config
-        need_gpu_free = on_gpu and e.grads == "auto" and self.optim.clipping
+        budget = e.checkpoint_budget_gib
         plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
                         precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
-                        loss_chunk_tokens=e.loss_chunk_tokens,
+                        loss_chunk_tokens=e.loss_chunk_tokens, tile_tokens=e.tile_tokens,
+                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
-                        if need_gpu_free else None)
+                        if on_gpu else None)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
                                         }[plan.grads])
@@ -289,11 +303,13 @@ class Engine:
         return ray.get([w.pid.remote() for w in self.workers])
 
     # ---- training ----
-    def step(self, input_ids: Any, labels: Any = None) -> float:
-        """One optimizer step on this batch (tensors or numpy [batch, seq]); returns the loss."""
+    def step(self, input_ids: Any, labels: Any = None, position_ids: Any = None) -> float:
+        """One optimizer step on this batch (tensors or numpy [batch, seq]); returns the loss. position_ids: each
+        packed document's positions from 0 (a document attends within itself only), as transformers takes them."""
         batch = {"input_ids": token_ids(input_ids)}
-        if labels is not None:
-            batch["labels"] = token_ids(labels)
+        for key, value in (("labels", labels), ("position_ids", position_ids)):
+            if value is not None:
+                batch[key] = token_ids(value)
         return self.step_batch(batch).loss
 
     def step_batch(self, batch: Any) -> StepResult:

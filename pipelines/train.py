@@ -28,7 +28,7 @@ import ray
 import tomllib
 
 from actors.data_loader import DataLoaderActor
-from megatrain.config import ConfigError, MegatrainError, Terminated, dataclass_from_dict
+from megatrain.config import ConfigError, MegatrainError, Terminated, check_tiling, dataclass_from_dict
 from megatrain.data import DataConfig, find_data_files
 from megatrain.memory.checkpoint import CheckpointError
 from megatrain.telemetry import write_chrome_trace
@@ -60,6 +60,10 @@ class TrainConfig:
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
     compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
     loss_chunk_tokens: int = 4096
+    # long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and how many GiB of layer
+    # checkpoints stay on the GPU (0: all of them in host memory)
+    tile_tokens: int | str | None = "auto"
+    checkpoint_budget_gib: float | str | None = "auto"
     seed: int = 0
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
@@ -126,6 +130,7 @@ class TrainConfig:
         if self.eval_every and not (self.data.eval_fraction or self.data.eval_count):
             raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
                               "or eval_count in the config file's [data] table, or eval_every = 0.")
+        check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train config: max_nonfinite_steps must be >= 0, "
                               f"got {self.max_nonfinite_steps}.")
@@ -143,7 +148,7 @@ TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads")
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
-             "max_nonfinite_steps", "trace")
+             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

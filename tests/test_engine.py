@@ -50,7 +50,7 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim
                  ) -> tuple[list[float], dict]:
     """transformers' model trained by torch.optim.AdamW (norms and biases not decayed, or the parameters whose
     names `no_decay` accepts) on HF's cosine schedule; `dtype` float64 gives the exact result that fp32 runs are
-    judged against (parameters returned in fp32)."""
+    judged against (parameters returned in fp32). A batch is (ids, labels) or (ids, labels, position_ids)."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
     named = list(model.named_parameters())
     if dtype == torch.float64 and any(".experts." in n for n, _ in named):
@@ -63,8 +63,10 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim
                             lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
     sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     losses = []
-    for ids, labels in batches:
-        loss = model(input_ids=ids, labels=labels).loss
+    for ids, labels, *positions in batches:
+        # use_cache=False: how transformers reads packed position_ids in training (see test_long_context.py)
+        loss = model(input_ids=ids, labels=labels, position_ids=positions[0] if positions else None,
+                     use_cache=False).loss
         loss.backward()
         losses.append(loss.item())
         if max_grad_norm:

@@ -1,21 +1,30 @@
 """Long context on the CPU, exact: a small model at 4096 tokens with 512-token tiles and every layer input kept in
 host memory (the checkpoint store's budget 0) against transformers in fp32, with and without packed documents
-(per-document position_ids), under simulated asynchronous streams; and the store's own accounting: kept
-checkpoints within the budget however many layers, transfers never more than two."""
+(per-document position_ids), under simulated asynchronous streams; three Engine steps so against transformers +
+AdamW; the store's own accounting (kept checkpoints within the budget however many layers, transfers never more
+than two); packing with per-document positions; and the memory plan at long sequences (7B at 128k and 1B at 512k
+fit an 80 GiB GPU with a 125 GiB host, 7B at 512k does not, and the plan says what host would)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from test_engine import OPTIM, hf_reference
 from test_parity import build_hf_model, rel_err
+from test_qwen3 import max_rel
 from transformers import LlamaConfig
 
 import megatrain
+from megatrain.cli import main
+from megatrain.config import ModelConfig
+from megatrain.data.packing import IGNORE, RowPacker, Sample
 from megatrain.engine.checkpoints import CheckpointStore
 from megatrain.engine.streams import make_streams
+from megatrain.memory.plan import plan_run
 
 SEQ, TILE = 4096, 512
 VOCAB = 128
@@ -103,3 +112,80 @@ def test_checkpoints_on_the_device_stay_within_the_budget() -> None:
 def test_negative_budget_is_refused() -> None:
     with pytest.raises(megatrain.MegatrainError, match="non-negative"):
         CheckpointStore(make_streams("cpu"), -1)
+
+
+def test_engine_tiled_and_offloaded_matches_transformers_and_adamw(ray_session: None,
+                                                                  llama: tuple[torch.nn.Module, Path]) -> None:
+    """Three steps at 4096 tokens of packed documents, 512-token tiles, every checkpoint in host memory, simulated
+    streams, clipping on: losses and parameters as transformers + torch.optim.AdamW, judged against its fp64 run.
+    (One-document rows differ only in the positions, which the loss-and-gradient test above covers.)"""
+    _, directory = llama
+    gen = torch.Generator().manual_seed(1)
+    batches = [(ids, ids.clone(), packed_positions())
+               for ids in (torch.randint(0, VOCAB, (1, SEQ), generator=gen) for _ in range(3))]
+    with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu-async:2", max_grad_norm=1.0,
+                          batch_size=1, seq_len=SEQ, tile_tokens=TILE, checkpoint_budget_gib=0, **OPTIM) as engine:
+        losses = [engine.step(*batch) for batch in batches]
+        params = engine.parameters()
+    exact_losses, exact = hf_reference(directory, batches, 1.0, OPTIM, torch.float64)
+    hf_losses, hf_params = hf_reference(directory, batches, 1.0, OPTIM)
+    assert losses == pytest.approx(exact_losses, rel=1e-5)
+    assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
+    ours, theirs = max_rel(params, exact), max_rel(hf_params, exact)
+    too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(1e-5, 2 * theirs[n])}
+    assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
+
+
+def test_packing_restarts_positions_per_document() -> None:
+    """Documents of 5, 3 and 6 tokens packed into rows of 4: each document's positions count from 0 and go on into
+    the next row where it was cut; the final batch's padding is a run of its own, out of the loss."""
+    docs = iter([Sample(np.arange(n) + 10 * n, np.arange(n) + 10 * n, f"doc{n}") for n in (5, 3, 6)])
+    packer = RowPacker(batch_size=2, seq_len=4, pad_id=0, pack=True, document_positions=True)
+    first = packer.batch(lambda: next(docs))
+    second = packer.batch(lambda: next(docs))
+    assert first["position_ids"].tolist() == [[0, 1, 2, 3], [4, 0, 1, 2]]
+    assert second["position_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 0, 1]]
+    assert second["labels"].tolist()[1][2:] == [IGNORE, IGNORE]
+    plain = RowPacker(batch_size=2, seq_len=4, pad_id=0, pack=True)
+    assert "position_ids" not in plain.batch(lambda: next(iter([Sample(np.arange(8), np.arange(8), "d")])))
+
+
+GiB = 2**30
+H100 = dict(on_gpu=True, gpu_free=80 * GiB, host_free=125 * GiB, precision="bf16")
+
+
+@pytest.mark.parametrize(("preset", "seq"), [("7b", 128 * 1024), ("1b", 512 * 1024)])
+def test_plan_fits_long_sequences_on_an_80_gib_gpu(preset: str, seq: int) -> None:
+    plan = plan_run(ModelConfig.from_name(preset), 1, seq, name=preset, **H100)
+    assert plan.host_problem() is None and plan.gpu_problem() is None, plan.report()
+    assert plan.tile_tokens is not None  # tiled: an untiled layer would not fit beside the checkpoints
+    assert plan.gpu_total <= 80 * GiB and plan.host_total <= 125 * GiB
+
+
+def test_plan_says_7b_at_512k_needs_a_bigger_host() -> None:
+    plan = plan_run(ModelConfig.from_name("7b"), 1, 512 * 1024, name="7b", **H100)
+    problem = plan.host_problem()
+    assert problem is not None and plan.gpu_problem() is None  # the GPU holds it once checkpoints go to the host
+    assert plan.host_checkpoints > 100 * GiB
+    need = plan.host_total
+    assert f"a host with {need / GiB:.0f} GiB available would fit it" in problem
+    assert 128 * 1024 < plan.longest_seq < 512 * 1024 and f"{plan.longest_seq} tokens" in problem
+    # and the host it names does
+    bigger = plan_run(ModelConfig.from_name("7b"), 1, 512 * 1024, name="7b", **{**H100, "host_free": need})
+    assert bigger.host_problem() is None and bigger.gpu_problem() is None
+
+
+def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "1b", "--batch", "1", "--seq", str(512 * 1024), "--precision", "bf16",
+            "--device", "cuda", "--gpu-gib", "80", "--host-gib", "125"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "longest sequence at batch 1 on the GPU and host given:" in out
+    assert main([*args, "--checkpoint-budget-gib", "0", "--tile-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "4096-token tiles" in out and "layer checkpoints offloaded (pinned)" in out
+    assert main(["plan", "--model", "7b", "--batch", "1", "--seq", str(512 * 1024), "--precision", "bf16",
+                 "--device", "cuda", "--gpu-gib", "80", "--host-gib", "125"]) == 1
+    assert "would fit it" in capsys.readouterr().out
+    assert main([*args, "--tile-tokens", "-3"]) == 2
+    assert "tile_tokens must be" in capsys.readouterr().err

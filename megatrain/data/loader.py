@@ -50,6 +50,9 @@ class DataConfig:
     eval_count: int = 0  # ...or this many (the first in storage order); not both
     pack: bool = True  # True: concatenate and cut; False: one document per row, padded
     truncation: bool = True  # pack=False: cut long documents to seq_len (False: refuse them)
+    # pack=True: batches carry position_ids that restart at each document, so that a document attends within
+    # itself only and its positions count from its start (as transformers reads packed position_ids)
+    document_positions: bool = False
     sft: bool | None = None  # train on assistant turns only; None: on when the data holds chats
     vocab_size: int | None = None  # the model's embedding rows: tokenizer and ids are checked against it
     synthetic_docs: int = 10_000  # size of the synthetic data set
@@ -75,7 +78,7 @@ class DataConfig:
             check(value is None or isinstance(value, str), f"{name} must be a string or None", value)
         # flags are read by truthiness later: a TOML `shuffle = "no"` or `pack = 0` would silently mean the
         # opposite of what was meant, so only real booleans pass
-        for name in ("shuffle", "pack", "truncation"):
+        for name in ("shuffle", "pack", "truncation", "document_positions"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false", getattr(self, name))
         check(self.sft is None or isinstance(self.sft, bool),
               "sft must be true, false or None (on when the data holds chats)", self.sft)
@@ -127,7 +130,8 @@ class BatchLoader:
         self.sft = is_chat if cfg.sft is None else cfg.sft
         self.split = EvalSplit(self.source, cfg.eval_fraction, cfg.eval_count)
         self.stream = DocumentStream(self.source, self.split, cfg.seed, cfg.shuffle, cfg.epochs)
-        self.packer = RowPacker(cfg.batch_size, cfg.seq_len, tok.pad_id, cfg.pack, cfg.truncation)
+        self.packer = RowPacker(cfg.batch_size, cfg.seq_len, tok.pad_id, cfg.pack, cfg.truncation,
+                                cfg.document_positions)
         self.batches = 0  # handed out since the start of the data
         self._sample_position = self.stream.position()  # stream position before the latest sample
 
@@ -167,7 +171,7 @@ class BatchLoader:
         """One pass over the held-out documents in storage order, packed like training batches."""
         docs = iter(self.split.docs())
         packer = RowPacker(self.cfg.batch_size, self.cfg.seq_len, self.tokenizer.pad_id, self.cfg.pack,
-                           self.cfg.truncation)
+                           self.cfg.truncation, self.cfg.document_positions)
         while (batch := packer.batch(lambda: self._next_sample(docs))) is not None:
             yield batch
 

@@ -12,7 +12,10 @@ assistant turn.
 Rows: `pack=True` concatenates samples and cuts the stream into rows of seq_len (a long document continues
 into the next row, the next batch or the next epoch's first batch; attention is not masked at document
 boundaries: the EOS separates them). `pack=False` puts one sample per row, right-padded with pad_id; longer
-samples are cut to seq_len (truncation=True) or refused (truncation=False). Right padding needs no attention
+samples are cut to seq_len (truncation=True) or refused (truncation=False). `document_positions=True` (pack mode)
+adds `position_ids`: each document's positions from 0, continuing where a row goes on with a document the
+previous row cut (and the padding of the final batch its own run from 0); the model then attends within each
+document only, as transformers does with packed position_ids. Right padding needs no attention
 mask under causal attention: real tokens never look right. The final batch of the data is padded to full
 size, so every batch has the same [batch_size, seq_len] shape.
 """
@@ -77,9 +80,10 @@ class RowPacker:
     """
 
     def __init__(self, batch_size: int, seq_len: int, pad_id: int, pack: bool = True,
-                 truncation: bool = True):
+                 truncation: bool = True, document_positions: bool = False):
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.pack, self.truncation = pack, truncation
+        self.document_positions = document_positions and pack  # unpacked rows are one document each already
         self.pending: Sample | None = None
         self.offset = 0
 
@@ -89,6 +93,7 @@ class RowPacker:
         b, s = self.batch_size, self.seq_len
         ids = np.full(b * s, self.pad_id, dtype=np.int64)
         labels = np.full(b * s, IGNORE, dtype=np.int64)
+        positions = np.zeros(b * s, dtype=np.int64) if self.document_positions else None
         filled = 0
         if self.pack:
             while filled < b * s:
@@ -100,6 +105,8 @@ class RowPacker:
                 take = min(b * s - filled, len(self.pending) - self.offset)
                 ids[filled : filled + take] = self.pending.ids[self.offset : self.offset + take]
                 labels[filled : filled + take] = self.pending.labels[self.offset : self.offset + take]
+                if positions is not None:
+                    positions[filled : filled + take] = np.arange(self.offset, self.offset + take)
                 filled, self.offset = filled + take, self.offset + take
                 if self.offset == len(self.pending):
                     self.pending, self.offset = None, 0
@@ -118,7 +125,11 @@ class RowPacker:
                 filled = row * s + n
         if filled == 0:
             return None
-        return {"input_ids": ids.reshape(b, s), "labels": labels.reshape(b, s)}
+        batch = {"input_ids": ids.reshape(b, s), "labels": labels.reshape(b, s)}
+        if positions is not None:
+            positions[filled:] = np.arange(b * s - filled)
+            batch["position_ids"] = positions.reshape(b, s)
+        return batch
 
 
 __all__ = ["IGNORE", "RowPacker", "Sample", "make_sample"]

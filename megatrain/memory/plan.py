@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout
@@ -60,20 +61,39 @@ class MemoryPlan:
     process_bytes: int
     gpu_weights: int
     gpu_grads: int
-    gpu_activations: int
+    gpu_checkpoints: int  # the layer inputs kept on the device (at most checkpoint_budget)
+    gpu_transfer: int  # the two buffers offloaded checkpoints cross in (0 when all are kept)
+    gpu_working: int  # one layer's recompute-backward, its MLP over one tile
     gpu_loss: int
     on_gpu: bool
     host_free: int
     shm_free: int
     gpu_free: int | None
+    batch: int = 1
+    seq: int = 0
+    tile_tokens: int | None = None  # the layers' MLP runs over tiles of this many tokens (None: whole)
+    checkpoint_budget: int | None = None  # device bytes for checkpoints (None: all of them)
+    host_checkpoints: int = 0  # page-locked host buffers of the checkpoints beyond the budget
+    longest_seq: int | None = None  # set by plan_run where this one does not fit: the longest that does
 
     @property
     def host_total(self) -> int:
-        return self.arena_bytes + self.process_bytes
+        return self.arena_bytes + self.process_bytes + self.host_checkpoints
+
+    @property
+    def gpu_activations(self) -> int:
+        return self.gpu_checkpoints + self.gpu_transfer + self.gpu_working
 
     @property
     def gpu_total(self) -> int:
         return int(CUDA_CONTEXT) + self.gpu_weights + self.gpu_grads + self.gpu_activations + self.gpu_loss
+
+    def _shorter(self) -> str:
+        if self.longest_seq is None or self.longest_seq >= self.seq:
+            return ""
+        if self.longest_seq == 0:
+            return "; no sequence length fits this batch size here"
+        return f"; the longest sequence that fits is {self.longest_seq} tokens (batch {self.batch})"
 
     def host_problem(self) -> str | None:
         if self.arena_bytes > self.shm_free:
@@ -84,16 +104,23 @@ class MemoryPlan:
                     "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), "
                     "or pick a smaller model.")
         if self.host_total > self.host_free:
+            parts = f"{self.arena_bytes / GiB:.1f} GiB arena + "
+            if self.host_checkpoints:
+                parts += f"{self.host_checkpoints / GiB:.1f} GiB of offloaded layer checkpoints + "
+            fix = (f"a host with {self.host_total / GiB:.0f} GiB available would fit it{self._shorter()}"
+                   if self.host_checkpoints else "pick a smaller model or a machine with more memory")
             return (f"the {self.model} model needs {self.host_total / GiB:.1f} GiB of host memory "
-                    f"({self.arena_bytes / GiB:.1f} GiB arena + {self.process_bytes / GiB:.1f} GiB for processes) but "
-                    f"only {self.host_free / GiB:.1f} GiB is available; pick a smaller model or a machine with "
-                    "more memory.")
+                    f"({parts}{self.process_bytes / GiB:.1f} GiB for processes) but "
+                    f"only {self.host_free / GiB:.1f} GiB is available; {fix}.")
         return None
 
     def gpu_problem(self) -> str | None:
         if self.on_gpu and self.gpu_free is not None and self.gpu_total > self.gpu_free:
-            return (f"training {self.model} needs about {self.gpu_total / GiB:.1f} GiB of GPU memory but "
-                    f"{self.gpu_free / GiB:.1f} GiB is free; lower the batch size or sequence length.")
+            offload = ", with every layer checkpoint in host memory" if self.checkpoint_budget == 0 else ""
+            tiles = f" in {self.tile_tokens}-token tiles" if self.tile_tokens else ""
+            return (f"training {self.model} on {self.batch} x {self.seq} tokens{tiles}{offload} needs about "
+                    f"{self.gpu_total / GiB:.1f} GiB of GPU memory but {self.gpu_free / GiB:.1f} GiB is free; "
+                    f"lower the batch size or sequence length{self._shorter()}.")
         return None
 
     def check_host(self) -> None:
@@ -107,19 +134,27 @@ class MemoryPlan:
 
     def report(self) -> str:
         def row(name: str, n: int) -> str:
-            return f"  {name:<34}{n / GiB:>10.2f} GiB"
+            return f"  {name:<42}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
-        lines = [f"memory plan for {self.model} ({size} params)", "host:"]
+        tiles = f"{self.tile_tokens}-token tiles" if self.tile_tokens else "untiled"
+        lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens, {tiles}",
+                 "host:"]
         lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
-        lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes),
-                  row("processes (Ray, actors)", self.process_bytes),
+        lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
+        if self.host_checkpoints:
+            lines.append(row("layer checkpoints offloaded (pinned)", self.host_checkpoints))
+        lines += [row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
         grads_row = "gradients (all, until the step ends)" if self.grads == "device" else "gradient buffers"
+        kept = "all" if self.checkpoint_budget is None else f"budget {self.checkpoint_budget / GiB:.2f} GiB"
         lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row(grads_row, self.gpu_grads),
-                  row("activations (checkpoints + 1 layer)", self.gpu_activations), row("loss chunk", self.gpu_loss),
+                  row(f"layer checkpoints kept ({kept})", self.gpu_checkpoints)]
+        if self.gpu_transfer:
+            lines.append(row("checkpoint transfer buffers (2)", self.gpu_transfer))
+        lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss),
                   row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
         if self.gpu_free is not None:
             lines.append(row("free", self.gpu_free))
@@ -131,10 +166,13 @@ class MemoryPlan:
 def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
-                shadow: bool | None = None) -> MemoryPlan:
+                shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
+                host_free: int | None = None) -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
-    asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here)."""
+    asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
+    checkpoint_budget as the executor takes them (None: untiled; every checkpoint on the device). host_free: the
+    host memory to plan for (default: what this machine has available, and /dev/shm's free space)."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -149,6 +187,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         arena_numel = layout.numel
     act_bytes = 2 if precision == "bf16" else 4
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.kv_size
     tokens = batch * seq
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
@@ -165,28 +204,47 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         grads_numel = arena_numel
     else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
         grads_numel = GradLayout.ring_numel(layout, config.num_layers)
-    checkpoints = (config.num_layers + 1) * tokens * h * act_bytes
-    # one layer's recompute: normed input, q/k/v, attention out, residual, mlp gate/up/act, and their grads
-    working = 2 * tokens * (6 * h + 2 * config.kv_size + 3 * f) * act_bytes
+    # the layer inputs the backward recomputes from (megatrain/engine/checkpoints.py): the top ones kept on the
+    # device within the budget, the rest in page-locked host buffers, crossing in two device buffers
+    checkpoint = tokens * h * act_bytes
+    kept_layers = config.num_layers if checkpoint_budget is None else min(config.num_layers,
+                                                                          checkpoint_budget // max(checkpoint, 1))
+    offloaded = config.num_layers - kept_layers
+    # one layer's recompute-backward (templates.DecoderLayer.backward): untiled, the whole layer under autograd;
+    # tiled, the whole sequence's q, k, v, attention output and their gradients, the layer's input, middle and
+    # output gradients, and one tile's norm, projections and RoPE, or MLP (normed input, gate, up, activation
+    # and their gradients), under autograd; then the weights' fp32 gradient sums, and the rotary tables
+    if tile_tokens is None or tile_tokens >= tokens:
+        working = tokens * (10 * h + 5 * q + 6 * kv + 6 * f) * act_bytes
+    else:
+        tile = tile_tokens
+        working = tokens * (3 * h + 4 * q + 4 * kv) * act_bytes
+        working += max(tile * (4 * h + 2 * q + 4 * kv) * act_bytes + tile * 2 * h * 4,  # fp32 norm inside
+                       tile * (3 * h + 6 * f) * act_bytes)
+    working += layer * 4 + 2 * tokens * config.head_dim * 4
     if precision != "bf16" and config.num_kv_heads < config.num_heads:  # fp32 GQA: k and v expanded to all heads
-        working += 2 * 2 * tokens * (config.num_heads * config.head_dim - config.kv_size) * act_bytes
+        working += 2 * 2 * tokens * (q - kv) * act_bytes
     chunk = min(tokens, loss_chunk_tokens)
-    loss = 3 * chunk * v * 4 + 2 * tokens * h * 4
+    loss = 3 * chunk * v * 4 + 2 * tokens * h * act_bytes  # a chunk's logits; the final hidden and its gradient
     shadow_bytes = arena_numel * 2 if shadow else 0
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
     if on_gpu:  # the executor's page-locked host buffers: the batch's embedding rows in, their gradient out
         processes += 2 * embed_rows
+    gpu_checkpoints, gpu_transfer = kept_layers * checkpoint, (2 * checkpoint if offloaded else 0)
     if not on_gpu:  # the CPU path computes in host memory
-        processes += weights + gpu_grads + checkpoints + working + loss
+        processes += weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     return MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
         arena_bytes=arena_numel * 12 + grads_numel * 4 + shadow_bytes, grads=grads, grads_bytes=grads_numel * 4,
         shadow_bytes=shadow_bytes,
-        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_activations=checkpoints + working,
-        gpu_loss=loss, on_gpu=on_gpu, host_free=host_available(), shm_free=shm_free, gpu_free=gpu_free,
+        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_checkpoints=gpu_checkpoints,
+        gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
+        host_free=host_available() if host_free is None else host_free,
+        shm_free=shm_free if host_free is None else host_free, gpu_free=gpu_free, batch=batch, seq=seq,
+        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
     )
 
 
@@ -208,20 +266,92 @@ def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | N
     return "device" if fits else "arena"
 
 
+AUTO = "auto"
+TILE_TOKENS = 8192  # auto tiles once a batch has more tokens than this; smaller tiles where memory is short
+MIN_TILE_TOKENS = 1024
+LONGEST_SEQ_SEARCHED = 2**24
+
+
 def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", clipping: bool = True,
              name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
-             loss_chunk_tokens: int = 4096, gpu_free: int | None = None) -> MemoryPlan:
+             loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
+             checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
+             find_longest: bool = True) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
-    wait resolved (resolve_grads), and in bf16 runs the bf16 copy of the weights kept only where the host has
-    room for it (else fp32 weights cross PCIe and are cast on the GPU)."""
+    wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
+    for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
+
+    tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS
+    while the GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU
+    path, whose device is the host), else as many as fit beside everything else, the rest offloaded.
+    Where the result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
-                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free)
-    device_plan = plan_memory(config, batch, seq, grads="device", **kwargs) if on_gpu else None
-    plan = plan_memory(config, batch, seq, grads=resolve_grads(grads, clipping=clipping, device_plan=device_plan),
-                       **kwargs)
+                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free)
+    device_plan = (_plan_sequence(config, batch, seq, "device", tile_tokens, checkpoint_budget, kwargs)
+                   if on_gpu else None)
+    placement = resolve_grads(grads, clipping=clipping, device_plan=device_plan)
+    plan = _plan_sequence(config, batch, seq, placement, tile_tokens, checkpoint_budget, kwargs)
     if plan.shadow_bytes and plan.host_problem() is not None:
-        plan = plan_memory(config, batch, seq, grads=plan.grads, shadow=False, **kwargs)
+        plan = _plan_sequence(config, batch, seq, placement, tile_tokens, checkpoint_budget,
+                              {**kwargs, "shadow": False})
+    if find_longest and (plan.host_problem() or plan.gpu_problem()):
+        plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
+                                       checkpoint_budget=checkpoint_budget, **kwargs)
     return plan
+
+
+def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_tokens: int | None | str,
+                   checkpoint_budget: int | None | str, kwargs: dict[str, Any]) -> MemoryPlan:
+    """The plan with tile_tokens and checkpoint_budget picked where they are "auto"."""
+    tokens = batch * seq
+    if tile_tokens == AUTO:
+        tiles = [None] if tokens <= TILE_TOKENS else [
+            TILE_TOKENS >> i for i in range((TILE_TOKENS // MIN_TILE_TOKENS).bit_length())]
+    else:
+        tiles = [tile_tokens]
+    gpu_free = kwargs["gpu_free"]
+    plan = None
+    for tile in tiles:
+        plan = plan_memory(config, batch, seq, grads=grads, tile_tokens=tile, checkpoint_budget=None, **kwargs)
+        if checkpoint_budget != AUTO:
+            plan = plan_memory(config, batch, seq, grads=grads, tile_tokens=tile, checkpoint_budget=checkpoint_budget,
+                               **kwargs)
+        elif plan.on_gpu and gpu_free is not None and plan.gpu_problem() is not None:
+            # keep what fits beside everything else and the two transfer buffers, in whole checkpoints
+            checkpoint = plan.gpu_checkpoints // config.num_layers
+            room = gpu_free - (plan.gpu_total - plan.gpu_checkpoints) - 2 * checkpoint
+            budget = max(0, room) // max(checkpoint, 1) * checkpoint
+            plan = plan_memory(config, batch, seq, grads=grads, tile_tokens=tile, checkpoint_budget=budget, **kwargs)
+        if plan.gpu_problem() is None:
+            break
+    assert plan is not None
+    return plan
+
+
+def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int | None | str = AUTO,
+                checkpoint_budget: int | None | str = AUTO, **kwargs: Any) -> int:
+    """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if
+    none does."""
+    def fits(seq: int) -> bool:
+        plan = _plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget, kwargs)
+        if plan.shadow_bytes and plan.host_problem() is not None:
+            plan = _plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
+                                  {**kwargs, "shadow": False})
+        return plan.host_problem() is None and plan.gpu_problem() is None
+
+    if not fits(128):
+        return 0
+    low, high = 128, 256  # low fits; high is the first length tried that does not
+    while high <= LONGEST_SEQ_SEARCHED and fits(high):
+        low, high = high, high * 2
+    if high > LONGEST_SEQ_SEARCHED:
+        return low
+    while True:  # bisect to 128 tokens below 8k, 1024 above
+        unit = 128 if high <= 8192 else 1024
+        mid = (low + high) // 2 // unit * unit
+        if mid <= low:
+            return low
+        low, high = (mid, high) if fits(mid) else (low, mid)
 
 
 def gpu_free_here() -> int | None:

@@ -50,15 +50,16 @@ def for_each_unit(layout: ModelLayout, work: Callable[[Unit], None]) -> None:
 
 
 def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
-    """HF Llama init: matrices ~ N(0, initializer_range), norms 1, biases 0; one generator per unit so
-    each unit's values do not depend on the others (nor on the order the threads take them in)."""
+    """HF Llama init: matrices ~ N(0, initializer_range), norms 1 (the family's norm_init), biases 0; one generator
+    per unit so each unit's values do not depend on the others (nor on the order the threads take them in)."""
     std = layout.config.initializer_range
+    norm = getattr(layout.config.family, "norm_init", 1.0)  # Gemma's (1 + w) norms start at 0
 
     def init_unit(unit: Unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
         for name, t in unit.bind(unit.range_of(params)).items():
             if name.endswith("norm.weight"):
-                t.fill_(1.0)
+                t.fill_(norm)
             elif name.endswith(".bias"):
                 t.zero_()
             else:
@@ -70,16 +71,20 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
 class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
-                 grads: str = "arena", shadow: bool = False, on_gpu: bool = False):
+                 grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
+                 checkpoint_budget: int | None = None):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
-        `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory."""
+        `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory but
+        the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
+        executor runs (megatrain/memory/plan.py)."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
-                        grads=grads, shadow=shadow, on_gpu=on_gpu).check_host()
+                        grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
+                        checkpoint_budget=checkpoint_budget).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
         # versions: per unit and worker, the updates applied; issued: per unit, the updates handed out (what is

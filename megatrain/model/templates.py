@@ -24,7 +24,7 @@ Weights = dict[str, torch.Tensor]
 
 
 Spans = list[list[tuple[int, int]]] | None  # per row, the packed documents (ops.document_spans)
-MLP_WEIGHTS = ("post_attention_layernorm.", "mlp.")  # the second half of a layer: what tiling runs tile by tile
+MLP_WEIGHTS = ("post_attention_layernorm.", "mlp.")  # the second half of a layer, tiled over all tokens at once
 
 
 class DecoderLayer:
@@ -33,9 +33,11 @@ class DecoderLayer:
     Options a family's config turns on: q/k/v and o_proj biases (present in `w` or not), and Qwen3's RMSNorm
     over each head's query and key (qk_norm).
 
-    tile_tokens: the MLP half runs over tiles of that many tokens, in the forward and in `backward`, so no
-    [tokens, intermediate] tensor exists whole (at 128k tokens of a 7B model one is 5.6 GB in fp32); attention
-    runs over the whole sequence (SDPA's fused kernels hold O(tokens) beside q, k and v)."""
+    tile_tokens: the token-wise work (norms, q/k/v and output projections, RoPE, the MLP) runs over tiles of about
+    that many tokens, in the forward and in `backward`, so no [tokens, intermediate] tensor exists whole (at 128k
+    tokens of a 7B model one is 5.6 GB in fp32); attention runs over the whole sequence (SDPA's fused kernels
+    hold O(tokens) beside q, k and v).
+    """
 
     def __init__(self, config: ModelConfig, tile_tokens: int | None = None):
         self.config = config
@@ -44,40 +46,87 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
                  ) -> torch.Tensor:
-        x = self.attention(x, w, rope, spans)
         if self.tile_tokens is None or torch.is_grad_enabled():
-            return self.mlp(x, w)
-        out = torch.empty_like(x)
-        flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
-        for start in range(0, flat_in.shape[0], self.tile_tokens):
-            tile = slice(start, start + self.tile_tokens)
-            flat_out[tile] = self.mlp(flat_in[tile], w)
+            return self.mlp(self.attention(x, w, rope, spans), w)
+        with torch.no_grad():
+            x = self._attention_tiled(x, w, rope, spans)[0]
+            out = torch.empty_like(x)
+            flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+            for tile in self._tiles(flat_in.shape[0], 1):
+                flat_out[tile] = self.mlp(flat_in[tile], w)
         return out
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  spans: Spans = None) -> tuple[torch.Tensor, Weights]:
-        """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
-        half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's
-        gradients from the MLP's input gradient."""
-        attn_w = {n: t for n, t in w.items() if not n.startswith(MLP_WEIGHTS)}
-        mlp_w = {n: t for n, t in w.items() if n.startswith(MLP_WEIGHTS)}
-        x = x.detach().requires_grad_(True)
-        attn_leaves = {n: t.detach().requires_grad_(True) for n, t in attn_w.items()}
-        with torch.enable_grad():
-            mid = self.attention(x, attn_leaves, rope, spans)
-        flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
-        grad_mid = torch.empty_like(flat_mid)
-        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()}
-        tile_tokens = self.tile_tokens or flat_mid.shape[0]
-        for start in range(0, flat_mid.shape[0], tile_tokens):
-            tile = slice(start, start + tile_tokens)
-            grad_tile, tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
-            grad_mid[tile] = grad_tile
+        """(dL/dx, {name: dL/dw}) by recomputing the layer from x, tile by tile wherever the work is token-wise: the
+        norm, q/k/v projections and RoPE, the output projection and the MLP half; attention once over the whole
+        sequence under autograd. Weight gradients are summed over the tiles in fp32."""
+        b, t, hidden = x.shape
+        x = x.detach()
+        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in w.items()}
+
+        def add(tile_grads: Weights) -> None:
             for n, g in tile_grads.items():
-                mlp_grads[n] += g
-        grads = torch.autograd.grad(mid, [x, *attn_leaves.values()], grad_mid.view_as(mid))
-        attn_grads = dict(zip(attn_leaves, grads[1:], strict=True))
-        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w}
+                grads[n] += g
+
+        with torch.no_grad():
+            mid, q, k, v = self._attention_tiled(x, w, rope, spans)
+        # attention over the whole sequence, kept for its backward below
+        q, k, v = (t_.requires_grad_(True) for t_ in (q, k, v))
+        with torch.enable_grad():
+            attn = ops.causal_attention(q, k, v, spans)
+        attn_tokens = attn.detach().transpose(1, 2).reshape(b, t, self.config.q_size)
+        # the MLP half, tile by tile over all tokens: dL/d mid
+        flat_mid, flat_grad = mid.view(-1, hidden), grad_out.reshape(-1, hidden)
+        grad_mid = torch.empty_like(flat_mid)
+        mlp_w = {n: p for n, p in w.items() if n.startswith(MLP_WEIGHTS)}
+        for tile in self._tiles(flat_mid.shape[0], 1):
+            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
+            add(tile_grads)
+        del mid, flat_mid
+        # mid = x + o_proj(attn): the output projection, tile by tile along the sequence
+        grad_mid = grad_mid.view(b, t, hidden)
+        o_w = {n: p for n, p in w.items() if n.startswith("self_attn.o_proj.")}
+        grad_attn = torch.empty_like(attn_tokens)
+        for tile in self._tiles(t, b):
+            grad_attn[:, tile], tile_grads = recompute_grads(self._output_projection, attn_tokens[:, tile], o_w,
+                                                             grad_mid[:, tile])
+            add(tile_grads)
+        grad_q, grad_k, grad_v = torch.autograd.grad(
+            attn, [q, k, v], grad_attn.view(b, t, -1, self.config.head_dim).transpose(1, 2))
+        del attn, q, k, v, grad_attn
+        # q, k, v = qkv(x): norm, projections and RoPE, tile by tile; the residual passes grad_mid to x
+        qkv_w = {n: p for n, p in w.items() if n not in o_w and n not in mlp_w}
+        grad_x = grad_mid
+        for tile in self._tiles(t, b):
+            grad_tile, tile_grads = recompute_grads(
+                self._qkv, x[:, tile], qkv_w, (grad_q[:, :, tile], grad_k[:, :, tile], grad_v[:, :, tile]),
+                _rope_rows(rope, tile))
+            grad_x[:, tile] += grad_tile
+            add(tile_grads)
+        return grad_x, grads
+
+    def _tiles(self, tokens: int, rows: int) -> list[slice]:
+        """Slices of `tokens` positions, each with `rows` rows of them no more than tile_tokens tokens (at least one
+        position), covering all."""
+        step = max(1, (self.tile_tokens or tokens * rows) // rows)
+        return [slice(start, start + step) for start in range(0, tokens, step)]
+
+    def _attention_tiled(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x + attn(norm(x)), q, k, v) with the token-wise parts in tiles along the sequence; no grad."""
+        c = self.config
+        b, t, _ = x.shape
+        q = x.new_empty(b, c.num_heads, t, c.head_dim)
+        k = x.new_empty(b, c.num_kv_heads, t, c.head_dim)
+        v = torch.empty_like(k)
+        for tile in self._tiles(t, b):
+            q[:, :, tile], k[:, :, tile], v[:, :, tile] = self._qkv(x[:, tile], w, _rope_rows(rope, tile))
+        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2)
+        out = torch.empty_like(x)
+        for tile in self._tiles(t, b):
+            out[:, tile] = x[:, tile] + self._output_projection(attn[:, tile].reshape(b, -1, c.q_size), w)
+        return out, q, k, v
 
     def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         """x + mlp(norm(x)): token by token, so any tiling of the tokens gives the same result."""
@@ -87,6 +136,15 @@ class DecoderLayer:
     def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
                   ) -> torch.Tensor:
         """x + attn(norm(x))."""
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, w, rope)
+        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2).reshape(b, t, self.config.q_size)
+        return x + self._output_projection(attn, w)
+
+    def _qkv(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [b, heads, t, d], k and v [b, kv_heads, t, d] of x [b, t, hidden], q and k rotated: token-wise, so any
+        tiling along the sequence (with rope's rows for it) gives the same result."""
         c = self.config
         b, t, _ = x.shape
         h = ops.rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
@@ -101,9 +159,17 @@ class DecoderLayer:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2).reshape(b, t, c.q_size)
-        return x + F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
+
+    @staticmethod
+    def _output_projection(attn: torch.Tensor, w: Weights) -> torch.Tensor:
+        return F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+def _rope_rows(rope: tuple[torch.Tensor, torch.Tensor], tile: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables' rows of one tile of positions ([seq, d] tables, or [batch, 1, seq, d] for packed rows)."""
+    cos, sin = rope
+    return cos[..., tile, :], sin[..., tile, :]
 
 
 def embed(rows: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ class GPUExecutor:
         self._held = {step: out.held} if out.held and out.finite else {}
         out.held = []
         stats = rec.end_step()
-        return {"loss": out.loss, "tokens": out.tokens, "unit_norms_sq": out.unit_grad_norms_sq,
+        return {"loss": out.loss, "tokens": out.tokens, "seq": int(input_ids.shape[1]),
+                "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units,
                 "stats": stats.to_dict(),
                 "spans": [s for s in rec.spans if s.step == step] if self.trace else []}

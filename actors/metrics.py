@@ -53,7 +53,8 @@ class EngineMetrics:
                                    "direction")
         self.transfer_bytes = counter("megatrain_transfer_bytes", "Bytes moved by direction.", "direction")
         self.tokens_per_second = gauge("megatrain_tokens_per_second", "Training throughput (tokens/s).")
-        self.tflops = gauge("megatrain_tflops", "Model TFLOP/s (6 N per token, as the benchmarks count).")
+        self.tflops = gauge("megatrain_tflops",
+                            "Model TFLOP/s (6 N per token plus attention, as the benchmarks count).")
         self.loss = gauge("megatrain_loss", "Training loss of the last step.")
         self.steps = counter("megatrain_steps", "Steps run.")
         self.skipped_steps = counter("megatrain_skipped_steps", "Steps skipped (non-finite loss or grads).")

@@ -62,7 +62,7 @@ class PeerResult:
     device: str = ""
     step_time: float | None = None  # mean wall-clock seconds per timed step
     tokens_per_s: float | None = None
-    tflops: float | None = None  # 6 * N * tokens / step_time / 1e12, N = ModelConfig.num_params()
+    tflops: float | None = None  # ModelConfig.flops_per_token (6 N plus attention) * tokens / step_time / 1e12
     gpu_peak: int | None = None  # bytes: max_memory_allocated() of the computing process, after setup
     host_rss_peak: int | None = None  # bytes, sampled by the parent (benchmarks/common.py)
     host_used_peak: int | None = None
@@ -75,7 +75,7 @@ class PeerResult:
         tokens = spec.batch * spec.seq
         self.step_time = step_time
         self.tokens_per_s = tokens / step_time
-        self.tflops = 6 * spec.config.num_params() * tokens / step_time / 1e12
+        self.tflops = spec.config.flops_per_token(spec.seq) * tokens / step_time / 1e12
         self.losses = [float(x) for x in losses]
         if not all(math.isfinite(x) for x in self.losses) and self.status == "ok":
             self.status = "non-finite loss"

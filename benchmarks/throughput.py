@@ -7,8 +7,9 @@
 Each peer (benchmarks/peers.py) runs in a subprocess of its own, one after another, with a timeout: its
 GPU memory is its own, its host memory is sampled from here over its whole process tree (Ray's actors
 included), and a crash or an out-of-memory costs one row, not the run. The table gives tokens/s, TFLOP/s
-as 6 * N * tokens / step time (N = ModelConfig.num_params(); attention FLOPs are left out, as the peers'
-numbers in shared/device/README.md do), peak GPU and host memory, and each peer's throughput over
+as ModelConfig.flops_per_token * tokens / step time (6 N per token plus attention's 12 * layers * hidden * seq;
+RESULTS.md tables before the long-context issue and shared/device/README.md count 6 N only), peak GPU and host
+memory, and each peer's throughput over
 megatrain's; then megatrain's stall breakdown and PCIe rates from StepResult.stats, and `megatrain plan`'s
 host and GPU totals for the shape against megatrain's measured peaks (plan_vs_measured), flagged past 10%.
 

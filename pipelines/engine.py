@@ -373,7 +373,7 @@ class Engine:
             self.metrics.record_skipped_step()
         if out["stats"]:
             tokens_per_s = out["tokens"] / seconds if seconds > 0 else 0.0
-            tflops = tokens_per_s * self.config.flops_per_token(1) / 1e12
+            tflops = tokens_per_s * self.config.flops_per_token(out["seq"]) / 1e12  # attention's included
             self.metrics.record_step(StepStats.from_dict(out["stats"]), out["loss"], tokens_per_s, tflops)
 
     def evaluate(self, batch: Any) -> tuple[float, int]:

@@ -66,6 +66,9 @@ class ModelConfig:
     # the model's config.json, for a model_type of the generic path (transformers' own layers,
     # megatrain/model/hf_generic.py); None for the native families
     hf_config: dict[str, Any] | None = None
+    # what a native family's config.json sets beyond the fields above, checked by the family (Gemma: attention
+    # scale, soft-caps, which layers slide, the local rotary base: megatrain/model/gemma.py); None: its defaults
+    family_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads"):  # the defaults below derive from these
@@ -307,6 +310,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                      head_dim=128, intermediate_size=12288, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      max_position_embeddings=40960, model_type="qwen3"),
+    # Gemma-2-9B, and the text decoders of Gemma-3-4B and 12B (scaled embeddings, (1 + w) norms, sliding layers)
+    "gemma2-9b": dict(vocab_size=256000, hidden_size=3584, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
+                      intermediate_size=14336, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_embeddings=True,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0, model_type="gemma2"),
+    "gemma3-4b": dict(vocab_size=262208, hidden_size=2560, num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256,
+                      intermediate_size=10240, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      rms_norm_eps=1e-6, max_position_embeddings=131072, tie_embeddings=True, bos_token_id=2,
+                      eos_token_id=1, pad_token_id=0, family_options={"sliding_window": 1024},
+                      model_type="gemma3_text"),
+    "gemma3-12b": dict(vocab_size=262208, hidden_size=3840, num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256,
+                       intermediate_size=15360, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                       rms_norm_eps=1e-6, max_position_embeddings=131072, tie_embeddings=True, bos_token_id=2,
+                       eos_token_id=1, pad_token_id=0, family_options={"sliding_window": 1024},
+                       model_type="gemma3_text"),
 }
 
 

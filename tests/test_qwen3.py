@@ -187,6 +187,12 @@ def max_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict
 def test_engine_matches_transformers_and_adamw(ray_session: None, tmp_path: Path) -> None:
     directory = tmp_path / "qwen3"
     build_hf_model(tiny()).save_pretrained(directory)
+    assert_engine_matches_transformers(directory)
+
+
+def assert_engine_matches_transformers(directory: Path) -> None:
+    """Three Engine steps (clipping on, labels masked in places) on the HF directory's model, against transformers +
+    torch.optim.AdamW, both judged against an fp64 run of the reference (tests/test_gemma.py runs it too)."""
     gen = torch.Generator().manual_seed(5)
     batches = []
     for _ in range(3):

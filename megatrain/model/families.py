@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from megatrain.config import ModelConfig
 from megatrain.model.architecture import Architecture
+from megatrain.model.gemma import GEMMA2, GEMMA3
 from megatrain.model.hf_generic import GENERIC
 from megatrain.model.llama import LLAMA
 from megatrain.model.qwen3 import QWEN3
@@ -49,7 +50,7 @@ class Family(Protocol):
         ...
 
 
-FAMILIES: dict[str, Family] = {t: family for family in (LLAMA, QWEN3) for t in family.model_types}
+FAMILIES: dict[str, Family] = {t: family for family in (LLAMA, QWEN3, GEMMA2, GEMMA3) for t in family.model_types}
 MODEL_TYPES = tuple(FAMILIES)  # the native ones
 
 

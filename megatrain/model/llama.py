@@ -41,6 +41,13 @@ def pad_id(hf: dict[str, Any]) -> int | None:
     return pad if valid else None
 
 
+def hf_shape(c: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of the model's shape, as every family here writes them."""
+    return {"model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim}
+
+
 class LlamaFamily:
     """HF config.json <-> ModelConfig for the model types in `architectures`; subclasses change what differs."""
 
@@ -178,14 +185,7 @@ class LlamaFamily:
             rope.setdefault("rope_type", rope.pop("type", "default"))
         hf: dict[str, Any] = {
             "architectures": [self.architectures[c.model_type]],
-            "model_type": c.model_type,
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
+            **hf_shape(c),
             "hidden_act": "silu",
             "max_position_embeddings": c.max_position_embeddings,
             "initializer_range": c.initializer_range,

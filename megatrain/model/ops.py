@@ -25,6 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by (1 + weight) while still in fp32, then cast back (Llama casts before scaling, so
+    the two round differently in bf16); its weights start at 0."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -104,12 +112,71 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _fused_sdpa(q, k, v)
 
 
+# query rows per block of windowed or soft-capped attention: its scores are at most [b, heads, this, this + window]
+ATTENTION_BLOCK = 1024
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[list[tuple[int, int]]] | None
+                       = None, *, window: int | None = None, scale: float | None = None, softcap: float | None = None
+                       ) -> torch.Tensor:
+    """causal_attention with Gemma's options. window: a token attends to itself and the window - 1 tokens before it
+    (transformers' sliding window; None: all before it); scale: the scores' factor (None: head_dim ** -0.5);
+    softcap: scores -> softcap * tanh(scores / softcap) before masking (Gemma 2). Packed documents (spans) attend
+    within themselves, the window counted from each token's own position, as transformers reads packed positions.
+
+    Plain causal attention (no cap, a window no shorter than the sequence) runs in SDPA's fused kernels. Otherwise
+    blocks of ATTENTION_BLOCK query rows attend to the keys their window reaches: SDPA with a [block, keys] mask, or
+    with a soft-cap, which no fused kernel computes, written out as transformers' eager attention is (scores, cap,
+    fp32 softmax). A capped full-attention layer keeps O(t^2) scores for its backward, so on a GPU it is refused
+    from FUSED_ONLY_TOKENS tokens on, as the math kernel is."""
+    if spans is not None:
+        options = dict(window=window, scale=scale, softcap=softcap)
+        rows = [torch.cat([windowed_attention(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e], **options)
+                           for a, e in row], dim=2) for r, row in enumerate(spans)]
+        return torch.cat(rows, dim=0)
+    t = q.shape[2]
+    window = None if window is not None and window >= t else window
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None and window is None:
+        if groups > 1 and _SDPA_HAS_GQA and q.dtype in (torch.float16, torch.bfloat16):
+            return _fused_sdpa(q, k, v, enable_gqa=True, scale=scale)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _fused_sdpa(q, k, v, scale=scale)
+    if softcap is not None and window is None and q.is_cuda and t >= FUSED_ONLY_TOKENS:
+        raise MegatrainError(f"soft-capped attention over {t} tokens (Gemma 2's full-attention layers) has no fused "
+                             f"kernel and would keep [heads, {t}, {t}] scores for the backward; train with sequences "
+                             f"shorter than {FUSED_ONLY_TOKENS} tokens.")
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    positions = torch.arange(t, device=q.device)
+    out = []
+    for start in range(0, t, ATTENTION_BLOCK):
+        end = min(start + ATTENTION_BLOCK, t)
+        first = 0 if window is None else max(0, start - window + 1)  # the first key the block's window reaches
+        rows, cols = positions[start:end, None], positions[None, first:end]
+        allowed = cols <= rows
+        if window is not None:
+            allowed &= cols > rows - window
+        qb, kb, vb = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
+        if softcap is None:
+            out.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale))
+            continue
+        scores = torch.matmul(qb, kb.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
+        out.append(torch.matmul(probs.to(q.dtype), vb))
+    return torch.cat(out, dim=2)
+
+
 # From this many tokens on, attention on a GPU must run in a fused SDPA kernel (flash, memory-efficient, cuDNN):
 # the math kernel's [b, heads, t, t] scores would take 16 GiB per head at 64k tokens in fp32.
 FUSED_ONLY_TOKENS = 8192
 
 
-def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: bool | float | None
+                ) -> torch.Tensor:
     t = q.shape[2]
     if not q.is_cuda or t < FUSED_ONLY_TOKENS or torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
@@ -127,6 +194,11 @@ def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: boo
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def gelu_tanh_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: swiglu with GELU's tanh approximation (transformers' gelu_pytorch_tanh) for SiLU."""
+    return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), down)
 
 
 def shift_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,473 @@
+"""Gemma 2 and Gemma 3 (text): their config.json in and out, and their decoder layer.
+
+What differs from Llama, as transformers' Gemma2ForCausalLM / Gemma3ForCausalLM compute it:
+
+- the embedding's output is scaled by sqrt(hidden_size) (in the compute dtype; Architecture.embed_scale), and the
+  embeddings are tied unless config.json says otherwise;
+- every RMSNorm scales by (1 + w) in fp32 (ops.gemma_rms_norm), so its weights start at 0 (Family.norm_init);
+- a layer normalises around both halves: x + post_attention_norm(attn(input_norm(x))), then
+  x + post_feedforward_norm(mlp(pre_feedforward_norm(x))), the MLP gated by GELU's tanh approximation;
+- attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim's), sliding layers attend to the last
+  `sliding_window` tokens only (layer_types: Gemma 2 alternates, Gemma 3 has five sliding layers per full one);
+- Gemma 2 soft-caps the attention scores (attn_logit_softcapping, which no fused kernel computes) and the final
+  logits (final_logit_softcapping, Architecture.logit_softcap);
+- Gemma 3 puts a (1 + w) RMSNorm over each head's query and key before RoPE (q_norm, k_norm), does not cap the
+  attention scores (transformers ignores attn_logit_softcapping there), and rotates sliding layers with their own
+  base (rope_local_base_freq, no scaling) and full layers with rope_theta and rope_scaling.
+
+The Gemma-only keys live in ModelConfig.family_options, holding only what differs from transformers' defaults for
+the model type (so a config.json read in, a preset and a config written out compare equal). Which layers slide is
+kept as a period where there is one (every p-th layer full, as transformers derives layer_types), so that a
+config stays valid with fewer layers (the memory plan builds a one-layer layout); a list otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.config import ConfigError, ModelConfig
+from megatrain.model import ops
+from megatrain.model.llama import REQUIRED_KEYS, hf_flag, hf_number, hf_shape
+from megatrain.model.templates import Spans, Weights, recompute_grads
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+GELU_TANH = "gelu_pytorch_tanh"  # transformers' name for GELU's tanh approximation, Gemma's only activation here
+MLP_WEIGHTS = ("pre_feedforward_layernorm.", "mlp.", "post_feedforward_layernorm.")  # the token-wise second half
+
+# transformers' defaults (Gemma2Config, Gemma3TextConfig) for keys a config.json leaves out
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(head_dim=256, num_key_value_heads=4, intermediate_size=9216, rms_norm_eps=1e-6,
+                   max_position_embeddings=8192, rope_theta=10000.0, pad_token_id=0,
+                   eos_token_id=1, bos_token_id=2),
+    "gemma3_text": dict(head_dim=256, num_key_value_heads=4, intermediate_size=9216, rms_norm_eps=1e-6,
+                        max_position_embeddings=131072, rope_theta=1e6, pad_token_id=0,
+                        eos_token_id=1, bos_token_id=2),
+}
+# family_options and their defaults, per model type
+OPTION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   sliding_window=4096, sliding_window_pattern=2, layer_types=None),
+    "gemma3_text": dict(query_pre_attn_scalar=256, attn_logit_softcapping=None, final_logit_softcapping=None,
+                        sliding_window=4096, sliding_window_pattern=6, layer_types=None, rope_local_base_freq=10000.0),
+}
+
+
+@dataclass(frozen=True)
+class GemmaOptions:
+    query_pre_attn_scalar: float  # an int where it is one: transformers' configs refuse 256.0
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    sliding_window: int | None  # what a sliding layer attends to: the token itself and the window - 1 before it
+    sliding_window_pattern: int | None  # every p-th layer (1-based) attends fully, the others slide
+    layer_types: tuple[str, ...] | None  # where the layers follow no period
+    rope_local_base_freq: float | None = None  # Gemma 3's sliding layers
+
+    def layer_types_for(self, num_layers: int) -> list[str]:
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        p = self.sliding_window_pattern
+        assert p is not None
+        return [FULL if (i + 1) % p == 0 else SLIDING for i in range(num_layers)]
+
+
+def options(c: ModelConfig) -> GemmaOptions:
+    """c's Gemma options, transformers' defaults where family_options leaves them out; ConfigError for bad ones."""
+    defaults = OPTION_DEFAULTS[c.model_type]
+    given = c.family_options or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"model config: family_options must be a dict or None, got {given!r}.")
+    unknown = sorted(map(str, set(given) - set(defaults)))
+    if unknown:
+        raise ConfigError(f"model config: family_options has key(s) {', '.join(unknown)} that {c.model_type} does "
+                          f"not know; known keys are {', '.join(defaults)}.")
+    values = {**defaults, **given}
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                "rope_local_base_freq"):
+        value = values.get(key)
+        optional = key.endswith("softcapping") or key not in defaults
+        if value is None and optional:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            raise ConfigError(f"model config: {c.model_type} {key} must be a positive number"
+                              f"{' or None' if optional else ''}, got {value!r}.")
+        if key != "query_pre_attn_scalar":  # which transformers' configs take as an integer where it is one
+            values[key] = float(value)
+        elif float(value).is_integer():
+            values[key] = int(value)
+    window = values["sliding_window"]
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+        raise ConfigError(f"model config: {c.model_type} sliding_window must be a positive integer or None, "
+                          f"got {window!r}.")
+    types = values["layer_types"]
+    if types is not None:
+        if not (isinstance(types, (list, tuple)) and len(types) == c.num_layers
+                and all(t in (FULL, SLIDING) for t in types)):
+            raise ConfigError(f"model config: layer_types must list {FULL!r} or {SLIDING!r} for each of the "
+                              f"{c.num_layers} layers, got {types!r}.")
+        values["layer_types"], values["sliding_window_pattern"] = tuple(types), None
+    else:
+        p = values["sliding_window_pattern"]
+        if not (isinstance(p, int) and not isinstance(p, bool) and p >= 1):
+            raise ConfigError(f"model config: sliding_window_pattern (every p-th layer attends fully) must be a "
+                              f"positive integer, got {p!r}.")
+    return GemmaOptions(**values)
+
+
+def _period(types: list[str]) -> int | None:
+    """The p with layer i full exactly where (i + 1) % p == 0, as transformers derives layer_types, if any."""
+    for p in range(1, len(types) + 2):
+        if all((t == FULL) == ((i + 1) % p == 0) for i, t in enumerate(types)):
+            return p
+    return None
+
+
+class GemmaFamily:
+    """HF config.json <-> ModelConfig for one of gemma2 and gemma3_text (one instance each: qk_norm differs)."""
+
+    uniform_layers = True  # sliding and full layers hold the same tensors
+    norm_init = 0.0  # (1 + w) norms: transformers initialises w to 0
+
+    def __init__(self, model_type: str, architecture: str):
+        self.model_type, self.architecture_name = model_type, architecture
+        self.gemma3 = model_type == "gemma3_text"
+        self.qk_norm = self.gemma3
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.model_type,)
+
+    # ---- in ----
+    def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+        missing = [k for k in REQUIRED_KEYS if k not in hf]
+        if missing:
+            raise ConfigError(f"HF config lacks {', '.join(missing)}; it does not describe a {model_type} model.")
+        defaults = HF_DEFAULTS[model_type]
+
+        def get(key: str) -> Any:
+            value = hf.get(key)
+            return defaults[key] if value is None and key in defaults else value
+
+        activation = hf.get("hidden_activation") or GELU_TANH
+        if activation != GELU_TANH:
+            raise ConfigError(f"HF config's hidden_activation is {activation!r}; megatrain's {model_type} layer "
+                              f"implements {GELU_TANH!r} only.")
+        if hf_flag(hf, "use_bidirectional_attention"):
+            raise ConfigError(f"HF config sets use_bidirectional_attention, which megatrain's {model_type} layer "
+                              "does not implement (it trains causal language models); set it to false.")
+        dropout = hf.get("attention_dropout") or 0.0
+        if hf_number(hf, "attention_dropout", dropout) != 0.0:
+            raise ConfigError(f"HF config's attention_dropout is {dropout!r}; megatrain's {model_type} layer has no "
+                              "dropout: set it to 0.")
+        rope_theta, rope_scaling, local_theta = self._rope(hf)
+        types = hf.get("layer_types")
+        layers = hf["num_hidden_layers"]
+        if types is None:  # transformers derives them: Gemma 2 alternates; Gemma 3 from sliding_window_pattern
+            pattern = 2 if not self.gemma3 else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
+            pattern = 6 if pattern is None else pattern
+        elif isinstance(types, list) and isinstance(layers, int) and len(types) == layers:
+            pattern = _period(types)
+        else:
+            raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
+                              f"num_hidden_layers ({layers!r}) layers; fix config.json.")
+        bias = hf_flag(hf, "attention_bias")
+        eos = get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        pad = get("pad_token_id")
+        vocab = hf["vocab_size"]
+        own = OPTION_DEFAULTS[model_type]
+        wanted: dict[str, Any] = dict(
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", own["query_pre_attn_scalar"]),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping", own["attn_logit_softcapping"]),
+            final_logit_softcapping=hf.get("final_logit_softcapping", own["final_logit_softcapping"]),
+            sliding_window=hf.get("sliding_window", own["sliding_window"]),
+            sliding_window_pattern=pattern,
+            layer_types=list(types) if types is not None and pattern is None else None,
+        )
+        if self.gemma3:
+            wanted["rope_local_base_freq"] = local_theta
+        family_options = {k: v for k, v in wanted.items() if v != own[k]}  # only what differs from the defaults
+        tied = hf.get("tie_word_embeddings")
+        return dict(
+            vocab_size=vocab,
+            hidden_size=hf["hidden_size"],
+            num_layers=layers,
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=get("num_key_value_heads"),
+            intermediate_size=get("intermediate_size"),
+            head_dim=get("head_dim"),
+            rope_theta=hf_number(hf, "rope_theta", rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf_number(hf, "rms_norm_eps", get("rms_norm_eps")),
+            tie_embeddings=True if tied is None else hf_flag(hf, "tie_word_embeddings"),
+            qkv_bias=bias,
+            o_bias=bias,
+            max_position_embeddings=get("max_position_embeddings"),
+            initializer_range=get("initializer_range") or 0.02,
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=eos,
+            # transformers' embedding gives the padding row no gradient (padding_idx), 0 unless config.json says
+            pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None,
+            model_type=model_type,
+            family_options=family_options or None,
+        )
+
+    def _rope(self, hf: dict[str, Any]) -> tuple[Any, dict[str, Any] | None, Any]:
+        """(rope_theta, rope_scaling, local theta) of the full layers and (Gemma 3) the sliding ones, from
+        rope_parameters (per layer type in Gemma 3) or the older rope_theta / rope_scaling / rope_local_base_freq."""
+        defaults = HF_DEFAULTS[self.model_type]
+        params = hf.get("rope_parameters") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"HF config has a value of the wrong type for rope_parameters ({params!r}); "
+                              "it must be a JSON object.")
+        per_type = self.gemma3 and bool(set(params) & {FULL, SLIDING})
+        full = (params.get(FULL) or {}) if per_type else params
+        local = (params.get(SLIDING) or {}) if per_type else {}
+        if not (isinstance(full, dict) and isinstance(local, dict)):
+            raise ConfigError("HF config's rope_parameters must map each layer type to a JSON object.")
+        theta = full.get("rope_theta", hf.get("rope_theta"))
+        theta = defaults["rope_theta"] if theta is None else theta
+        scaling = hf.get("rope_scaling") or None
+        if full.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        if self.gemma3 and local.get("rope_type", "default") != "default":
+            raise ConfigError(f"HF config's sliding layers use {local['rope_type']!r} rotary embeddings; megatrain's "
+                              "gemma3_text layer rotates them with the default rope only.")
+        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+        if local_theta is None:
+            local_theta = OPTION_DEFAULTS["gemma3_text"]["rope_local_base_freq"]
+        return theta, scaling, hf_number(hf, "rope_local_base_freq", local_theta)
+
+    # ---- checks ----
+    def validate(self, c: ModelConfig) -> None:
+        o = options(c)
+        if c.qkv_bias != c.o_bias:
+            raise ConfigError(f"model config: qkv_bias={c.qkv_bias} with o_bias={c.o_bias} is no {c.model_type} "
+                              "layout transformers can load; attention_bias puts a bias on q, k, v and o alike.")
+        if c.sliding_window is not None:  # ModelConfig's is the Llama family's (it trains sequences up to it)
+            raise ConfigError(f"model config: a {c.model_type} model's window is family_options' sliding_window "
+                              f"(its sliding layers use it, its full layers attend to all); set sliding_window=None.")
+        if SLIDING in o.layer_types_for(c.num_layers) and o.sliding_window is None:
+            raise ConfigError(f"model config: this {c.model_type} model has sliding-window layers but no "
+                              "sliding_window in family_options; set it (Gemma 2: 4096, Gemma 3: 1024).")
+        if not self.gemma3 and c.family_options and "rope_local_base_freq" in c.family_options:
+            raise ConfigError("model config: rope_local_base_freq is Gemma 3's; gemma2 rotates every layer with "
+                              "rope_theta.")
+
+    # ---- the model ----
+    def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        h, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+        tensors = [
+            ("self_attn.q_proj.weight", (q, h), True),
+            ("self_attn.k_proj.weight", (kv, h), True),
+            ("self_attn.v_proj.weight", (kv, h), True),
+            ("self_attn.o_proj.weight", (h, q), True),
+        ]
+        if c.qkv_bias:
+            tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
+                        ("self_attn.v_proj.bias", (kv,), False), ("self_attn.o_proj.bias", (h,), False)]
+        if self.qk_norm:
+            d = c.head_dim
+            tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
+        return tensors + [
+            ("mlp.gate_proj.weight", (f, h), True),
+            ("mlp.up_proj.weight", (f, h), True),
+            ("mlp.down_proj.weight", (h, f), True),
+            ("input_layernorm.weight", (h,), False),
+            ("post_attention_layernorm.weight", (h,), False),
+            ("pre_feedforward_layernorm.weight", (h,), False),
+            ("post_feedforward_layernorm.weight", (h,), False),
+        ]
+
+    def num_params(self, c: ModelConfig) -> int:
+        raise NotImplementedError  # uniform layers: ModelConfig.num_params counts them
+
+    def architecture(self, c: ModelConfig) -> GemmaArchitecture:
+        return GemmaArchitecture(c)
+
+    # ---- out ----
+    def to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        o = options(c)
+        full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+        if c.rope_scaling:
+            full_rope.update(c.rope_scaling)
+        hf: dict[str, Any] = {
+            "architectures": [self.architecture_name],
+            **hf_shape(c),
+            "hidden_activation": GELU_TANH,
+            "max_position_embeddings": c.max_position_embeddings,
+            "initializer_range": c.initializer_range,
+            "rms_norm_eps": c.rms_norm_eps,
+            "attention_bias": c.qkv_bias,
+            "attention_dropout": 0.0,
+            "query_pre_attn_scalar": o.query_pre_attn_scalar,
+            "attn_logit_softcapping": o.attn_logit_softcapping,
+            "final_logit_softcapping": o.final_logit_softcapping,
+            "sliding_window": o.sliding_window,
+            "layer_types": o.layer_types_for(c.num_layers),
+            "tie_word_embeddings": c.tie_embeddings,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+            "use_cache": True,
+            # written even when None: transformers' Gemma configs default to ids 2, 1 and 0 when absent
+            "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_id,
+            "pad_token_id": c.pad_token_id,
+        }
+        if self.gemma3:
+            hf["rope_parameters"] = {FULL: full_rope,
+                                     SLIDING: {"rope_type": "default", "rope_theta": o.rope_local_base_freq}}
+            hf["use_bidirectional_attention"] = False
+        else:
+            hf["rope_parameters"] = full_rope
+        return hf
+
+
+GEMMA2 = GemmaFamily("gemma2", "Gemma2ForCausalLM")
+GEMMA3 = GemmaFamily("gemma3_text", "Gemma3ForCausalLM")
+
+
+class GemmaLayer:
+    """x -> x + post_norm(attn(norm(x))) -> x + post_norm(mlp(pre_norm(x))); one instance per attention kind
+    (sliding, full) serves all layers of that kind: fn(x, weights, rope, spans).
+
+    tile_tokens: the MLP half runs over tiles of that many tokens, in the forward and in `backward`, so no
+    [tokens, intermediate] tensor exists whole; attention runs over the whole sequence."""
+
+    def __init__(self, config: ModelConfig, window: int | None, scale: float, softcap: float | None):
+        self.config = config
+        self.qk_norm = config.qk_norm  # read once: the family lookup behind it is no part of a compiled graph
+        self.window, self.scale, self.softcap = window, scale, softcap
+        self.tile_tokens: int | None = None
+
+    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+                 ) -> torch.Tensor:
+        x = self.attention(x, w, rope, spans)
+        if self.tile_tokens is None or torch.is_grad_enabled():
+            return self.mlp(x, w)
+        out = torch.empty_like(x)
+        flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+        for start in range(0, flat_in.shape[0], self.tile_tokens):
+            tile = slice(start, start + self.tile_tokens)
+            flat_out[tile] = self.mlp(flat_in[tile], w)
+        return out
+
+    def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 spans: Spans = None) -> tuple[torch.Tensor, Weights]:
+        """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
+        half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's gradients
+        from the MLP's input gradient."""
+        attn_w = {n: t for n, t in w.items() if not n.startswith(MLP_WEIGHTS)}
+        mlp_w = {n: t for n, t in w.items() if n.startswith(MLP_WEIGHTS)}
+        x = x.detach().requires_grad_(True)
+        attn_leaves = {n: t.detach().requires_grad_(True) for n, t in attn_w.items()}
+        with torch.enable_grad():
+            mid = self.attention(x, attn_leaves, rope, spans)
+        flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
+        grad_mid = torch.empty_like(flat_mid)
+        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()}
+        tile_tokens = self.tile_tokens or flat_mid.shape[0]
+        for start in range(0, flat_mid.shape[0], tile_tokens):
+            tile = slice(start, start + tile_tokens)
+            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
+            for n, g in tile_grads.items():
+                mlp_grads[n] += g
+        grads = torch.autograd.grad(mid, [x, *attn_leaves.values()], grad_mid.view_as(mid))
+        attn_grads = dict(zip(attn_leaves, grads[1:], strict=True))
+        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w}
+
+    def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
+        """x + post_norm(mlp(pre_norm(x))): token by token, so any tiling of the tokens gives the same result."""
+        eps = self.config.rms_norm_eps
+        h = ops.gemma_rms_norm(x, w["pre_feedforward_layernorm.weight"], eps)
+        h = ops.gelu_tanh_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        return x + ops.gemma_rms_norm(h, w["post_feedforward_layernorm.weight"], eps)
+
+    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+                  ) -> torch.Tensor:
+        """x + post_norm(attn(norm(x)))."""
+        c = self.config
+        b, t, _ = x.shape
+        h = ops.gemma_rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
+        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+        q = q.view(b, t, c.num_heads, c.head_dim)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        if self.qk_norm:  # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
+            q = ops.gemma_rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = ops.gemma_rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        attn = ops.windowed_attention(q, k, v, spans, window=self.window, scale=self.scale, softcap=self.softcap)
+        out = F.linear(attn.transpose(1, 2).reshape(b, t, c.q_size), w["self_attn.o_proj.weight"],
+                       w.get("self_attn.o_proj.bias"))
+        return x + ops.gemma_rms_norm(out, w["post_attention_layernorm.weight"], c.rms_norm_eps)
+
+
+class GemmaBatch:
+    """Each layer gets its kind's rotary (cos, sin) and the packed documents; nothing is added to the loss."""
+
+    def __init__(self, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], types: list[str], spans: Spans):
+        self.ropes, self.types, self.spans = ropes, types, spans
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        return (self.ropes[self.types[index]], self.spans)
+
+    def forward_done(self) -> torch.Tensor | None:
+        return None
+
+
+class GemmaArchitecture:
+    """Gemma 2 / 3's decoder: a sliding and a full GemmaLayer, scaled embeddings, (1 + w) final norm, capped logits."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        o = options(config)
+        self.types = o.layer_types_for(config.num_layers)
+        self.embed_scale = config.hidden_size ** 0.5
+        self.logit_softcap = o.final_logit_softcapping
+        gemma3 = config.model_type == "gemma3_text"
+        softcap = None if gemma3 else o.attn_logit_softcapping  # transformers' Gemma 3 never caps attention
+        scale = o.query_pre_attn_scalar ** -0.5
+        self.templates = {FULL: GemmaLayer(config, None, scale, softcap),
+                          SLIDING: GemmaLayer(config, o.sliding_window, scale, softcap)}
+        # the rotary of each kind: Gemma 3's sliding layers have their own base and no scaling
+        local = replace(config, rope_theta=o.rope_local_base_freq, rope_scaling=None) if gemma3 else config
+        self.rope_configs = {FULL: config, SLIDING: local}
+        self._rope: dict[tuple[str, int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> GemmaBatch:
+        spans = None if position_ids is None else ops.document_spans(position_ids)
+        packed = position_ids is not None and not torch.equal(position_ids,
+                                                               torch.arange(seq).expand_as(position_ids))
+        ropes = {}
+        for kind in set(self.types):
+            rope_config = self.rope_configs[kind]
+            if packed:
+                ropes[kind] = ops.rope_cos_sin(rope_config, seq, device, dtype, position_ids)
+                continue
+            key = (kind, seq, device, dtype)
+            if key not in self._rope:
+                self._rope[key] = ops.rope_cos_sin(rope_config, seq, device, dtype)
+            ropes[kind] = self._rope[key]
+        return GemmaBatch(ropes, self.types, spans)
+
+    def tile(self, tile_tokens: int) -> None:
+        for template in self.templates.values():
+            template.tile_tokens = tile_tokens
+
+    def layer(self, index: int) -> GemmaLayer:
+        return self.templates[self.types[index]]
+
+    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        return ops.gemma_rms_norm(x, weights["norm.weight"], self.config.rms_norm_eps)

@@ -55,6 +55,7 @@ class GPUExecutor:
                                  engine.compile, tile_tokens=engine.tile_tokens,
                                  checkpoint_budget=checkpoint_budget_bytes(engine))
         self.hold_grads = engine.grads == "device"
+        self.micro_batches = engine.micro_batches
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
@@ -113,7 +114,7 @@ class GPUExecutor:
         input_ids, labels, position_ids = _batch_tensors(batch)
         out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
-                                hold_grads=self.hold_grads)
+                                hold_grads=self.hold_grads, micro_batches=self.micro_batches)
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm): they go at once
         self._held = {step: out.held} if out.held and out.finite else {}
@@ -134,6 +135,7 @@ class GPUExecutor:
         try:
             out = self.executor.run(input_ids, labels, position_ids,
                                     wait_weights=lambda unit: self._wait_for_version(unit, expected_version, pending),
+                                    micro_batches=self.micro_batches,
                                     loss_ready=lambda loss: False)
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's

@@ -19,14 +19,15 @@ from megatrain.memory.store import ParameterStore
 class ParameterStoreActor:
     def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
                  run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False,
-                 tile_tokens: int | None = None, checkpoint_budget: int | None = None):
+                 tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1):
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
         self.init_error: MegatrainError | None = None
         try:
             self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
-                                        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget)
+                                        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
+                                        micro_batches=micro_batches)
         except MegatrainError as e:
             self.init_error = e
             return

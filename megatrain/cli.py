@@ -36,6 +36,8 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                    help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
+    p.add_argument("--micro-batches", type=int, help="a step is this many micro-batches of --batch-size rows and "
+                                                       "one update (weights stream once per step)")
     _add_long_context_flags(p)
     p.add_argument("--document-positions", dest="data.document_positions", action="store_true", default=None,
                    help="packed rows carry per-document position_ids: each document attends within itself only")
@@ -118,7 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "precision": args.precision, "optimizer_workers": args.optimizer_workers,
                                          "device": args.device, "grads": args.grads,
                                          "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
-                                         "checkpoint_budget_gib": args.checkpoint_budget_gib})
+                                         "checkpoint_budget_gib": args.checkpoint_budget_gib,
+                                         "micro_batches": args.micro_batches})
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
                  tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
@@ -131,7 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
     budget = cfg.checkpoint_budget_gib
     common = dict(name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
-                  gpu_free=gpu_free, host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
+                  gpu_free=gpu_free, micro_batches=cfg.micro_batches,
+                  host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
     long_context = dict(tile_tokens=cfg.tile_tokens,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-workers", type=int)
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches of --batch rows per step")
     p.add_argument("--host-gib", type=float, help="host memory to plan for, /dev/shm included (default: what this "
                                                    "machine has available)")
     _add_long_context_flags(p)

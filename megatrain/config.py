@@ -411,6 +411,8 @@ class EngineConfig:
     # one in host memory)
     tile_tokens: int | None | str = "auto"
     checkpoint_budget_gib: float | None | str = "auto"
+    # a step is this many micro-batches and one update, run layer-major (weights cross once per step)
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -421,6 +423,8 @@ class EngineConfig:
         threads = self.threads_per_worker
         if threads is not None and not (_is_int(threads) and threads >= 1):
             raise ConfigError(f"threads_per_worker must be a positive integer or None, got {threads!r}.")
+        if not (_is_int(self.micro_batches) and self.micro_batches >= 1):
+            raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
         if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):

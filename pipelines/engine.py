@@ -149,20 +149,23 @@ class Engine:
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
-                 checkpoint_budget_gib: float | None | str = "auto"):
+                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int = 1):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
         dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message.
         resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node.
         tile_tokens, checkpoint_budget_gib: long sequences (EngineConfig); "auto" lets the memory plan pick, and a
-        run the plan says will not fit is refused before anything is allocated."""
+        run the plan says will not fit is refused before anything is allocated.
+        micro_batches: a step's batch is that many micro-batches of batch_size rows and one update, run
+        layer-major (each layer's weights cross once per step; its weight gradients are summed over the
+        micro-batches on the device); the loss is the mean over all the step's labelled tokens."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile, tile_tokens=tile_tokens,
-                                          checkpoint_budget_gib=checkpoint_budget_gib)
+                                          checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches)
         self.config, hf_dir, self.model_name = resolve_model(model)
         if seq_len > self.config.max_position_embeddings:
             log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
@@ -224,7 +227,7 @@ class Engine:
         self.store = ParameterStoreActor.options(name=self._name("parameter-store"), **self.placement.pinned()
                                                  ).remote(model_arg, n, seed, batch, seq, self.run_id, self.grads,
                                                           plan.shadow_bytes > 0, on_gpu, plan.tile_tokens,
-                                                          plan.checkpoint_budget)
+                                                          plan.checkpoint_budget, plan.micro_batches)
         self.handle = get(self.store.handle.remote())
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
@@ -270,7 +273,7 @@ class Engine:
         budget = e.checkpoint_budget_gib
         plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
                         precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
-                        loss_chunk_tokens=e.loss_chunk_tokens, tile_tokens=e.tile_tokens,
+                        loss_chunk_tokens=e.loss_chunk_tokens, tile_tokens=e.tile_tokens, micro_batches=e.micro_batches,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
                         if on_gpu else None)

@@ -64,6 +64,7 @@ class TrainConfig:
     # checkpoints stay on the GPU (0: all of them in host memory)
     tile_tokens: int | str | None = "auto"
     checkpoint_budget_gib: float | str | None = "auto"
+    micro_batches: int = 1  # a step is this many micro-batches of data.batch_size rows and one update
     seed: int = 0
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
@@ -139,8 +140,8 @@ class TrainConfig:
         return asdict(self)
 
 
-TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "checkpoint_every",
-              "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
+TRAIN_INTS = ("steps", "micro_batches", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed",
+              "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads")
 
@@ -148,7 +149,7 @@ TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads")
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
-             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib")
+             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
@@ -226,6 +227,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     try:
         with sigterm_stops_the_run():
             cfg.data.vocab_size = engine.config.vocab_size
+            cfg.data.micro_batches = cfg.micro_batches  # the loader hands a step's micro-batches as one batch
             loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory

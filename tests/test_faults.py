@@ -31,13 +31,13 @@ def batches() -> list[torch.Tensor]:
 
 
 def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
-          seed: int = 0, grads: str = "auto", device: str = "cpu"
+          seed: int = 0, grads: str = "auto", device: str = "cpu", micro_batches: int = 1
           ) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
     """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps."""
     rng = random.Random(seed)
     losses = []
-    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, **{**ENGINE, "device": device}
-                          ) as engine:
+    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, micro_batches=micro_batches,
+                          **{**ENGINE, "device": device}) as engine:
         for i, ids in enumerate(batches):
             killer = None
             if victim is not None and i in KILL_STEPS:

@@ -239,7 +239,7 @@ def test_plan_of_qwen3_8b(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert c.num_params() == 8_190_735_360  # Qwen3-8B's published parameter count
     rc = main(["plan", "--model", str(directory), "--batch", "1", "--seq", "4096", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert out.startswith("memory plan for Qwen3-8B (8.191 G params)\n")
+    assert out.startswith("memory plan for Qwen3-8B (8.191 G params), batch 1 x 4096 tokens, untiled\n")
     arena = 12 * ModelLayout.build(c).numel / GiB  # fp32 params, Adam m and v
-    assert f"  {'arena: params + Adam m,v (fp32)':<34}{arena:>10.2f} GiB\n" in out
+    assert f"  {'arena: params + Adam m,v (fp32)':<42}{arena:>10.2f} GiB\n" in out
     assert rc == (0 if "fits: yes" in out else 1)

@@ -190,9 +190,13 @@ def test_a_removed_wait_fails_the_parity_test(hf_dir, monkeypatch, target, repla
         with pytest.raises(StreamOrderError):
             _loss_and_grads(hf_dir, "cpu-async:0")
         return
-    loss, grads = _loss_and_grads(hf_dir, "cpu-async:0")
-    assert not (loss.isfinite() and all(g.isfinite().all() for g in grads.values())), \
-        "the poisoned buffer was read: NaN somewhere in the loss or the gradients"
+    try:
+        loss, grads = _loss_and_grads(hf_dir, "cpu-async:0")
+    except RuntimeError as e:  # the late copy landed inside a recompute: autograd saw its weights change
+        assert "modified by an inplace operation" in str(e)
+    else:
+        assert not (loss.isfinite() and all(g.isfinite().all() for g in grads.values())), \
+            "the poisoned buffer was read: NaN somewhere in the loss or the gradients"
     _loss_and_grads(hf_dir, "cpu")  # the same variant passes on the synchronous path: only asynchrony shows it
 
 

@@ -41,7 +41,8 @@ class DataConfig:
     text_split: str = "paragraph"  # text files: "paragraph" (blank-line separated) or "file" (one doc each)
     tokenizer: str = "byte"  # "byte", or a model directory / tokenizer.json path
     chat_template: str | None = None  # overrides the tokenizer's: a Jinja string or a .jinja file
-    batch_size: int = 8
+    batch_size: int = 8  # rows of a micro-batch: a step's batch is micro_batches of them
+    micro_batches: int = 1
     seq_len: int = 256
     seed: int = 0  # shuffle order (and the synthetic data's content)
     shuffle: bool = True
@@ -82,7 +83,7 @@ class DataConfig:
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false", getattr(self, name))
         check(self.sft is None or isinstance(self.sft, bool),
               "sft must be true, false or None (on when the data holds chats)", self.sft)
-        for name in ("batch_size", "seq_len", "synthetic_docs", "shard_bytes"):
+        for name in ("batch_size", "micro_batches", "seq_len", "synthetic_docs", "shard_bytes"):
             check(count(getattr(self, name), 1), f"{name} must be a positive integer", getattr(self, name))
         check(self.seq_len >= 2, "seq_len must be at least 2 to have a next token", self.seq_len)
         check(self.format is None or self.format in FORMATS,
@@ -130,7 +131,7 @@ class BatchLoader:
         self.sft = is_chat if cfg.sft is None else cfg.sft
         self.split = EvalSplit(self.source, cfg.eval_fraction, cfg.eval_count)
         self.stream = DocumentStream(self.source, self.split, cfg.seed, cfg.shuffle, cfg.epochs)
-        self.packer = RowPacker(cfg.batch_size, cfg.seq_len, tok.pad_id, cfg.pack, cfg.truncation,
+        self.packer = RowPacker(cfg.batch_size * cfg.micro_batches, cfg.seq_len, tok.pad_id, cfg.pack, cfg.truncation,
                                 cfg.document_positions)
         self.batches = 0  # handed out since the start of the data
         self._sample_position = self.stream.position()  # stream position before the latest sample
@@ -154,7 +155,8 @@ class BatchLoader:
         return self._next_sample(self.stream)
 
     def next_batch(self) -> dict[str, np.ndarray]:
-        """{"input_ids", "labels"}: int64 [batch_size, seq_len]. Raises StopIteration after the last epoch."""
+        """{"input_ids", "labels"}: int64 [batch_size * micro_batches, seq_len] (and "position_ids" with
+        document_positions). Raises StopIteration after the last epoch."""
         batch = self.packer.batch(self._next_train_sample)
         if batch is None:
             raise StopIteration
@@ -170,8 +172,9 @@ class BatchLoader:
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """One pass over the held-out documents in storage order, packed like training batches."""
         docs = iter(self.split.docs())
-        packer = RowPacker(self.cfg.batch_size, self.cfg.seq_len, self.tokenizer.pad_id, self.cfg.pack,
-                           self.cfg.truncation, self.cfg.document_positions)
+        c = self.cfg
+        packer = RowPacker(c.batch_size * c.micro_batches, c.seq_len, self.tokenizer.pad_id, c.pack, c.truncation,
+                           c.document_positions)
         while (batch := packer.batch(lambda: self._next_sample(docs))) is not None:
             yield batch
 
@@ -182,7 +185,8 @@ class BatchLoader:
         c = self.cfg
         tokenizer = f"{type(self.tokenizer).__name__}:{self.tokenizer.vocab_size}"
         return {"format": self.format, "num_shards": self.source.num_shards, "tokenizer": tokenizer,
-                "batch_size": c.batch_size, "seq_len": c.seq_len, "seed": c.seed, "shuffle": c.shuffle,
+                "batch_size": c.batch_size, **({"micro_batches": c.micro_batches} if c.micro_batches != 1 else {}),
+                "seq_len": c.seq_len, "seed": c.seed, "shuffle": c.shuffle,
                 "pack": c.pack, "sft": self.sft, "eval_fraction": c.eval_fraction, "eval_count": c.eval_count}
 
     def state_dict(self) -> dict[str, Any]:

@@ -427,7 +427,7 @@ class Executor:
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             *, wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
-            hold_grads: bool = False) -> StepOutput:
+            hold_grads: bool = False, micro_batches: int = 1) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
@@ -437,20 +437,31 @@ class Executor:
         hold_grads: the gradients stay on the device, returned in StepOutput.held for `send_held`.
         position_ids: [batch, seq], each packed document's positions from 0 (a document attends within itself
         only, as transformers reads packed position_ids); None: 0..seq-1 in every row.
+        micro_batches: the batch's rows in that many equal micro-batches, run layer-major: while a layer's weights
+        are on the device its forward (and then its backward) runs over every micro-batch, their checkpoints in
+        the checkpoint store and its weight gradients summed in fp32 before one copy out. Weights cross once per
+        step whatever the number; the loss is the mean over all labelled tokens of the batch, as one batch's.
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
         self.check_batch(input_ids, labels)
+        k = self._check_micro_batches(micro_batches, input_ids.shape[0])
         input_ids = input_ids.long()
         labels = None if labels is None else labels.long()
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         host_targets = ops.shift_labels(input_ids, labels)
+        n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
+        if n_tokens == 0:
+            raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
         if position_ids is not None:
             position_ids = self._check_positions(position_ids, input_ids)
-        batch = self.arch.batch(input_ids.shape[0], input_ids.shape[1], self.device, self.dtype, position_ids)
+        rows_per_micro = input_ids.shape[0] // k
+        micro = [slice(m * rows_per_micro, (m + 1) * rows_per_micro) for m in range(k)]
+        batches = [self.arch.batch(rows_per_micro, input_ids.shape[1], self.device, self.dtype,
+                                   None if position_ids is None else position_ids[rows]) for rows in micro]
         self.slots.invalidate()
 
-        # embedding: gather on the host only the rows this batch uses
+        # embedding: gather on the host only the rows this batch uses (all micro-batches': one gather)
         wait_weights(embed_unit)
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
@@ -460,27 +471,38 @@ class Executor:
             rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
-        with self.rec.span("compute", "embed", embed_unit.index, s.compute):
-            x = embed(rows, row_of_token)
-            if self.arch.embed_scale is not None:  # in the compute dtype, as transformers' scaled embeddings
-                x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
 
-        # forward: x[l] kept as the checkpoint of layer l
-        self.checkpoints.begin(len(layers))
+        def embedded(m: int) -> torch.Tensor:
+            with self.rec.span("compute", "embed", embed_unit.index, s.compute):
+                x = embed(rows, row_of_token[micro[m]])
+                if self.arch.embed_scale is not None:  # in the compute dtype, as transformers' scaled embeddings
+                    x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+            return x
+
+        # forward, layer-major: x[l] of micro-batch m kept as checkpoint l * k + m
+        self.checkpoints.begin(len(layers) * k)
         wait_weights(layers[0])
         self.slots.fetch(layers[0], keep=None)
+        xs: list[torch.Tensor] = []
         for i, unit in enumerate(layers):
             slot, w = self.slots.acquire(unit)
-            self.checkpoints.put(i, x)
-            with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
-                x = self._layer(unit)(x, w, *batch.layer_args(unit.layer))
+            for m in range(k):
+                x = embedded(m) if i == 0 else xs[m]
+                self.checkpoints.put(i * k + m, x)
+                with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
+                    x = self._layer(unit)(x, w, *batches[m].layer_args(unit.layer))
+                if i == 0:
+                    xs.append(x)
+                else:
+                    xs[m] = x
+                del x
             self.slots.release(slot)
             if i + 1 < len(layers):
                 wait_weights(layers[i + 1])
                 self.slots.fetch(layers[i + 1], keep=unit)
 
-        extra_loss = batch.forward_done()
-        # head: forward and backward at once
+        extra_loss = self._extra_loss(batches)
+        # head: forward and backward at once, micro-batch by micro-batch, each scaled by the whole batch's tokens
         wait_weights(head_unit)
         head_w = head_unit.bind(self._head_weights(head_unit))
         lm_head = head_w.get("lm_head.weight")
@@ -489,31 +511,56 @@ class Executor:
             lm_head = self._to_device(table, self.dtype)
         with self.rec.span("compute", "head", head_unit.index, s.compute):
             norm_w = {name: t for name, t in head_w.items() if name.startswith("norm.")}
-            loss, grad_x, grad_norm_w, grad_lm = head_loss_and_grads(
-                x, self.arch.final_norm, norm_w, lm_head, targets, self.loss_chunk_tokens, host_targets,
-                self.arch.logit_softcap)
+            sums = None
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            for m in range(k):
+                micro_loss, xs[m], sums = head_loss_and_grads(
+                    xs[m], self.arch.final_norm, norm_w, lm_head, targets[micro[m]], self.loss_chunk_tokens,
+                    host_targets[micro[m]], self.arch.logit_softcap, n_valid=n_tokens, grads_into=sums)
+                loss += micro_loss
+            grad_norm_w, grad_lm = sums
             if extra_loss is not None:
                 loss = loss + extra_loss
-        del x, head_w, norm_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
-        n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
+        del head_w, norm_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
         if loss_ready is not None and not loss_ready(float(loss)):
             self.checkpoints.end()
             return StepOutput(float(loss), n_tokens)
-        try:
-            return self._backward(loss, n_tokens, grad_x, grad_norm_w, grad_lm, batch, rows_idx,
-                                  row_of_token, grads_landed, slot_free, hold_grads)
+        try:  # xs now holds each micro-batch's gradient with respect to the head's input
+            return self._backward(loss, n_tokens, xs, grad_norm_w, grad_lm, batches, rows_idx,
+                                  [row_of_token[rows] for rows in micro], grads_landed, slot_free, hold_grads)
         except BaseException:
             self._abandon_sends()
             raise
         finally:
             self.checkpoints.end()
 
-    def _backward(self, loss: torch.Tensor, n_tokens: int, grad: torch.Tensor,
-                  grad_norm_w: dict[str, torch.Tensor], grad_lm: torch.Tensor, batch: Batch,
-                  rows_idx: torch.Tensor, row_of_token: torch.Tensor, grads_landed: LandedCallback,
+    def _check_micro_batches(self, micro_batches: object, rows: int) -> int:
+        if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1):
+            raise MegatrainError(f"micro_batches must be a positive integer, got {micro_batches!r}.")
+        if rows % micro_batches:
+            raise MegatrainError(f"a batch of {rows} rows does not split into {micro_batches} equal micro-batches; "
+                                 f"give a multiple of {micro_batches} rows.")
+        return micro_batches
+
+    @staticmethod
+    def _extra_loss(batches: list[Batch]) -> torch.Tensor | None:
+        """The loss term the forward adds (a router's auxiliary loss), of one batch: a micro-batch's is a
+        different function of the router's outputs than the whole batch's, so several are refused."""
+        extra = [batch.forward_done() for batch in batches]
+        if any(term is not None for term in extra) and len(batches) > 1:
+            raise MegatrainError("this model adds a router auxiliary loss over the whole batch, which micro-batches "
+                                 "would change; set micro_batches = 1, or turn the config's output_router_logits "
+                                 "off.")
+        return extra[0]
+
+    def _backward(self, loss: torch.Tensor, n_tokens: int, grads: list[torch.Tensor],
+                  grad_norm_w: dict[str, torch.Tensor], grad_lm: torch.Tensor, batches: list[Batch],
+                  rows_idx: torch.Tensor, row_of_token: list[torch.Tensor], grads_landed: LandedCallback,
                   slot_free: UnitCallback, hold_grads: bool) -> StepOutput:
-        """The head's gradients out, then each layer's recomputed from its checkpoint, then the embedding's."""
+        """The head's gradients out, then each layer's recomputed from its checkpoints (every micro-batch's, their
+        weight gradients summed), then the embedding's."""
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
+        k = len(batches)
         held: list[GradsOut] = []
         slot_users: dict[int, Unit] = {}
         norms: dict[int, torch.Tensor] = {}
@@ -534,20 +581,33 @@ class Executor:
         emit(self._gradients(head_unit, head_grads))
         del head_grads, grad_norm_w
 
-        # backward: recompute each layer from its checkpoint with its weights bound again
+        # backward: recompute each layer from its checkpoints with its weights bound again, the top micro-batch
+        # first (the checkpoint store hands them back in the reverse order of the forward)
         last = len(layers) - 1
         self.slots.fetch(layers[last], keep=None)
         for i in range(last, -1, -1):
             unit = layers[i]
             permit = None if hold_grads else self._permit(in_flight, unit)
             slot, w = self.slots.acquire(unit)
-            with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
-                x = self.checkpoints.get(i)
-                if self.tiled:  # the layer takes its own gradients, tile by tile
-                    grad, wgrads = self.arch.layer(unit.layer).backward(x, w, grad, *batch.layer_args(unit.layer))
-                else:
-                    grad, wgrads = recompute_grads(self._layer(unit), x, w, grad, *batch.layer_args(unit.layer))
-                del x
+            wgrads: dict[str, torch.Tensor] = {}
+            for m in range(k - 1, -1, -1):
+                with self.rec.span("compute", "recompute+backward", unit.index, s.compute):
+                    x = self.checkpoints.get(i * k + m)
+                    args = batches[m].layer_args(unit.layer)
+                    if self.tiled:  # the layer takes its own gradients, tile by tile
+                        grads[m], micro_wgrads = self.arch.layer(unit.layer).backward(x, w, grads[m], *args)
+                    else:
+                        grads[m], micro_wgrads = recompute_grads(self._layer(unit), x, w, grads[m], *args)
+                    del x
+                    if k == 1:
+                        wgrads = micro_wgrads
+                    else:  # summed in fp32, whatever the compute dtype
+                        for name, g in micro_wgrads.items():
+                            if name in wgrads:
+                                wgrads[name] += g
+                            else:
+                                wgrads[name] = g.float()
+                    del micro_wgrads
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
@@ -557,13 +617,19 @@ class Executor:
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
         with self.rec.span("compute", "embed-backward", embed_unit.index, s.compute):
-            if self.arch.embed_scale is not None:
-                grad = grad * torch.tensor(self.arch.embed_scale, dtype=grad.dtype)
-            grad_rows = embed_backward(grad.float(), row_of_token, rows_idx.numel())
+            grad_rows = None
+            for m in range(k):
+                grad = grads[m]
+                if self.arch.embed_scale is not None:
+                    grad = grad * torch.tensor(self.arch.embed_scale, dtype=grad.dtype)
+                micro_rows = embed_backward(grad.float(), row_of_token[m], rows_idx.numel())
+                grad_rows = micro_rows if grad_rows is None else grad_rows.add_(micro_rows)
+                grads[m] = grad = micro_rows = None  # type: ignore[assignment]
+            assert grad_rows is not None
             pad = self.config.pad_token_id
             if pad is not None:  # transformers' embedding (padding_idx) gives the padding row no gradient
                 grad_rows.masked_fill_(self._to_device(rows_idx == pad).unsqueeze(1), 0.0)
-        del grad
+        del grads
         embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
         if self.config.tie_embeddings:
             full = grad_lm.float()

@@ -75,6 +75,19 @@ class MemoryPlan:
     checkpoint_budget: int | None = None  # device bytes for checkpoints (None: all of them)
     host_checkpoints: int = 0  # page-locked host buffers of the checkpoints beyond the budget
     longest_seq: int | None = None  # set by plan_run where this one does not fit: the longest that does
+    micro_batches: int = 1  # a step's micro-batches of batch x seq tokens, run layer-major
+    h2d_bytes: int = 0  # per step: weights streamed in (forward and backward), embedding rows, checkpoints back
+    d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out
+
+    @property
+    def step_tokens(self) -> int:
+        return self.micro_batches * self.batch * self.seq
+
+    @property
+    def pcie_bytes_per_token(self) -> float:
+        """Host <-> device bytes per trained token: under the layer-major schedule the weights' and gradients'
+        share falls as 1 / micro_batches."""
+        return (self.h2d_bytes + self.d2h_bytes) / max(self.step_tokens, 1)
 
     @property
     def host_total(self) -> int:
@@ -137,8 +150,9 @@ class MemoryPlan:
             return f"  {name:<42}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
         tiles = f"{self.tile_tokens}-token tiles" if self.tile_tokens else "untiled"
-        lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens, {tiles}",
-                 "host:"]
+        micro = f" x {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens{micro}, "
+                 f"{tiles}", "host:"]
         lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
@@ -158,6 +172,9 @@ class MemoryPlan:
                   row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
         if self.gpu_free is not None:
             lines.append(row("free", self.gpu_free))
+        if self.on_gpu:
+            lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
+                         f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
         problem = self.host_problem() or self.gpu_problem()
         lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
         return "\n".join(lines)
@@ -167,12 +184,14 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                host_free: int | None = None) -> MemoryPlan:
+                host_free: int | None = None, micro_batches: int = 1) -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
     asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
     checkpoint_budget as the executor takes them (None: untiled; every checkpoint on the device). host_free: the
-    host memory to plan for (default: what this machine has available, and /dev/shm's free space)."""
+    host memory to plan for (default: what this machine has available, and /dev/shm's free space).
+    micro_batches: a step is that many micro-batches of batch x seq tokens, run layer-major: every micro-batch's
+    checkpoints, one micro-batch's working set, the weights streamed once."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -188,10 +207,11 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     act_bytes = 2 if precision == "bf16" else 4
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.kv_size
-    tokens = batch * seq
+    tokens = batch * seq  # of one micro-batch
+    k = micro_batches
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
-    embed_rows = min(v, tokens) * h * 4
+    embed_rows = min(v, k * tokens) * h * 4
     # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
@@ -207,9 +227,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # the layer inputs the backward recomputes from (megatrain/engine/checkpoints.py): the top ones kept on the
     # device within the budget, the rest in page-locked host buffers, crossing in two device buffers
     checkpoint = tokens * h * act_bytes
-    kept_layers = config.num_layers if checkpoint_budget is None else min(config.num_layers,
-                                                                          checkpoint_budget // max(checkpoint, 1))
-    offloaded = config.num_layers - kept_layers
+    entries = config.num_layers * k  # one per layer and micro-batch
+    kept_layers = entries if checkpoint_budget is None else min(entries, checkpoint_budget // max(checkpoint, 1))
+    offloaded = entries - kept_layers
     # one layer's recompute-backward (templates.DecoderLayer.backward): untiled, the whole layer under autograd;
     # tiled, the whole sequence's q, k, v, attention output and their gradients, the layer's input, middle and
     # output gradients, and one tile's norm, projections and RoPE, or MLP (normed input, gate, up, activation
@@ -225,7 +245,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     if precision != "bf16" and config.num_kv_heads < config.num_heads:  # fp32 GQA: k and v expanded to all heads
         working += 2 * 2 * tokens * (q - kv) * act_bytes
     chunk = min(tokens, loss_chunk_tokens)
-    loss = 3 * chunk * v * 4 + 2 * tokens * h * act_bytes  # a chunk's logits; the final hidden and its gradient
+    # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
+    loss = 3 * chunk * v * 4 + (k + 1) * tokens * h * act_bytes
     shadow_bytes = arena_numel * 2 if shadow else 0
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
@@ -233,6 +254,14 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     if on_gpu:  # the executor's page-locked host buffers: the batch's embedding rows in, their gradient out
         processes += 2 * embed_rows
     gpu_checkpoints, gpu_transfer = kept_layers * checkpoint, (2 * checkpoint if offloaded else 0)
+    # PCIe per step: each layer's weights in for the forward and again for the backward (the top two layers'
+    # stay between them), the head once, the batch's embedding rows; gradients out in fp32; offloaded
+    # checkpoints out and back in
+    streamed = 2 if precision == "bf16" and shadow else 4
+    layers_numel = arena_numel - layout.embed.numel - layout.head.numel
+    h2d = (2 * layers_numel - min(2, config.num_layers) * layer + head) * streamed + embed_rows
+    d2h = (layers_numel + head) * 4 + embed_rows
+    h2d, d2h = h2d + offloaded * checkpoint, d2h + offloaded * checkpoint
     if not on_gpu:  # the CPU path computes in host memory
         processes += weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
@@ -245,6 +274,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         host_free=host_available() if host_free is None else host_free,
         shm_free=shm_free if host_free is None else host_free, gpu_free=gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
+        micro_batches=k, h2d_bytes=h2d, d2h_bytes=d2h,
     )
 
 
@@ -276,7 +306,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
-             find_longest: bool = True) -> MemoryPlan:
+             find_longest: bool = True, micro_batches: int = 1) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
     wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
     for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -286,7 +316,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     path, whose device is the host), else as many as fit beside everything else, the rest offloaded.
     Where the result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
-                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free)
+                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
+                  micro_batches=micro_batches)
     device_plan = (_plan_sequence(config, batch, seq, "device", tile_tokens, checkpoint_budget, kwargs)
                    if on_gpu else None)
     placement = resolve_grads(grads, clipping=clipping, device_plan=device_plan)
@@ -304,8 +335,12 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
                    checkpoint_budget: int | None | str, kwargs: dict[str, Any]) -> MemoryPlan:
     """The plan with tile_tokens and checkpoint_budget picked where they are "auto"."""
     tokens = batch * seq
+    if tile_tokens not in (AUTO, None) and not config.family.tiles:
+        raise ConfigError(f"sequence tiling (tile_tokens) is for megatrain's native families; {config.model_type} "
+                          "runs on the generic path, whose layers are transformers' own, whole: leave tile_tokens "
+                          "unset (auto) for this model.")
     if tile_tokens == AUTO:
-        tiles = [None] if tokens <= TILE_TOKENS else [
+        tiles = [None] if tokens <= TILE_TOKENS or not config.family.tiles else [
             TILE_TOKENS >> i for i in range((TILE_TOKENS // MIN_TILE_TOKENS).bit_length())]
     else:
         tiles = [tile_tokens]

@@ -72,7 +72,7 @@ class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
                  grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
-                 checkpoint_budget: int | None = None):
+                 checkpoint_budget: int | None = None, micro_batches: int = 1):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
@@ -84,7 +84,7 @@ class ParameterStore:
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
                         grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
-                        checkpoint_budget=checkpoint_budget).check_host()
+                        checkpoint_budget=checkpoint_budget, micro_batches=micro_batches).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
         # versions: per unit and worker, the updates applied; issued: per unit, the updates handed out (what is

@@ -21,6 +21,7 @@ class Family(Protocol):
 
     qk_norm: bool  # DecoderLayer option: per-head RMSNorm on q and k
     uniform_layers: bool  # every decoder layer has the same tensors (else num_params counts them)
+    tiles: bool  # its layers run over sequence tiles (Architecture.tile)
 
     @property
     def model_types(self) -> tuple[str, ...]: ...

@@ -131,6 +131,7 @@ class GemmaFamily:
     """HF config.json <-> ModelConfig for one of gemma2 and gemma3_text (one instance each: qk_norm differs)."""
 
     uniform_layers = True  # sliding and full layers hold the same tensors
+    tiles = True  # the MLP half over sequence tiles (tile_tokens)
     norm_init = 0.0  # (1 + w) norms: transformers initialises w to 0
 
     def __init__(self, model_type: str, architecture: str):

@@ -161,6 +161,7 @@ class GenericFamily:
 
     qk_norm = False
     uniform_layers = False
+    tiles = False  # transformers' layers run whole
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -54,6 +54,7 @@ class LlamaFamily:
     architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     qk_norm = False  # per-head RMSNorm on q and k (Qwen3): an option of the DecoderLayer template
     uniform_layers = True
+    tiles = True  # its layers run over sequence tiles (tile_tokens)
 
     @property
     def model_types(self) -> tuple[str, ...]:

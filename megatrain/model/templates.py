@@ -196,28 +196,35 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
 
 def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
                         norm_weights: Weights, lm_head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                        host_targets: torch.Tensor | None = None, softcap: float | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, Weights, torch.Tensor]:
+                        host_targets: torch.Tensor | None = None, softcap: float | None = None,
+                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor]]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
     Never holds more than [chunk_tokens, vocab] logits, nor a [vocab, hidden] tensor beside the lm_head's
     gradient: each chunk's share is added into it from the logits' gradient. final_norm(x, norm_weights) is the
     model's norm before the head; softcap, if set, caps the logits (cap * tanh(logits / cap)). Returns (loss,
-    dL/dx, {name: dL/d norm weight}, dL/d lm_head); the loss is the mean over targets that are not IGNORE_INDEX,
-    as transformers computes it. targets are on x's device; host_targets, the same on the host (None: targets
-    are there), are what counting and skipping chunks read, so that they need not wait for the device.
+    dL/dx, ({name: dL/d norm weight}, dL/d lm_head)); the loss is the mean over targets that are not
+    IGNORE_INDEX, as transformers computes it, or their sum over `n_valid` where given (a micro-batch's share
+    of a whole batch's mean). grads_into: the weight gradients of earlier micro-batches (fp32), added to
+    rather than made anew. targets are on x's device; host_targets, the same on the host (None: targets are
+    there), are what counting and skipping chunks read, so that they need not wait for the device.
     """
     flat_x = x.reshape(-1, x.shape[-1])
     flat_t = targets.reshape(-1)
     host_t = flat_t if host_targets is None else host_targets.reshape(-1)
-    n_valid = int((host_t != ops.IGNORE_INDEX).sum())
+    if n_valid is None:
+        n_valid = int((host_t != ops.IGNORE_INDEX).sum())
     if n_valid == 0:
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
     grad_x = torch.zeros_like(flat_x)
     # summed over chunks in fp32 whatever the compute dtype: bf16 sums would round at every chunk
-    grad_norm = {name: torch.zeros_like(w, dtype=torch.float32) for name, w in norm_weights.items()}
-    grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
+    if grads_into is None:
+        grad_norm = {name: torch.zeros_like(w, dtype=torch.float32) for name, w in norm_weights.items()}
+        grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
+    else:
+        grad_norm, grad_head = grads_into
     norm_leaves = {name: w.detach().requires_grad_(True) for name, w in norm_weights.items()}
     for start in range(0, flat_x.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
@@ -237,4 +244,4 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         grad_x[chunk] = gx
         for name, g in zip(norm_leaves, gn, strict=True):
             grad_norm[name] += g
-    return loss / n_valid, grad_x.view_as(x), grad_norm, grad_head
+    return loss / n_valid, grad_x.view_as(x), (grad_norm, grad_head)

@@ -1,0 +1,138 @@
+"""Micro-batches, layer-major: a step of K micro-batches is one batch of K times the rows, exactly.
+
+K=4 micro-batches of 2 rows give the loss and every gradient of one batch of 8 and of transformers on it (also
+tiled, with every checkpoint in host memory, under simulated streams); three Engine steps give transformers +
+AdamW's losses and parameters on the batch of 8 (judged against its fp64 run), clipping on and off; an executor
+killed in the middle of a step's micro-batches ends bit-identical to an uninterrupted run; the data loader hands
+K micro-batches per step; the plan's PCIe bytes per token fall as 1/K; bad settings are one sentence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import OPTIM, hf_reference
+from test_faults import KILL_STEPS, assert_same_model
+from test_faults import batches as fault_batches  # noqa: F401 - a fixture, used by name
+from test_faults import train as train_with_faults
+from test_parity import build_hf_model, hf_loss_and_grads, rel_err
+from test_qwen3 import max_rel
+from transformers import LlamaConfig
+
+import megatrain
+from megatrain.config import ConfigError, EngineConfig, ModelConfig
+from megatrain.data import DataConfig
+from megatrain.data.loader import BatchLoader
+from megatrain.memory.plan import plan_run
+
+VOCAB, ROWS, SEQ, K = 128, 8, 24, 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
+    hf = build_hf_model(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    directory = tmp_path_factory.mktemp("micro")
+    hf.save_pretrained(directory)
+    yield hf, directory
+
+
+def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 rows of ids and labels, some -100, unevenly spread over the micro-batches (the last has fewest): a mean of
+    per-micro-batch means would differ from the batch's mean."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[6:, : SEQ - 3] = -100
+    labels[1, :5] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("variant", ["plain", "tiled-offloaded-async"])
+def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], variant: str) -> None:
+    hf, directory = llama
+    ids, labels = rows(0)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
+    options = dict(device="cpu-async:4", tile_tokens=8, checkpoint_budget=0) if variant != "plain" else {}
+    with megatrain.from_pretrained(directory, **options) as model:
+        whole_loss, grads = model.loss_and_grads(ids, labels)
+        whole = {n: g.clone() for n, g in grads.items()}
+        loss, grads = model.loss_and_grads(ids, labels, micro_batches=K)
+        if variant != "plain":  # every micro-batch's checkpoint of every layer went to the host
+            store = model.executor.checkpoints
+            assert store.offloaded == 2 * (1 + K) and store.peak_kept_bytes == 0
+    assert rel_err(loss, whole_loss) <= 1e-6 and rel_err(loss, hf_loss) <= 1e-5
+    for name, g in hf_grads.items():
+        assert rel_err(grads[name], whole[name]) <= 1e-5, name
+        assert rel_err(grads[name], g) <= 1e-5, name
+
+
+def test_rows_that_do_not_split_are_one_sentence(llama: tuple[torch.nn.Module, Path]) -> None:
+    _, directory = llama
+    with megatrain.from_pretrained(directory) as model:
+        with pytest.raises(megatrain.MegatrainError, match="does not split into 3 equal micro-batches"):
+            model.loss_and_grads(rows(0)[0], micro_batches=3)
+    with pytest.raises(ConfigError, match="micro_batches must be a positive integer"):
+        EngineConfig(micro_batches=0)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+def test_engine_with_micro_batches_matches_transformers_and_adamw(ray_session: None,
+                                                                  llama: tuple[torch.nn.Module, Path],
+                                                                  max_grad_norm: float | None) -> None:
+    _, directory = llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu-async:1",
+                          max_grad_norm=max_grad_norm, batch_size=ROWS // K, seq_len=SEQ, micro_batches=K,
+                          **OPTIM) as engine:
+        losses = [engine.step(ids, labels) for ids, labels in batches]
+        params = engine.parameters()
+    exact_losses, exact = hf_reference(directory, batches, max_grad_norm, OPTIM, torch.float64)
+    hf_losses, hf_params = hf_reference(directory, batches, max_grad_norm, OPTIM)
+    assert losses == pytest.approx(exact_losses, rel=1e-5)
+    assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
+    ours, theirs = max_rel(params, exact), max_rel(hf_params, exact)
+    too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(1e-5, 2 * theirs[n])}
+    assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
+
+
+def test_executor_killed_among_micro_batches_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path  # noqa: F811
+                                                              ) -> None:
+    """Steps of 2 micro-batches of 2 rows; the executor SIGKILLed at random moments of 5 steps (within their
+    micro-batches' forward or backward): the same losses and bit-identical parameters as without the kills."""
+    losses0, params0, _, _ = train_with_faults(fault_batches, tmp_path / "a", micro_batches=2)
+    losses, params, restarts, _ = train_with_faults(fault_batches, tmp_path / "b", victim="executor", seed=4,
+                                                    micro_batches=2)
+    assert restarts >= len(KILL_STEPS)
+    assert losses == losses0
+    assert_same_model(params, params0)
+
+
+def test_data_loader_hands_k_micro_batches_per_step() -> None:
+    """micro_batches=4 of 2 rows: the same rows, in the same order, as batches of 8; resumable the same way."""
+    common = dict(seq_len=32, synthetic_docs=200, seed=3)
+    big = BatchLoader(DataConfig(batch_size=8, **common))
+    micro = BatchLoader(DataConfig(batch_size=2, micro_batches=4, **common))
+    for _ in range(3):
+        a, b = big.next_batch(), micro.next_batch()
+        assert a["input_ids"].shape == b["input_ids"].shape == (8, 32)
+        assert (a["input_ids"] == b["input_ids"]).all() and (a["labels"] == b["labels"]).all()
+    state = micro.state_dict()
+    resumed = BatchLoader(DataConfig(batch_size=2, micro_batches=4, **common))
+    resumed.load_state_dict(state)
+    assert (resumed.next_batch()["input_ids"] == micro.next_batch()["input_ids"]).all()
+
+
+def test_plan_pcie_bytes_per_token_fall_as_one_over_k() -> None:
+    config = ModelConfig.from_name("7b")
+    plans = {k: plan_run(config, 1, 4096, name="7b", precision="bf16", on_gpu=True, micro_batches=k)
+             for k in (1, 2, 4, 8)}
+    # the embedding rows a step gathers grow with its tokens (at most the vocabulary); the weights and gradients,
+    # nearly all of it, do not
+    for k, plan in plans.items():
+        assert plan.step_tokens == k * 4096
+        assert plan.pcie_bytes_per_token * k == pytest.approx(plans[1].pcie_bytes_per_token, rel=0.02)
+        assert plan.gpu_checkpoints == k * plans[1].gpu_checkpoints  # every micro-batch's checkpoints

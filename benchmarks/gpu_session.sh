@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU runbook: every measurement RESULTS.md is waiting for, in three parts of under ~9 minutes each, one
+# The GPU runbook: every measurement RESULTS.md is waiting for, in parts of under ~9 minutes each, one
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu, pcie.py, optimizer.py
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
 #   bash benchmarks/gpu_session.sh big     # megatrain alone: 7b bf16; a traced 1b run and its report; 9b tf32; 7b tf32
+#   bash benchmarks/gpu_session.sh long    # long_context.py, bf16: megatrain 7b at 128k; FSDP2 offload 1b at 32k/64k/128k
+#   bash benchmarks/gpu_session.sh long-1b # long_context.py, bf16: megatrain 1b at the plan's longest, up to 512k
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -25,8 +27,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  tests | peers | big) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|peers|big" >&2; exit 2 ;;
+  tests | peers | big | long | long-1b) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|peers|big|long|long-1b" >&2; exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
   OUT=${OUT:-/tmp/gpu-session-out}  # only printed: a dry run writes nothing
@@ -191,6 +193,30 @@ case "$PART" in
     step tp-7b-tf32 200 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 \
       --peers megatrain --optimizer-workers 8 --steps 3 --warmup 1 --timeout 200 --log-dir "$WORK/logs/7b-tf32" \
       --out "$OUT/tp-7b-tf32.json"
+    ;;
+  long)
+    prelude
+    # fp32 master weights and AdamW states in host memory, bf16 compute, batch 1. One timed step and no warm-up:
+    # 7b at 128k is about a minute a step by its FLOPs (attention is most of them), the Engine's start about as
+    # long again, and a step that trains is what this part must show; the first step's one-off costs (page
+    # faults of the optimizer states) are seconds beside it. The plan keeps every checkpoint on the 80 GB H100.
+    step long-7b 340 python3 benchmarks/long_context.py --model 7b --precision bf16 --seq 131072 --peers megatrain \
+      --warmup 0 --steps 1 --optimizer-workers 8 --timeout 320 --log-dir "$WORK/logs/7b" --out "$OUT/long-7b.json"
+    # FSDP2 offload (bf16 autocast, activation checkpointing) on the 1.1B: ~2 and ~5 s a step at 32k and 64k
+    # (shared/device/README.md), 128k expected out of GPU memory; one warm-up step each holds its lazy init.
+    # Its rows and part long-1b's megatrain row make one table: long_context.py --table long-1b.json long-1b-fsdp2.json
+    step long-1b-fsdp2 200 python3 benchmarks/long_context.py --model 1b --precision bf16 --peers fsdp2 \
+      --fsdp-seqs 32768,65536,131072 --fsdp-warmup 1 --steps 1 --timeout 120 --log-dir "$WORK/logs/1b-fsdp2" \
+      --out "$OUT/long-1b-fsdp2.json"
+    ;;
+  long-1b)
+    prelude
+    # A part of its own: one step of the 1.1B at 512k is ~1e17 FLOPs of attention, some 4 to 7 minutes.
+    # `megatrain plan` allows ~1.4M tokens on the 80 GB H100 (checkpoints offloaded), but a step there would
+    # take ~8x as long as at 512k, past a command's 10 minutes: --max-seq caps the plan's longest at 512k.
+    step long-1b 490 python3 benchmarks/long_context.py --model 1b --precision bf16 --seq auto --max-seq 524288 \
+      --peers megatrain --warmup 0 --steps 1 --optimizer-workers 8 --timeout 470 --log-dir "$WORK/logs/1b" \
+      --out "$OUT/long-1b.json"
     ;;
 esac
 finish

@@ -49,6 +49,10 @@ class BenchSpec:
     seed: int = 0
     grads: str = "auto"  # megatrain: where gradients wait (EngineConfig.grads)
     compile: bool = False  # megatrain: torch.compile of the decoder layer
+    # megatrain, long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and the device
+    # budget of the layer-input checkpoints; None: untiled / every checkpoint on the device
+    tile_tokens: int | None | str = "auto"
+    checkpoint_budget_gib: float | None | str = "auto"
 
     @property
     def config(self) -> ModelConfig:
@@ -70,6 +74,11 @@ class PeerResult:
     losses: list[float] = field(default_factory=list)
     stats: dict[str, float] | None = None  # megatrain: the mean StepStats of the timed steps
     grads: str | None = None  # megatrain: where its gradients waited (Engine.grads), where the engine says
+    # megatrain, long sequences: what its memory plan picked (None: untiled / every checkpoint kept on the
+    # device), and the bytes of page-locked host buffers its layer checkpoints were offloaded to (measured)
+    tile_tokens: int | None = None
+    checkpoint_budget: int | None = None
+    host_checkpoints: int | None = None
 
     def finish(self, spec: BenchSpec, step_time: float, losses: list[float]) -> PeerResult:
         tokens = spec.batch * spec.seq
@@ -242,10 +251,15 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
         engine = megatrain.Engine(spec.model, lr=spec.lr, max_grad_norm=spec.max_grad_norm or None,
                                   optimizer_workers=spec.optimizer_workers, precision=spec.precision,
                                   device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq,
-                                  grads=spec.grads, compile=spec.compile)
+                                  grads=spec.grads, compile=spec.compile, tile_tokens=spec.tile_tokens,
+                                  checkpoint_budget_gib=spec.checkpoint_budget_gib)
         gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
         result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
                             setup_s=time.perf_counter() - t0, grads=getattr(engine, "grads", None))
+        # the engine's config holds what its memory plan resolved "auto" to
+        budget = engine.engine_config.checkpoint_budget_gib
+        result.tile_tokens = engine.engine_config.tile_tokens
+        result.checkpoint_budget = None if budget is None else round(budget * 2**30)
         # Batches go to the object store up front, as the data-loader actor would have them ready.
         refs = [ray.put({"input_ids": b.numpy()}) for b in make_batches(spec)]
         stats: list[dict[str, Any]] = []
@@ -262,6 +276,7 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
         engine.wait_for_updates()  # ... and stop it with the last update in the arena
         step_time = (time.perf_counter() - t0) / max(1, spec.steps)
         result.gpu_peak = _executor_cuda(engine, reset=False)
+        result.host_checkpoints = _host_checkpoints(engine)
         result.stats = mean_stats(stats[spec.warmup:])
         return result.finish(spec, step_time, losses)
     finally:
@@ -270,11 +285,22 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
         ray.shutdown()
 
 
-def _executor_cuda(engine: Any, reset: bool) -> Any:
-    """Runs in the executor actor (Ray's __ray_call__): resets its CUDA peak-memory counter and returns the
-    GPU's name, or returns torch.cuda.max_memory_allocated(); None on the CPU path."""
+def _executor_call(engine: Any, probe: Callable[..., Any], *args: Any) -> Any:
+    """probe(actor, *args) run in the executor actor (Ray's __ray_call__); None where that fails. The probes
+    are defined inside the functions below so that Ray pickles them by value: the actor need not import
+    benchmarks/."""
     import ray
 
+    try:
+        return ray.get(engine.executor.__ray_call__.remote(probe, *args))
+    except Exception as e:  # e.g. a Ray without __ray_call__: no number rather than a lost row
+        print(f"could not probe the executor: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def _executor_cuda(engine: Any, reset: bool) -> Any:
+    """Resets the executor's CUDA peak-memory counter and returns the GPU's name, or returns its
+    torch.cuda.max_memory_allocated(); None on the CPU path."""
     def probe(actor: Any, reset: bool) -> Any:
         import torch
 
@@ -286,11 +312,18 @@ def _executor_cuda(engine: Any, reset: bool) -> Any:
             return torch.cuda.get_device_name(device)
         return torch.cuda.max_memory_allocated(device)
 
-    try:
-        return ray.get(engine.executor.__ray_call__.remote(probe, reset))
-    except Exception as e:  # e.g. a Ray without __ray_call__: no number rather than a lost row
-        print(f"could not read the executor's GPU memory: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+    return _executor_call(engine, probe, reset)
+
+
+def _host_checkpoints(engine: Any) -> int | None:
+    """Bytes of the host buffers the executor's checkpoint store offloaded layer inputs to: what the memory
+    plan's host_checkpoints predicts. The store keeps them from step to step and has no public total, so its
+    buffer table is read."""
+    def probe(actor: Any) -> int:
+        host = getattr(actor.executor.checkpoints, "_host", {})
+        return sum(t.numel() * t.element_size() for t in host.values())
+
+    return _executor_call(engine, probe)
 
 
 def mean_stats(stats: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -75,14 +75,17 @@ def _kill(pids: dict[int, int | None], grace: float) -> None:
             return
 
 
-def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float) -> PeerResult:
+def run_in_subprocess(peer: str, spec: BenchSpec, log_dir: Path, timeout: float,
+                      log_name: str | None = None) -> PeerResult:
+    """One peer's run in a process of its own, its log at log_dir/LOG_NAME.log (default: the peer's name; give
+    one per run where a peer runs more than once)."""
     import torch
 
     if peer in NEEDS_CUDA and not torch.cuda.is_available():
         return PeerResult(peer, status="needs CUDA")
     # the child's result goes to a scratch file, so --log-dir holds only one log per peer
     result_file = Path(tempfile.mkdtemp(prefix=f"mtbench-{peer}-")) / "result.json"
-    log_path = log_dir / f"{peer}.log"
+    log_path = log_dir / f"{log_name or peer}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-peer", peer, "--spec",
            json.dumps(asdict(spec)), "--result-file", str(result_file)]
     env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
@@ -177,13 +180,14 @@ def plan_vs_measured(spec: BenchSpec, results: list[PeerResult]) -> list[dict[st
         return None
     on_gpu = mt.device.startswith("cuda")
     # The run the engine started: where its gradients waited (it reports its choice; an engine that reports
-    # none kept them all in the arena), and the bf16 copy of the weights where the host had room for it;
-    # the engine's default loss chunk, as the megatrain peer runs it.
+    # none kept them all in the arena), the tiles and checkpoint budget its plan picked, and the bf16 copy of
+    # the weights where the host had room for it; the engine's default loss chunk, as the megatrain peer runs it.
     try:
         plan = plan_run(spec.config, spec.batch, spec.seq, grads=mt.grads or "arena",
                         clipping=bool(spec.max_grad_norm), name=spec.model, precision=spec.precision,
                         optimizer_workers=spec.optimizer_workers, on_gpu=on_gpu,
-                        loss_chunk_tokens=EngineConfig().loss_chunk_tokens)
+                        loss_chunk_tokens=EngineConfig().loss_chunk_tokens, tile_tokens=mt.tile_tokens,
+                        checkpoint_budget=mt.checkpoint_budget, find_longest=False)
     except Exception as e:  # the plan's own failure must not cost the table and --out of a finished run
         print(f"memory plan vs measured: plan_run failed: {type(e).__name__}: {e}", file=sys.stderr)
         return None

@@ -44,6 +44,12 @@ def run_script(script: str, args: list[str], shm_dir: Path) -> subprocess.Comple
 
 def table(stdout: str, first_header: str) -> tuple[list[str], dict[str, list[str]]]:
     """The table whose header line starts with `first_header`: (header cells, first cell -> row cells)."""
+    headers, rows = table_rows(stdout, first_header)
+    return headers, {row[0]: row for row in rows}
+
+
+def table_rows(stdout: str, first_header: str) -> tuple[list[str], list[list[str]]]:
+    """The table whose header line starts with `first_header`: (header cells, each row's cells in order)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines[:-1])
                  if line.startswith(first_header + " ") and lines[i + 1].startswith("-"))
@@ -56,12 +62,11 @@ def table(stdout: str, first_header: str) -> tuple[list[str], dict[str, list[str
     def cells(line: str) -> list[str]:
         return [line[a:b].strip() for a, b in cuts]
 
-    rows = {}
+    rows = []
     for line in lines[start + 2:]:
         if not line.strip():
             break
-        row = cells(line)
-        rows[row[0]] = row
+        rows.append(cells(line))
     return cells(lines[start]), rows
 
 
@@ -147,6 +152,59 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
     assert "OFF by more than 10%" in plan_table([host, gpu]).splitlines()[2]
 
 
+def test_long_context_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
+    """megatrain at `--seq auto` (the plan's longest, here capped by --max-seq), 128-token tiles and every layer
+    checkpoint offloaded, beside FSDP2 rows that need CUDA; the JSON and the --table reprint."""
+    from megatrain.config import ModelConfig
+    from megatrain.memory.plan import plan_memory
+
+    out = tmp_path / "long.json"
+    args = ["--model", "tiny", "--precision", "bf16", "--seq", "auto", "--max-seq", "512", "--fsdp-seqs", "256,512",
+            "--tile-tokens", "128", "--checkpoint-budget-gib", "0", "--optimizer-workers", "2",
+            "--object-store-mb", "100", "--timeout", "240", "--out", str(out), "--log-dir", str(tmp_path / "logs")]
+    proc = run_script("long_context.py", args, shm_dir)
+    headers, rows = table_rows(proc.stdout, "peer")
+    assert headers == ["peer", "seq", "status", "tokens/s", "TFLOP/s", "step s", "GPU peak GiB", "host RSS GiB",
+                       "tile", "ckpt budget GiB", "offloaded GiB"]
+    col = {h: i for i, h in enumerate(headers)}
+    assert [(r[0], r[1]) for r in rows] == [("megatrain", "512"), ("FSDP2 CPU offload", "256"),
+                                            ("FSDP2 CPU offload", "512")]
+    mt = rows[0]
+    assert mt[col["status"]] == "ok", proc.stdout
+    for name in ("tokens/s", "TFLOP/s", "step s", "host RSS GiB", "offloaded GiB"):
+        assert is_number(mt[col[name]]), (name, mt)
+    assert (mt[col["tile"]], mt[col["ckpt budget GiB"]]) == ("128", "0.00")
+    if not CUDA:
+        assert all(r[col["status"]] == "needs CUDA" and r[col["tokens/s"]] == "-" for r in rows[1:]), rows
+    assert "the plan's longest here" in proc.stdout and "capped at --max-seq 512" in proc.stdout
+    assert "megatrain: 1 step(s) after 0 untimed" in proc.stdout  # what is timed is said
+    assert "memory plan vs measured, megatrain at 512 tokens" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["plan_longest"] >= 512 and data["meta"]["max_seq"] == 512
+    spec, result = data["runs"][0]["spec"], data["runs"][0]["result"]
+    assert (spec["seq"], spec["warmup"], spec["steps"]) == (512, 0, 1)
+    assert [r["spec"]["warmup"] for r in data["runs"][1:]] == [1, 1]  # FSDP2's first step holds its lazy init
+    assert (result["tile_tokens"], result["checkpoint_budget"]) == (128, 0)
+    # every layer's input went to host buffers, as many bytes as the plan said
+    plan = plan_memory(ModelConfig.from_name("tiny"), 1, 512, precision="bf16", tile_tokens=128, checkpoint_budget=0)
+    assert result["host_checkpoints"] == plan.host_checkpoints > 0
+    assert result["tflops"] == pytest.approx(
+        ModelConfig.from_name("tiny").flops_per_token(512) * 512 / result["step_time"] / 1e12)
+    assert list_segments(shm_dir) == []
+
+    merged = run_script("long_context.py", ["--table", str(out)], shm_dir)
+    assert table_rows(merged.stdout, "peer")[1] == rows
+
+
+def test_long_context_seq_rounding() -> None:
+    from benchmarks.long_context import pick_seq
+
+    assert pick_seq(1_399_808, 524_288) == 524_288  # the cap
+    assert pick_seq(614_400 + 512, None) == 614_400  # whole KiB of tokens
+    assert (pick_seq(896, None), pick_seq(0, 512)) == (896, 0)  # short ones as the plan gave them; none fits
+
+
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
     "tests": [WHEELS, "== doctor (timeout 90s): python3 -m megatrain.cli doctor",
@@ -165,6 +223,15 @@ GPU_SESSION_COMMANDS = {
             "cp /tmp/gpu-session/big/run-1b/timeline.png OUT/timeline-1b.png",
             "python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 --peers megatrain ",
             "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 --peers megatrain "],
+    "long": [WHEELS,
+             "python3 benchmarks/long_context.py --model 7b --precision bf16 --seq 131072 --peers megatrain ",
+             " --out OUT/long-7b.json",
+             "python3 benchmarks/long_context.py --model 1b --precision bf16 --peers fsdp2 "
+             "--fsdp-seqs 32768,65536,131072 ",
+             " --out OUT/long-1b-fsdp2.json"],
+    "long-1b": [WHEELS,
+                "python3 benchmarks/long_context.py --model 1b --precision bf16 --seq auto --max-seq 524288 "
+                "--peers megatrain ", " --out OUT/long-1b.json"],
 }
 
 

@@ -46,7 +46,7 @@ class GPUExecutor:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
                  clipping: bool, trace: bool = False):
         """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
-        the arena), tile_tokens and checkpoint_budget_gib."""
+        the arena), tile_tokens, checkpoint_budget_gib and schedule."""
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
@@ -55,7 +55,7 @@ class GPUExecutor:
                                  engine.compile, tile_tokens=engine.tile_tokens,
                                  checkpoint_budget=checkpoint_budget_bytes(engine))
         self.hold_grads = engine.grads == "device"
-        self.micro_batches = engine.micro_batches
+        self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
@@ -114,7 +114,8 @@ class GPUExecutor:
         input_ids, labels, position_ids = _batch_tensors(batch)
         out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
-                                hold_grads=self.hold_grads, micro_batches=self.micro_batches)
+                                hold_grads=self.hold_grads, micro_batches=self.micro_batches,
+                                schedule=self.schedule)
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm): they go at once
         self._held = {step: out.held} if out.held and out.finite else {}
@@ -135,7 +136,7 @@ class GPUExecutor:
         try:
             out = self.executor.run(input_ids, labels, position_ids,
                                     wait_weights=lambda unit: self._wait_for_version(unit, expected_version, pending),
-                                    micro_batches=self.micro_batches,
+                                    micro_batches=self.micro_batches, schedule=self.schedule,
                                     loss_ready=lambda loss: False)
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's

@@ -37,18 +37,18 @@ class Model:
             store.arena.register_cuda()
 
     def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None, micro_batches: int = 1
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       position_ids: torch.Tensor | None = None, micro_batches: int = 1,
+                       schedule: str = "layer-major") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean next-token loss and its gradient for every parameter, by HF name.
 
         Labels follow transformers: same shape as input_ids, shifted inside, -100 ignored; None means
         input_ids. position_ids: packed documents, each from 0 (as transformers reads them in training: each
-        attends within itself). micro_batches: the rows run as that many micro-batches, layer-major (the same
+        attends within itself). micro_batches: the rows run as that many micro-batches, in `schedule` (the same
         loss and gradients, less memory per layer's working set). The gradients are views of the arena, valid until
         the next call.
         """
         self._check_open()
-        out = self.executor.run(input_ids, labels, position_ids, micro_batches=micro_batches)
+        out = self.executor.run(input_ids, labels, position_ids, micro_batches=micro_batches, schedule=schedule)
         return torch.tensor(out.loss), self.layout.hf_views(self.store.arena.grads)
 
     def parameters(self) -> dict[str, torch.Tensor]:

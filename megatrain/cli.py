@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, PRESETS, MegatrainError, Terminated, cause_chain
+from megatrain.config import GRAD_PLACEMENTS, PRESETS, SCHEDULES, MegatrainError, Terminated, cause_chain
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -38,6 +38,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--micro-batches", type=int, help="a step is this many micro-batches of --batch-size rows and "
                                                        "one update (weights stream once per step)")
+    p.add_argument("--schedule", choices=("auto", *SCHEDULES), help="layer-major: the weights cross once a step, "
+                   "every micro-batch's activations kept; per-micro-batch: once per micro-batch (auto: the first "
+                   "that fits)")
     _add_long_context_flags(p)
     p.add_argument("--document-positions", dest="data.document_positions", action="store_true", default=None,
                    help="packed rows carry per-document position_ids: each document attends within itself only")
@@ -121,7 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "device": args.device, "grads": args.grads,
                                          "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
                                          "checkpoint_budget_gib": args.checkpoint_budget_gib,
-                                         "micro_batches": args.micro_batches})
+                                         "micro_batches": args.micro_batches, "schedule": args.schedule})
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
                  tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
@@ -139,11 +142,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     long_context = dict(tile_tokens=cfg.tile_tokens,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
-                    **long_context, **common)
+                    schedule=cfg.schedule, **long_context, **common)
     print(plan.report())
     longest = plan.longest_seq
     if longest is None:  # it fits: how far it would
-        longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context, **common)
+        longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context,
+                              **{**common, "schedule": plan.schedule})
     where = "the GPU and host given" if args.gpu_gib or args.host_gib else "this machine"
     if on_gpu and gpu_free is None:
         where += " (GPU memory unknown: give --gpu-gib)"
@@ -216,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
     p.add_argument("--micro-batches", type=int, help="micro-batches of --batch rows per step")
+    p.add_argument("--schedule", choices=("auto", *SCHEDULES))
     p.add_argument("--host-gib", type=float, help="host memory to plan for, /dev/shm included (default: what this "
                                                    "machine has available)")
     _add_long_context_flags(p)

@@ -392,6 +392,8 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 #   device  on the compute device until the step's global norm is known, then streamed through host slots
 #           into the optimizer in forward order, overlapping the next forward: 12 B/param host + 4 on the GPU
 GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
+# how a step's micro-batches meet the streamed weights (megatrain/engine/executor.py: Executor.run)
+SCHEDULES = ("layer-major", "per-micro-batch")
 
 
 @dataclass
@@ -411,8 +413,10 @@ class EngineConfig:
     # one in host memory)
     tile_tokens: int | None | str = "auto"
     checkpoint_budget_gib: float | None | str = "auto"
-    # a step is this many micro-batches and one update, run layer-major (weights cross once per step)
+    # a step is this many micro-batches and one update; schedule (SCHEDULES, or "auto": layer-major where it fits,
+    # so that weights cross once per step, else per micro-batch)
     micro_batches: int = 1
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -425,6 +429,7 @@ class EngineConfig:
             raise ConfigError(f"threads_per_worker must be a positive integer or None, got {threads!r}.")
         if not (_is_int(self.micro_batches) and self.micro_batches >= 1):
             raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
+        check_choice("schedule", self.schedule, ("auto", *SCHEDULES))
         if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):

@@ -149,7 +149,8 @@ class Engine:
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
-                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int = 1):
+                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int = 1,
+                 schedule: str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -159,13 +160,16 @@ class Engine:
         run the plan says will not fit is refused before anything is allocated.
         micro_batches: a step's batch is that many micro-batches of batch_size rows and one update, run
         layer-major (each layer's weights cross once per step; its weight gradients are summed over the
-        micro-batches on the device); the loss is the mean over all the step's labelled tokens."""
+        micro-batches on the device); the loss is the mean over all the step's labelled tokens. schedule "auto"
+        takes that layer-major schedule where the memory plan fits it, else "per-micro-batch" (the weights cross
+        once per micro-batch, the gradients summed in the arena), and says so."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile, tile_tokens=tile_tokens,
-                                          checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches)
+                                          checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
+                                          schedule=schedule)
         self.config, hf_dir, self.model_name = resolve_model(model)
         if seq_len > self.config.max_position_embeddings:
             log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
@@ -218,7 +222,12 @@ class Engine:
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         budget = plan.checkpoint_budget
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
-                                     checkpoint_budget_gib=None if budget is None else budget / 2**30)
+                                     checkpoint_budget_gib=None if budget is None else budget / 2**30,
+                                     schedule=plan.schedule)
+        if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
+            log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
+                        "(%d times a step) and the gradients add up in the arena", plan.micro_batches,
+                        plan.micro_batches)
         if plan.tile_tokens or budget is not None:
             log.info("long sequences: %s, %s", f"{plan.tile_tokens}-token tiles" if plan.tile_tokens else "untiled",
                      "every layer checkpoint on the device" if budget is None else
@@ -274,6 +283,7 @@ class Engine:
         plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
                         precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
                         loss_chunk_tokens=e.loss_chunk_tokens, tile_tokens=e.tile_tokens, micro_batches=e.micro_batches,
+                        schedule=e.schedule,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
                         if on_gpu else None)

@@ -65,6 +65,7 @@ class TrainConfig:
     tile_tokens: int | str | None = "auto"
     checkpoint_budget_gib: float | str | None = "auto"
     micro_batches: int = 1  # a step is this many micro-batches of data.batch_size rows and one update
+    schedule: str = "auto"  # layer-major (weights once per step) where memory allows, else per-micro-batch
     seed: int = 0
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
@@ -143,13 +144,13 @@ class TrainConfig:
 TRAIN_INTS = ("steps", "micro_batches", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
-TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads")
+TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
-             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches")
+             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

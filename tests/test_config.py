@@ -213,8 +213,8 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (lambda _: ModelConfig(hidden_size=60, num_heads=4),
      r"head_dim must be even for rotary embeddings, got 15"),
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt9"),
-     r"model_type must be llama, mistral, qwen2, qwen3, gemma2 or gemma3_text \(or a decoder-only model transformers implements, from "
-     r"its config.json\), got 'gpt9'"),
+     r"model_type must be llama, mistral, qwen2, qwen3, gemma2 or gemma3_text \(or a decoder-only model "
+     r"transformers implements, from its config.json\), got 'gpt9'"),
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt2"),
      r"model_type 'gpt2' runs on the generic path, which needs the model's config.json"),
     (lambda _: ModelConfig.from_name("huge"), r"unknown model preset 'huge'; choose one of tiny, .*70b"),

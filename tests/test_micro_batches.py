@@ -1,10 +1,14 @@
-"""Micro-batches, layer-major: a step of K micro-batches is one batch of K times the rows, exactly.
+"""Micro-batches: a step of K micro-batches is one batch of K times the rows, exactly, in either schedule
+(layer-major: each layer's weights cross once per step; per-micro-batch: once per micro-batch, the gradients
+added up in the arena).
 
 K=4 micro-batches of 2 rows give the loss and every gradient of one batch of 8 and of transformers on it (also
 tiled, with every checkpoint in host memory, under simulated streams); three Engine steps give transformers +
-AdamW's losses and parameters on the batch of 8 (judged against its fp64 run), clipping on and off; an executor
-killed in the middle of a step's micro-batches ends bit-identical to an uninterrupted run; the data loader hands
-K micro-batches per step; the plan's PCIe bytes per token fall as 1/K; bad settings are one sentence.
+AdamW's losses and parameters on the batch of 8 (judged against its fp64 run), for both schedules, clipping on and
+off; an executor killed in the middle of a step's micro-batches ends bit-identical to an uninterrupted run; the
+data loader hands K micro-batches per step; the plan's PCIe bytes per token fall as 1/K under the layer-major
+schedule and not per micro-batch, and the plan falls back to per-micro-batch where layer-major does not fit; bad
+settings are one sentence.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+@pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
 @pytest.mark.parametrize("variant", ["plain", "tiled-offloaded-async"])
-def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], variant: str) -> None:
+def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], variant: str, schedule: str) -> None:
     hf, directory = llama
     ids, labels = rows(0)
     hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
@@ -60,10 +65,10 @@ def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], 
     with megatrain.from_pretrained(directory, **options) as model:
         whole_loss, grads = model.loss_and_grads(ids, labels)
         whole = {n: g.clone() for n, g in grads.items()}
-        loss, grads = model.loss_and_grads(ids, labels, micro_batches=K)
+        loss, grads = model.loss_and_grads(ids, labels, micro_batches=K, schedule=schedule)
         if variant != "plain":  # every micro-batch's checkpoint of every layer went to the host
             store = model.executor.checkpoints
-            assert store.offloaded == 2 * (1 + K) and store.peak_kept_bytes == 0
+            assert store.offloaded == 2 * (1 + K) and store.peak_kept_bytes == 0  # this call K x 2, the first 2
     assert rel_err(loss, whole_loss) <= 1e-6 and rel_err(loss, hf_loss) <= 1e-5
     for name, g in hf_grads.items():
         assert rel_err(grads[name], whole[name]) <= 1e-5, name
@@ -77,17 +82,23 @@ def test_rows_that_do_not_split_are_one_sentence(llama: tuple[torch.nn.Module, P
             model.loss_and_grads(rows(0)[0], micro_batches=3)
     with pytest.raises(ConfigError, match="micro_batches must be a positive integer"):
         EngineConfig(micro_batches=0)
+    with pytest.raises(ConfigError, match="schedule must be one of auto, layer-major, per-micro-batch"):
+        EngineConfig(schedule="breadth-first")
+    with pytest.raises(ConfigError, match="per-micro-batch schedule adds gradients up in the arena"):
+        plan_run(ModelConfig.from_name("tiny"), 2, 64, grads="device", micro_batches=2, schedule="per-micro-batch")
 
 
-@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize(("schedule", "max_grad_norm"), [("layer-major", 1.0), ("layer-major", None),
+                                                       ("per-micro-batch", 1.0), ("per-micro-batch", None)])
 def test_engine_with_micro_batches_matches_transformers_and_adamw(ray_session: None,
                                                                   llama: tuple[torch.nn.Module, Path],
-                                                                  max_grad_norm: float | None) -> None:
+                                                                  schedule: str, max_grad_norm: float | None) -> None:
     _, directory = llama
     batches = [rows(seed) for seed in (1, 2, 3)]
     with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu-async:1",
                           max_grad_norm=max_grad_norm, batch_size=ROWS // K, seq_len=SEQ, micro_batches=K,
-                          **OPTIM) as engine:
+                          schedule=schedule, **OPTIM) as engine:
+        assert engine.engine_config.schedule == schedule
         losses = [engine.step(ids, labels) for ids, labels in batches]
         params = engine.parameters()
     exact_losses, exact = hf_reference(directory, batches, max_grad_norm, OPTIM, torch.float64)
@@ -128,11 +139,25 @@ def test_data_loader_hands_k_micro_batches_per_step() -> None:
 
 def test_plan_pcie_bytes_per_token_fall_as_one_over_k() -> None:
     config = ModelConfig.from_name("7b")
-    plans = {k: plan_run(config, 1, 4096, name="7b", precision="bf16", on_gpu=True, micro_batches=k)
-             for k in (1, 2, 4, 8)}
+    kwargs = dict(name="7b", precision="bf16", on_gpu=True)
+    plans = {k: plan_run(config, 1, 4096, micro_batches=k, **kwargs) for k in (1, 2, 4, 8)}
     # the embedding rows a step gathers grow with its tokens (at most the vocabulary); the weights and gradients,
     # nearly all of it, do not
     for k, plan in plans.items():
-        assert plan.step_tokens == k * 4096
+        assert plan.schedule == "layer-major" and plan.step_tokens == k * 4096
         assert plan.pcie_bytes_per_token * k == pytest.approx(plans[1].pcie_bytes_per_token, rel=0.02)
         assert plan.gpu_checkpoints == k * plans[1].gpu_checkpoints  # every micro-batch's checkpoints
+        each = plan_run(config, 1, 4096, micro_batches=k, schedule="per-micro-batch", **kwargs)
+        assert each.gpu_checkpoints == plans[1].gpu_checkpoints  # one micro-batch's
+        assert each.pcie_bytes_per_token >= plans[1].pcie_bytes_per_token  # no fewer per token: more (sums back in)
+
+
+def test_plan_falls_back_to_per_micro_batch_where_layer_major_does_not_fit() -> None:
+    """7B at 32k tokens a micro-batch, 16 of them: every micro-batch's checkpoints (128 GiB) fit neither an 80 GiB
+    GPU nor, what it cannot keep offloaded, a 150 GiB host; one micro-batch's (8 GiB) do."""
+    config = ModelConfig.from_name("7b")
+    kwargs = dict(name="7b", precision="bf16", on_gpu=True, gpu_free=80 * 2**30, host_free=150 * 2**30)
+    plan = plan_run(config, 1, 32768, micro_batches=16, **kwargs)
+    assert plan.schedule == "per-micro-batch" and plan.grads == "arena"
+    assert plan.host_problem() is None and plan.gpu_problem() is None
+    assert plan_run(config, 1, 32768, micro_batches=2, **kwargs).schedule == "layer-major"

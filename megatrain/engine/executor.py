@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain.config import PRECISIONS, MegatrainError, ModelConfig, check_choice
+from megatrain.config import PRECISIONS, SCHEDULES, MegatrainError, ModelConfig, check_choice
 from megatrain.engine.checkpoints import CheckpointStore
 from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
@@ -96,6 +96,21 @@ class GradsOut:
     scatter: Callable[[], None] | None = None  # host work once landed (the embedding rows into its gradient)
     permit: threading.Semaphore | None = None  # a decoder layer's place among the sets in flight, given back
     # once the gradients have landed (see GRAD_SETS_IN_FLIGHT)
+
+
+@dataclass
+class _Step:
+    """A step's batch, prepared once for every pass over it: micro-batches, embedding rows, targets."""
+
+    batches: list[Batch]  # per micro-batch, what its layers take (rotary tables, documents)
+    micro: list[slice]  # per micro-batch, its rows of the step's batch
+    rows: torch.Tensor  # the embedding rows the step's tokens use, on the device
+    rows_idx: torch.Tensor  # their indices in the table (host)
+    row_of_token: torch.Tensor  # per token, its row in `rows` (device)
+    targets: torch.Tensor  # shifted labels (device)
+    host_targets: torch.Tensor  # the same on the host
+    n_tokens: int  # labelled tokens of the whole step: every micro-batch's loss is divided by it
+    table: torch.Tensor  # the embedding table in the arena (a tied head's weights)
 
 
 @dataclass
@@ -247,9 +262,13 @@ class Executor:
         return out.to(dtype) if dtype is not None else out
 
     def _gradients(self, unit: Unit, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                   scatter: Callable[[], None] | None = None, permit: threading.Semaphore | None = None
-                   ) -> GradsOut:
-        """Packs a unit's gradients, just computed on the compute stream, with their host destinations."""
+                   scatter: Callable[[], None] | None = None, permit: threading.Semaphore | None = None,
+                   accumulate: bool = False) -> GradsOut:
+        """Packs a unit's gradients, just computed on the compute stream, with their host destinations;
+        accumulate: what the destinations hold (an earlier pass's gradients of this step) is added first, so that
+        the norm is the sum's."""
+        if accumulate:
+            pairs = [(g.float() + self._to_device(dst), dst) for g, dst in pairs]
         norm_sq = sum(self._norm_sq(g) for g, _ in pairs)
         self.streams.compute_uses(norm_sq, *(g for g, _ in pairs))
         return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter, permit)
@@ -427,7 +446,7 @@ class Executor:
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             *, wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
-            hold_grads: bool = False, micro_batches: int = 1) -> StepOutput:
+            hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major") -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
@@ -437,18 +456,25 @@ class Executor:
         hold_grads: the gradients stay on the device, returned in StepOutput.held for `send_held`.
         position_ids: [batch, seq], each packed document's positions from 0 (a document attends within itself
         only, as transformers reads packed position_ids); None: 0..seq-1 in every row.
-        micro_batches: the batch's rows in that many equal micro-batches, run layer-major: while a layer's weights
-        are on the device its forward (and then its backward) runs over every micro-batch, their checkpoints in
-        the checkpoint store and its weight gradients summed in fp32 before one copy out. Weights cross once per
-        step whatever the number; the loss is the mean over all labelled tokens of the batch, as one batch's.
+        micro_batches: the batch's rows in that many equal micro-batches; the loss is the mean over all labelled
+        tokens of the batch, as one batch's, and so are the gradients. schedule "layer-major": while a layer's
+        weights are on the device its forward (and then its backward) runs over every micro-batch, their
+        checkpoints in the checkpoint store and its weight gradients summed in fp32 before one copy out: weights
+        cross once per step whatever the number. "per-micro-batch": a whole forward and backward per
+        micro-batch (weights cross once each), its gradients added to the earlier ones' in the arena (grads =
+        "arena" only): one micro-batch's checkpoints at a time, for when every micro-batch's do not fit.
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
         self.check_batch(input_ids, labels)
         k = self._check_micro_batches(micro_batches, input_ids.shape[0])
+        check_choice("schedule", schedule, SCHEDULES)
+        if schedule == "per-micro-batch" and k > 1 and (hold_grads or not self.grad_layout.full_ranges):
+            raise MegatrainError("the per-micro-batch schedule adds each micro-batch's gradients to the earlier ones "
+                                 "in the arena, which needs grads = 'arena'; set grads = 'arena', or use the "
+                                 "layer-major schedule.")
         input_ids = input_ids.long()
         labels = None if labels is None else labels.long()
-        s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         host_targets = ops.shift_labels(input_ids, labels)
         n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
         if n_tokens == 0:
@@ -459,9 +485,11 @@ class Executor:
         micro = [slice(m * rows_per_micro, (m + 1) * rows_per_micro) for m in range(k)]
         batches = [self.arch.batch(rows_per_micro, input_ids.shape[1], self.device, self.dtype,
                                    None if position_ids is None else position_ids[rows]) for rows in micro]
+        self._extra_loss_refused(batches)
         self.slots.invalidate()
 
-        # embedding: gather on the host only the rows this batch uses (all micro-batches': one gather)
+        # embedding: gather on the host only the rows this step uses (every micro-batch's: one gather)
+        embed_unit = self.layout.embed
         wait_weights(embed_unit)
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
@@ -471,63 +499,86 @@ class Executor:
             rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
+        step = _Step(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, n_tokens, table)
+        passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
+        # loss_ready sees each pass's share of the loss (finite if and only if their sum is); once it says stop
+        # (a non-finite loss, or an evaluation), the remaining passes run their forward only, for the loss
+        loss, out, backward = 0.0, StepOutput(0.0, n_tokens), True
+        for number, ms in enumerate(passes):
+            final = number == len(passes) - 1
+            out = self._pass(step, ms, wait_weights, grads_landed if final else _noop, loss_ready, slot_free,
+                             hold_grads, accumulate=number > 0, forward_only=not backward)
+            loss += out.loss
+            backward = backward and bool(out.unit_grad_norms_sq)
+        return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held) if backward else StepOutput(loss, n_tokens)
+
+    def _pass(self, step: _Step, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
+              loss_ready: Callable[[float], bool] | None, slot_free: UnitCallback, hold_grads: bool,
+              accumulate: bool, forward_only: bool) -> StepOutput:
+        """Forward, head and backward of micro-batches `ms` of `step`, layer-major; accumulate: their gradients are
+        added to those in the arena (an earlier pass's of the same step). forward_only: the loss alone."""
+        s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
+        k = len(ms)
+        batches = [step.batches[m] for m in ms]
 
         def embedded(m: int) -> torch.Tensor:
             with self.rec.span("compute", "embed", embed_unit.index, s.compute):
-                x = embed(rows, row_of_token[micro[m]])
+                x = embed(step.rows, step.row_of_token[step.micro[m]])
                 if self.arch.embed_scale is not None:  # in the compute dtype, as transformers' scaled embeddings
                     x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
             return x
 
-        # forward, layer-major: x[l] of micro-batch m kept as checkpoint l * k + m
+        # forward, layer-major: x[l] of the j-th micro-batch kept as checkpoint l * k + j
         self.checkpoints.begin(len(layers) * k)
         wait_weights(layers[0])
         self.slots.fetch(layers[0], keep=None)
         xs: list[torch.Tensor] = []
         for i, unit in enumerate(layers):
             slot, w = self.slots.acquire(unit)
-            for m in range(k):
-                x = embedded(m) if i == 0 else xs[m]
-                self.checkpoints.put(i * k + m, x)
+            for j, m in enumerate(ms):
+                x = embedded(m) if i == 0 else xs[j]
+                self.checkpoints.put(i * k + j, x)
                 with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
-                    x = self._layer(unit)(x, w, *batches[m].layer_args(unit.layer))
+                    x = self._layer(unit)(x, w, *batches[j].layer_args(unit.layer))
                 if i == 0:
                     xs.append(x)
                 else:
-                    xs[m] = x
+                    xs[j] = x
                 del x
             self.slots.release(slot)
             if i + 1 < len(layers):
                 wait_weights(layers[i + 1])
                 self.slots.fetch(layers[i + 1], keep=unit)
 
-        extra_loss = self._extra_loss(batches)
-        # head: forward and backward at once, micro-batch by micro-batch, each scaled by the whole batch's tokens
+        extra_loss = batches[0].forward_done() if k == 1 else None  # several: refused by run
+        # head: forward and backward at once, micro-batch by micro-batch, each scaled by the whole step's tokens
         wait_weights(head_unit)
         head_w = head_unit.bind(self._head_weights(head_unit))
         lm_head = head_w.get("lm_head.weight")
         if lm_head is None:  # tied: the embedding table is the output projection
             wait_weights(embed_unit)
-            lm_head = self._to_device(table, self.dtype)
+            lm_head = self._to_device(step.table, self.dtype)
         with self.rec.span("compute", "head", head_unit.index, s.compute):
             norm_w = {name: t for name, t in head_w.items() if name.startswith("norm.")}
             sums = None
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
-            for m in range(k):
-                micro_loss, xs[m], sums = head_loss_and_grads(
-                    xs[m], self.arch.final_norm, norm_w, lm_head, targets[micro[m]], self.loss_chunk_tokens,
-                    host_targets[micro[m]], self.arch.logit_softcap, n_valid=n_tokens, grads_into=sums)
+            for j, m in enumerate(ms):
+                micro_loss, xs[j], sums = head_loss_and_grads(
+                    xs[j], self.arch.final_norm, norm_w, lm_head, step.targets[step.micro[m]], self.loss_chunk_tokens,
+                    step.host_targets[step.micro[m]], self.arch.logit_softcap, n_valid=step.n_tokens,
+                    grads_into=sums)
                 loss += micro_loss
             grad_norm_w, grad_lm = sums
             if extra_loss is not None:
                 loss = loss + extra_loss
         del head_w, norm_w, lm_head  # the head's device weights (a tied table's device copy too) are done with
-        if loss_ready is not None and not loss_ready(float(loss)):
+        if forward_only or (loss_ready is not None and not loss_ready(float(loss))):
             self.checkpoints.end()
-            return StepOutput(float(loss), n_tokens)
+            return StepOutput(float(loss), step.n_tokens)
         try:  # xs now holds each micro-batch's gradient with respect to the head's input
-            return self._backward(loss, n_tokens, xs, grad_norm_w, grad_lm, batches, rows_idx,
-                                  [row_of_token[rows] for rows in micro], grads_landed, slot_free, hold_grads)
+            return self._backward(loss, step.n_tokens, xs, grad_norm_w, grad_lm, batches, step.rows_idx,
+                                  [step.row_of_token[step.micro[m]] for m in ms], grads_landed, slot_free,
+                                  hold_grads, accumulate)
         except BaseException:
             self._abandon_sends()
             raise
@@ -543,22 +594,20 @@ class Executor:
         return micro_batches
 
     @staticmethod
-    def _extra_loss(batches: list[Batch]) -> torch.Tensor | None:
-        """The loss term the forward adds (a router's auxiliary loss), of one batch: a micro-batch's is a
-        different function of the router's outputs than the whole batch's, so several are refused."""
-        extra = [batch.forward_done() for batch in batches]
-        if any(term is not None for term in extra) and len(batches) > 1:
+    def _extra_loss_refused(batches: list[Batch]) -> None:
+        """A model whose forward adds a loss term over the whole batch (a router's auxiliary loss) takes no
+        micro-batches: a micro-batch's term is a different function of the router's outputs than the batch's."""
+        if len(batches) > 1 and getattr(batches[0], "adds_loss", False):
             raise MegatrainError("this model adds a router auxiliary loss over the whole batch, which micro-batches "
                                  "would change; set micro_batches = 1, or turn the config's output_router_logits "
                                  "off.")
-        return extra[0]
 
     def _backward(self, loss: torch.Tensor, n_tokens: int, grads: list[torch.Tensor],
                   grad_norm_w: dict[str, torch.Tensor], grad_lm: torch.Tensor, batches: list[Batch],
                   rows_idx: torch.Tensor, row_of_token: list[torch.Tensor], grads_landed: LandedCallback,
-                  slot_free: UnitCallback, hold_grads: bool) -> StepOutput:
+                  slot_free: UnitCallback, hold_grads: bool, accumulate: bool = False) -> StepOutput:
         """The head's gradients out, then each layer's recomputed from its checkpoints (every micro-batch's, their
-        weight gradients summed), then the embedding's."""
+        weight gradients summed), then the embedding's; accumulate: each added to what the arena holds."""
         s, layers, head_unit, embed_unit = self.streams, self.layout.layers, self.layout.head, self.layout.embed
         k = len(batches)
         held: list[GradsOut] = []
@@ -578,7 +627,7 @@ class Executor:
         if not self.config.tie_embeddings:
             head_grads.append((grad_lm, head_dst["lm_head.weight"]))
             grad_lm = None  # type: ignore[assignment]  # its GradsOut holds it until it has landed
-        emit(self._gradients(head_unit, head_grads))
+        emit(self._gradients(head_unit, head_grads, accumulate=accumulate))
         del head_grads, grad_norm_w
 
         # backward: recompute each layer from its checkpoints with its weights bound again, the top micro-batch
@@ -612,7 +661,8 @@ class Executor:
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
             dst = self.grad_layout.bind(unit, self.grads)
-            emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()], permit=permit))
+            emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()], permit=permit,
+                                 accumulate=accumulate))
             del wgrads  # only the GradsOut keeps them, so they go once they have landed
 
         # embedding backward: gradient rows of this batch's tokens (plus the whole table when tied)
@@ -635,8 +685,10 @@ class Executor:
             full = grad_lm.float()
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
             del grad_lm
-            emit(self._gradients(embed_unit, [(full, embed_grad)]))
+            emit(self._gradients(embed_unit, [(full, embed_grad)], accumulate=accumulate))
         else:
+            if accumulate:  # this step's rows, which an earlier pass wrote
+                grad_rows += self._to_device(embed_grad.index_select(0, rows_idx))
             emit(self._embed_rows(grad_rows, rows_idx, embed_grad, embed_unit))
         del grad_rows
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, ConfigError, MegatrainError, ModelConfig, check_choice
+from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout
 
 GiB = 2**30
@@ -75,7 +75,8 @@ class MemoryPlan:
     checkpoint_budget: int | None = None  # device bytes for checkpoints (None: all of them)
     host_checkpoints: int = 0  # page-locked host buffers of the checkpoints beyond the budget
     longest_seq: int | None = None  # set by plan_run where this one does not fit: the longest that does
-    micro_batches: int = 1  # a step's micro-batches of batch x seq tokens, run layer-major
+    micro_batches: int = 1  # a step's micro-batches of batch x seq tokens
+    schedule: str = "layer-major"  # how they meet the weights (megatrain.engine.executor.SCHEDULES)
     h2d_bytes: int = 0  # per step: weights streamed in (forward and backward), embedding rows, checkpoints back
     d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out
 
@@ -86,7 +87,7 @@ class MemoryPlan:
     @property
     def pcie_bytes_per_token(self) -> float:
         """Host <-> device bytes per trained token: under the layer-major schedule the weights' and gradients'
-        share falls as 1 / micro_batches."""
+        share falls as 1 / micro_batches; per micro-batch it does not."""
         return (self.h2d_bytes + self.d2h_bytes) / max(self.step_tokens, 1)
 
     @property
@@ -150,7 +151,7 @@ class MemoryPlan:
             return f"  {name:<42}{n / GiB:>10.2f} GiB"
         size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
         tiles = f"{self.tile_tokens}-token tiles" if self.tile_tokens else "untiled"
-        micro = f" x {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        micro = f" x {self.micro_batches} micro-batches ({self.schedule})" if self.micro_batches > 1 else ""
         lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens{micro}, "
                  f"{tiles}", "host:"]
         lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
@@ -184,14 +185,16 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                host_free: int | None = None, micro_batches: int = 1) -> MemoryPlan:
+                host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major") -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
     asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
     checkpoint_budget as the executor takes them (None: untiled; every checkpoint on the device). host_free: the
     host memory to plan for (default: what this machine has available, and /dev/shm's free space).
-    micro_batches: a step is that many micro-batches of batch x seq tokens, run layer-major: every micro-batch's
-    checkpoints, one micro-batch's working set, the weights streamed once."""
+    micro_batches: a step is that many micro-batches of batch x seq tokens; schedule "layer-major": every
+    micro-batch's checkpoints, one micro-batch's working set, the weights streamed once; "per-micro-batch": one
+    micro-batch's checkpoints, the weights streamed and the gradients sent once per micro-batch (and the earlier
+    sums brought back to add to)."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -209,6 +212,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     q, kv = config.num_heads * config.head_dim, config.kv_size
     tokens = batch * seq  # of one micro-batch
     k = micro_batches
+    together = k if schedule == "layer-major" else 1  # micro-batches whose activations exist at once
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
     embed_rows = min(v, k * tokens) * h * 4
@@ -227,7 +231,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # the layer inputs the backward recomputes from (megatrain/engine/checkpoints.py): the top ones kept on the
     # device within the budget, the rest in page-locked host buffers, crossing in two device buffers
     checkpoint = tokens * h * act_bytes
-    entries = config.num_layers * k  # one per layer and micro-batch
+    entries = config.num_layers * together  # one per layer and micro-batch
     kept_layers = entries if checkpoint_budget is None else min(entries, checkpoint_budget // max(checkpoint, 1))
     offloaded = entries - kept_layers
     # one layer's recompute-backward (templates.DecoderLayer.backward): untiled, the whole layer under autograd;
@@ -246,7 +250,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         working += 2 * 2 * tokens * (q - kv) * act_bytes
     chunk = min(tokens, loss_chunk_tokens)
     # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
-    loss = 3 * chunk * v * 4 + (k + 1) * tokens * h * act_bytes
+    loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
     shadow_bytes = arena_numel * 2 if shadow else 0
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
@@ -259,9 +263,11 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # checkpoints out and back in
     streamed = 2 if precision == "bf16" and shadow else 4
     layers_numel = arena_numel - layout.embed.numel - layout.head.numel
-    h2d = (2 * layers_numel - min(2, config.num_layers) * layer + head) * streamed + embed_rows
-    d2h = (layers_numel + head) * 4 + embed_rows
-    h2d, d2h = h2d + offloaded * checkpoint, d2h + offloaded * checkpoint
+    passes = k // together
+    h2d = passes * (2 * layers_numel - min(2, config.num_layers) * layer + head) * streamed + embed_rows
+    d2h = passes * ((layers_numel + head) * 4 + embed_rows)
+    h2d += (passes - 1) * ((layers_numel + head) * 4 + embed_rows)  # the sum so far, to add the next pass's to
+    h2d, d2h = h2d + passes * offloaded * checkpoint, d2h + passes * offloaded * checkpoint
     if not on_gpu:  # the CPU path computes in host memory
         processes += weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
@@ -274,7 +280,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         host_free=host_available() if host_free is None else host_free,
         shm_free=shm_free if host_free is None else host_free, gpu_free=gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
-        micro_batches=k, h2d_bytes=h2d, d2h_bytes=d2h,
+        micro_batches=k, schedule=schedule, h2d_bytes=h2d, d2h_bytes=d2h,
     )
 
 
@@ -306,7 +312,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
-             find_longest: bool = True, micro_batches: int = 1) -> MemoryPlan:
+             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
     wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
     for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -314,10 +320,19 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS
     while the GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU
     path, whose device is the host), else as many as fit beside everything else, the rest offloaded.
-    Where the result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
+    schedule: "layer-major" where it fits (or more than one micro-batch is not asked for), else "per-micro-batch"
+    with the gradients in the arena, where that fits. Where the result does not fit, its `longest_seq` says the
+    longest sequence that would (find_longest)."""
+    if schedule != AUTO:
+        check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
                   loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
-                  micro_batches=micro_batches)
+                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule)
+    if kwargs["schedule"] == "per-micro-batch" and micro_batches > 1:
+        if grads not in (AUTO, "arena"):
+            raise ConfigError(f"the per-micro-batch schedule adds gradients up in the arena: it needs grads = "
+                              f"'arena' (or 'auto'), not {grads!r}.")
+        grads = "arena"
     device_plan = (_plan_sequence(config, batch, seq, "device", tile_tokens, checkpoint_budget, kwargs)
                    if on_gpu else None)
     placement = resolve_grads(grads, clipping=clipping, device_plan=device_plan)
@@ -325,6 +340,13 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     if plan.shadow_bytes and plan.host_problem() is not None:
         plan = _plan_sequence(config, batch, seq, placement, tile_tokens, checkpoint_budget,
                               {**kwargs, "shadow": False})
+    if schedule == AUTO and micro_batches > 1 and grads in (AUTO, "arena") and (
+            plan.host_problem() or plan.gpu_problem()):
+        fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
+                            checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
+                            **{k: v for k, v in kwargs.items() if k != "schedule"})
+        if not (fallback.host_problem() or fallback.gpu_problem()):
+            return fallback
     if find_longest and (plan.host_problem() or plan.gpu_problem()):
         plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
                                        checkpoint_budget=checkpoint_budget, **kwargs)

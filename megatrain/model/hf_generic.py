@@ -265,6 +265,11 @@ class GenericBatch:
     def layer_args(self, index: int) -> tuple[Any, ...]:
         return (self.calls[index],)
 
+    @property
+    def adds_loss(self) -> bool:
+        """forward_done adds the router's auxiliary loss, a function of the whole batch's router outputs."""
+        return self.arch.aux is not None
+
     def forward_done(self) -> torch.Tensor | None:
         aux = self.arch.aux
         if aux is None or not self.router_logits:

@@ -169,6 +169,11 @@ class GradLayout:
         slot_of.append(1)
         return cls(tuple(offsets), tuple(slot_of), cls.ring_numel(layout, len(layout.layers), slots))
 
+    @property
+    def full_ranges(self) -> bool:
+        """Every unit's gradient has a range of its own (no ring slots shared between layers)."""
+        return len(set(self.slot_of)) == len(self.slot_of)
+
     def range_of(self, unit: Unit, grads_flat: torch.Tensor) -> torch.Tensor:
         start = self.offsets[unit.index]
         return grads_flat[start : start + unit.numel]

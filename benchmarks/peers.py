@@ -316,12 +316,10 @@ def _executor_cuda(engine: Any, reset: bool) -> Any:
 
 
 def _host_checkpoints(engine: Any) -> int | None:
-    """Bytes of the host buffers the executor's checkpoint store offloaded layer inputs to: what the memory
-    plan's host_checkpoints predicts. The store keeps them from step to step and has no public total, so its
-    buffer table is read."""
+    """Bytes of the host buffers the executor's checkpoint store offloaded layer inputs to (kept from step to
+    step): what the memory plan's host_checkpoints predicts."""
     def probe(actor: Any) -> int:
-        host = getattr(actor.executor.checkpoints, "_host", {})
-        return sum(t.numel() * t.element_size() for t in host.values())
+        return actor.executor.checkpoints.host_bytes
 
     return _executor_call(engine, probe)
 

@@ -105,6 +105,10 @@ def test_checkpoints_on_the_device_stay_within_the_budget() -> None:
                 assert store.peak_transfer_bytes <= 2 * size
                 assert budget is None or store.peak_kept_bytes <= budget
                 store.end()
+                assert store.host_bytes == (layers - kept) * size  # the page-locked buffers, kept for the next step
+                store.begin(1)  # a step of fewer checkpoints keeps no buffers for the others
+                assert store.host_bytes <= size
+                store.end()
     finally:
         streams.close()
 

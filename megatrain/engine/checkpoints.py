@@ -35,8 +35,18 @@ class CheckpointStore:
         self.peak_kept_bytes = self.peak_transfer_bytes = 0
         self.offloaded = 0  # checkpoints copied to the host, all steps
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the page-locked buffers offloaded checkpoints land in (kept from step to step): what the memory
+        plan's host_checkpoints predicts."""
+        return sum(t.numel() * t.element_size() for t in self._host.values())
+
     def begin(self, num_layers: int) -> None:
-        """A step of `num_layers` checkpoints (anything left of the previous step is dropped)."""
+        """A step of `num_layers` checkpoints (anything left of the previous step is dropped, and the host buffers
+        of checkpoints past them: a step with fewer micro-batches than the last keeps no memory for the others)."""
+        for index in [i for i in self._host if i >= num_layers]:
+            del self._host[index]
+            self._host_read.pop(index, None)
         self._kept: dict[int, torch.Tensor] = {}
         self._on_host: dict[int, Any] = {}  # layer -> event after its D2H copy
         self._incoming: dict[int, tuple[torch.Tensor, Any]] = {}

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model import ops
-from megatrain.model.llama import REQUIRED_KEYS, hf_flag, hf_number, hf_shape
-from megatrain.model.templates import Spans, Weights, recompute_grads
+from megatrain.model.llama import REQUIRED_KEYS, attention_tensors, hf_flag, hf_number, hf_shape
+from megatrain.model.templates import Spans, Weights, project_qkv, recompute_grads
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 GELU_TANH = "gelu_pytorch_tanh"  # transformers' name for GELU's tanh approximation, Gemma's only activation here
@@ -263,20 +263,8 @@ class GemmaFamily:
 
     # ---- the model ----
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
-        h, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
-        tensors = [
-            ("self_attn.q_proj.weight", (q, h), True),
-            ("self_attn.k_proj.weight", (kv, h), True),
-            ("self_attn.v_proj.weight", (kv, h), True),
-            ("self_attn.o_proj.weight", (h, q), True),
-        ]
-        if c.qkv_bias:
-            tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
-                        ("self_attn.v_proj.bias", (kv,), False), ("self_attn.o_proj.bias", (h,), False)]
-        if self.qk_norm:
-            d = c.head_dim
-            tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
-        return tensors + [
+        h, f = c.hidden_size, c.intermediate_size
+        return attention_tensors(c, self.qk_norm) + [
             ("mlp.gate_proj.weight", (f, h), True),
             ("mlp.up_proj.weight", (f, h), True),
             ("mlp.down_proj.weight", (h, f), True),
@@ -395,19 +383,11 @@ class GemmaLayer:
         """x + post_norm(attn(norm(x)))."""
         c = self.config
         b, t, _ = x.shape
-        h = ops.gemma_rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
-        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-        q = q.view(b, t, c.num_heads, c.head_dim)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim)
-        if self.qk_norm:  # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
-            q = ops.gemma_rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = ops.gemma_rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        eps = c.rms_norm_eps
+        h = ops.gemma_rms_norm(x, w["input_layernorm.weight"], eps)
+        # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
+        qk_norm = (lambda heads, g: ops.gemma_rms_norm(heads, g, eps)) if self.qk_norm else None
+        q, k, v = project_qkv(h, w, c, rope, qk_norm)
         attn = ops.windowed_attention(q, k, v, spans, window=self.window, scale=self.scale, softcap=self.softcap)
         out = F.linear(attn.transpose(1, 2).reshape(b, t, c.q_size), w["self_attn.o_proj.weight"],
                        w.get("self_attn.o_proj.bias"))

@@ -48,6 +48,27 @@ def hf_shape(c: ModelConfig) -> dict[str, Any]:
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim}
 
 
+def attention_tensors(c: ModelConfig, qk_norm: bool) -> list[tuple[str, tuple[int, ...], bool]]:
+    """A decoder layer's attention tensors, in layout order: q/k/v/o projections (weight-decayed), their biases
+    where the config has them, and the per-head q/k norms (qk_norm)."""
+    h, q, kv = c.hidden_size, c.q_size, c.kv_size
+    tensors = [
+        ("self_attn.q_proj.weight", (q, h), True),
+        ("self_attn.k_proj.weight", (kv, h), True),
+        ("self_attn.v_proj.weight", (kv, h), True),
+        ("self_attn.o_proj.weight", (h, q), True),
+    ]
+    if c.qkv_bias:
+        tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
+                    ("self_attn.v_proj.bias", (kv,), False)]
+    if c.o_bias:
+        tensors.append(("self_attn.o_proj.bias", (h,), False))
+    if qk_norm:
+        d = c.head_dim
+        tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
+    return tensors
+
+
 class LlamaFamily:
     """HF config.json <-> ModelConfig for the model types in `architectures`; subclasses change what differs."""
 
@@ -148,23 +169,10 @@ class LlamaFamily:
     # ---- the model ----
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
         """Decoder layer `index`'s tensors: (name inside the layer, shape, weight-decayed), in layout order."""
-        h, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
-        tensors = [
+        h, f = c.hidden_size, c.intermediate_size
+        return [
             ("input_layernorm.weight", (h,), False),
-            ("self_attn.q_proj.weight", (q, h), True),
-            ("self_attn.k_proj.weight", (kv, h), True),
-            ("self_attn.v_proj.weight", (kv, h), True),
-            ("self_attn.o_proj.weight", (h, q), True),
-        ]
-        if c.qkv_bias:
-            tensors += [("self_attn.q_proj.bias", (q,), False), ("self_attn.k_proj.bias", (kv,), False),
-                        ("self_attn.v_proj.bias", (kv,), False)]
-        if c.o_bias:
-            tensors.append(("self_attn.o_proj.bias", (h,), False))
-        if self.qk_norm:
-            d = c.head_dim
-            tensors += [("self_attn.q_norm.weight", (d,), False), ("self_attn.k_norm.weight", (d,), False)]
-        return tensors + [
+            *attention_tensors(c, self.qk_norm),
             ("post_attention_layernorm.weight", (h,), False),
             ("mlp.gate_proj.weight", (f, h), True),
             ("mlp.up_proj.weight", (f, h), True),

@@ -145,25 +145,35 @@ class DecoderLayer:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [b, heads, t, d], k and v [b, kv_heads, t, d] of x [b, t, hidden], q and k rotated: token-wise, so any
         tiling along the sequence (with rope's rows for it) gives the same result."""
-        c = self.config
-        b, t, _ = x.shape
-        h = ops.rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps)
-        q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-        k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-        v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-        q = q.view(b, t, c.num_heads, c.head_dim)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim)
-        if self.qk_norm:  # over head_dim, one weight shared by the heads, before RoPE (as transformers' Qwen3)
-            q = ops.rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = ops.rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope
-        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
+        eps = self.config.rms_norm_eps
+        h = ops.rms_norm(x, w["input_layernorm.weight"], eps)
+        # Qwen3: over head_dim, one weight shared by the heads, before RoPE (as transformers' Qwen3)
+        qk_norm = (lambda heads, g: ops.rms_norm(heads, g, eps)) if self.qk_norm else None
+        return project_qkv(h, w, self.config, rope, qk_norm)
 
     @staticmethod
     def _output_projection(attn: torch.Tensor, w: Weights) -> torch.Tensor:
         return F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+def project_qkv(h: torch.Tensor, w: Weights, c: ModelConfig, rope: tuple[torch.Tensor, torch.Tensor],
+                qk_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [b, heads, t, d], k and v [b, kv_heads, t, d] from a layer's normed input h [b, t, hidden]: the q/k/v
+    projections (biases where `w` has them), qk_norm(head vectors, weight) on q and k where given (the family's
+    norm, before RoPE), then RoPE on q and k."""
+    b, t, _ = h.shape
+    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    q = q.view(b, t, c.num_heads, c.head_dim)
+    k = k.view(b, t, c.num_kv_heads, c.head_dim)
+    if qk_norm is not None:
+        q, k = qk_norm(q, w["self_attn.q_norm.weight"]), qk_norm(k, w["self_attn.k_norm.weight"])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    cos, sin = rope
+    return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
 
 
 def _rope_rows(rope: tuple[torch.Tensor, torch.Tensor], tile: slice) -> tuple[torch.Tensor, torch.Tensor]:

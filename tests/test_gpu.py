@@ -302,3 +302,19 @@ def test_long_sequence_tiled_and_offloaded_matches_cpu(tmp_path: Path, precision
         for n, g in cpu_grads.items():
             assert (grads[n] - g).norm() <= 10 * tol * g.norm(), n
     assert torch.cuda.max_memory_allocated() < 4 * 2**30  # one fp32 score matrix alone would be 4 GiB per head
+
+
+@pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
+def test_cuda_micro_batches_match_transformers_strict_fp32(tmp_path: Path, schedule: str) -> None:
+    """The parity batch's 2 rows as 2 micro-batches on the GPU's three streams: transformers' loss and gradients on
+    the whole batch, as on the CPU (tests/test_micro_batches.py)."""
+    hf = hf_models()["llama-gqa"]
+    hf.save_pretrained(tmp_path)
+    ids, labels = parity_batch()
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
+    with megatrain.from_pretrained(tmp_path, device="cuda", precision="fp32") as m:
+        loss, grads = m.loss_and_grads(ids, labels, micro_batches=2, schedule=schedule)
+        assert abs(loss.item() - hf_loss) <= 1e-5 * abs(hf_loss), (loss.item(), hf_loss)
+        for pname, g in hf_grads.items():
+            rel = ((grads[pname] - g).abs().max() / g.abs().max()).item()
+            assert rel <= 1e-5, f"{pname}: {rel:.2e}"

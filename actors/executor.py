@@ -16,9 +16,11 @@ import ray
 import torch
 
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
+from megatrain.engine.data_parallel import DataParallel
 from megatrain.engine.executor import Executor, GradsOut, token_ids
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
+from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.telemetry import Recorder, Span
 
@@ -44,16 +46,21 @@ def checkpoint_budget_bytes(engine: EngineConfig) -> int | None:
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
 class GPUExecutor:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
-                 clipping: bool, trace: bool = False):
+                 clipping: bool, trace: bool = False, rank: int = 0, world: int = 1, rendezvous: str | None = None):
         """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
-        the arena), tile_tokens, checkpoint_budget_gib and schedule."""
+        the arena), tile_tokens, checkpoint_budget_gib and schedule. rank, world: this executor's place among the
+        run's executors (data parallel over a step's rows), which meet at `rendezvous` (tcp://host:port)."""
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
+        self.dp = None
+        if world > 1:
+            device = torch.device("cuda" if engine.device.startswith("cuda") else "cpu")
+            self.dp = DataParallel.join(rank, world, rendezvous or "", device)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
                                  GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
                                  engine.compile, tile_tokens=engine.tile_tokens,
-                                 checkpoint_budget=checkpoint_budget_bytes(engine))
+                                 checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp)
         self.hold_grads = engine.grads == "device"
         self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
@@ -72,8 +79,9 @@ class GPUExecutor:
         self.versions = self.arena.versions.view(len(self.layout.units), len(workers))
         self.issued = self.arena.issued  # per unit, the update number handed to the workers
         self.workers = workers
-        # updates are handed out as gradients land in the backward only when nothing must be known first
-        self.eager_updates = not clipping and not self.hold_grads
+        # updates are handed out as gradients land in the backward only when nothing must be known first (with
+        # several executors, the other executors' slices of each unit)
+        self.eager_updates = not clipping and not self.hold_grads and world == 1
 
     def device(self) -> str:
         return str(self.executor.device)
@@ -109,13 +117,25 @@ class GPUExecutor:
                 issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
 
         def loss_ready(loss: float) -> bool:
-            return bool(np.isfinite(loss))
+            return bool(np.isfinite(loss)) if self.dp is None else self.dp.all_finite(loss)
 
         input_ids, labels, position_ids = _batch_tensors(batch)
+        loss_tokens = None
+        if self.dp is not None:  # this executor's rows; the loss is the mean over the whole step's tokens
+            self.executor.check_batch(input_ids, labels)  # every executor refuses a bad batch, or none does
+            share = self.dp.world * self.micro_batches
+            if input_ids.shape[0] % share:
+                raise MegatrainError(f"a step's batch of {input_ids.shape[0]} rows does not split among "
+                                     f"{self.dp.world} executors x {self.micro_batches} micro-batches; give a "
+                                     f"multiple of {share} rows.")
+            loss_tokens = int((ops.shift_labels(input_ids, labels) != ops.IGNORE_INDEX).sum())
+            mine = self.dp.rows(input_ids.shape[0])
+            input_ids, labels, position_ids = (None if t is None else t[mine]
+                                               for t in (input_ids, labels, position_ids))
         out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
                                 hold_grads=self.hold_grads, micro_batches=self.micro_batches,
-                                schedule=self.schedule)
+                                schedule=self.schedule, loss_tokens=loss_tokens)
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm): they go at once
         self._held = {step: out.held} if out.held and out.finite else {}

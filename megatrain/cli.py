@@ -38,6 +38,8 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--micro-batches", type=int, help="a step is this many micro-batches of --batch-size rows and "
                                                        "one update (weights stream once per step)")
+    p.add_argument("--executors", type=_auto_none_or(int), help="executors, data parallel over each step's rows "
+                   "(auto: one per GPU of the node, one on the CPU path)")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), help="layer-major: the weights cross once a step, "
                    "every micro-batch's activations kept; per-micro-batch: once per micro-batch (auto: the first "
                    "that fits)")

@@ -417,6 +417,9 @@ class EngineConfig:
     # so that weights cross once per step, else per micro-batch)
     micro_batches: int = 1
     schedule: str = "auto"
+    # executors, data parallel over a step's rows, all streaming from the one arena ("auto": one per GPU Ray offers
+    # the run on its node, one on the CPU path)
+    executors: int | str = "auto"
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -430,6 +433,8 @@ class EngineConfig:
         if not (_is_int(self.micro_batches) and self.micro_batches >= 1):
             raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
         check_choice("schedule", self.schedule, ("auto", *SCHEDULES))
+        if not (self.executors == "auto" or (_is_int(self.executors) and self.executors >= 1)):
+            raise ConfigError(f"executors must be 'auto' or a positive integer, got {self.executors!r}.")
         if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):

@@ -170,7 +170,8 @@ def describe_nodes(node_id: str, gpu: bool) -> str:
 
 @dataclass
 class NodePlacement:
-    """The placement group of one run: bundle i holds optimizer worker i's CPUs, a last bundle the GPU."""
+    """The placement group of one run: bundle i holds optimizer worker i's CPUs, the last bundles the GPUs (one per
+    executor)."""
 
     node_id: str
     group: PlacementGroup
@@ -180,9 +181,10 @@ class NodePlacement:
     gpu: bool
 
     @classmethod
-    def reserve(cls, node_id: str, workers: int, gpu: bool, timeout: float, name: str = "") -> NodePlacement:
-        """Shares the node's free CPUs out among `workers` and reserves them (and a GPU), or fails in one
-        sentence after `timeout` seconds, saying what was asked and what the nodes have."""
+    def reserve(cls, node_id: str, workers: int, gpu: bool, timeout: float, name: str = "", executors: int = 1
+                ) -> NodePlacement:
+        """Shares the node's free CPUs out among `workers` and reserves them (and a GPU per executor), or fails in
+        one sentence after `timeout` seconds, saying what was asked and what the nodes have."""
         deadline = time.monotonic() + FREE_CPU_WAIT_SECONDS
         while (free := node_resources(node_id)[1].get("CPU", 0.0)) < 0.01 * workers and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -193,14 +195,15 @@ class NodePlacement:
         per_worker = free / workers
         threads = max(1, int(per_worker))
         cpus = math.floor(round(min(per_worker, threads) * RESOURCE_UNITS, 6)) / RESOURCE_UNITS
-        bundles = [{"CPU": cpus}] * workers + ([{"GPU": 1.0}] if gpu else [])
+        bundles = [{"CPU": cpus}] * workers + ([{"GPU": 1.0}] * executors if gpu else [])
         group = placement_group(bundles, strategy="STRICT_PACK", name=name,
                                 bundle_label_selector=[{NODE_ID_LABEL: node_id}] * len(bundles))
         try:
             ray.get(group.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
-            asked = f"{cpus:g} CPU for each of {workers} optimizer worker(s)" + (" and a GPU" if gpu else "")
+            gpus = "a GPU" if executors == 1 else f"{executors} GPUs"
+            asked = f"{cpus:g} CPU for each of {workers} optimizer worker(s)" + (f" and {gpus}" if gpu else "")
             raise MegatrainError(f"Ray did not grant the {asked} this run asked for on the driver's node within "
                                  f"{timeout:g} s ({describe_nodes(node_id, gpu)}); free them (another Engine or job "
                                  "holds them), or start Ray with more.") from None
@@ -214,10 +217,10 @@ class NodePlacement:
         """Actor options of optimizer worker `index` (a replacement takes the same bundle)."""
         return {"num_cpus": self.worker_cpus, **self._in(index)}
 
-    def executor(self) -> dict[str, Any]:
-        """Options of the executor, or of a task on its GPU (both declared num_cpus=0: the GPU bundle holds no
-        CPU); on the CPU path the executor reserves nothing."""
-        return {"num_gpus": 1, **self._in(self.workers)} if self.gpu else self.pinned()
+    def executor(self, rank: int = 0) -> dict[str, Any]:
+        """Options of executor `rank`, or of a task on its GPU (both declared num_cpus=0: the GPU bundle holds no
+        CPU); on the CPU path executors reserve nothing."""
+        return {"num_gpus": 1, **self._in(self.workers + rank)} if self.gpu else self.pinned()
 
     def pinned(self) -> dict[str, Any]:
         """Options of an actor that reserves no resources (num_cpus=0): on the run's node, beside the others."""

@@ -47,6 +47,7 @@ from actors.executor import GPUExecutor, gpu_free_memory
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
+from megatrain.engine.data_parallel import free_port
 from megatrain.engine.executor import token_ids
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, proc_stat, remove_stale_segments
@@ -150,7 +151,7 @@ class Engine:
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int = 1,
-                 schedule: str = "auto"):
+                 schedule: str = "auto", executors: int | str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -162,14 +163,18 @@ class Engine:
         layer-major (each layer's weights cross once per step; its weight gradients are summed over the
         micro-batches on the device); the loss is the mean over all the step's labelled tokens. schedule "auto"
         takes that layer-major schedule where the memory plan fits it, else "per-micro-batch" (the weights cross
-        once per micro-batch, the gradients summed in the arena), and says so."""
+        once per micro-batch, the gradients summed in the arena), and says so. executors: that many executor actors,
+        data parallel over each step's rows (which must divide by executors x micro_batches), all streaming from
+        the one arena; each unit's gradient is summed between them (torch.distributed: gloo on the CPU path, NCCL
+        between GPUs) and each writes its slice into the arena ("auto": one per GPU Ray offers the run's node,
+        one on the CPU path)."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile, tile_tokens=tile_tokens,
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
-                                          schedule=schedule)
+                                          schedule=schedule, executors=executors)
         self.config, hf_dir, self.model_name = resolve_model(model)
         if seq_len > self.config.max_position_embeddings:
             log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
@@ -191,7 +196,8 @@ class Engine:
         self._replay_complete = True  # False once batches were dropped: no exact replay until the next checkpoint
         self._last_checkpoint: Path | None = None
         self._arena: Arena | None = None
-        self.store = self.executor = None
+        self.store = None
+        self.executors: list[Any] = []  # rank order: the first also evaluates and holds gradients on the device
         self.workers: list[Any] = []
         self.placement: NodePlacement | None = None
         self.resource_timeout = resource_timeout
@@ -217,7 +223,17 @@ class Engine:
         n = self.engine_config.optimizer_workers
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
         on_gpu = self.on_gpu = self._on_gpu(node)
-        self.placement = NodePlacement.reserve(node, n, on_gpu, self.resource_timeout, f"megatrain/{self.run_id}")
+        executors = self.engine_config.executors
+        if executors == "auto":
+            executors = max(1, int(node_resources(node)[0].get("GPU", 0))) if on_gpu else 1
+        self.engine_config = replace(self.engine_config, executors=executors)
+        if executors > 1 and self.engine_config.grads not in ("auto", "arena"):
+            raise ConfigError(f"{executors} executors sum each unit's gradient into slices of the arena: grads must "
+                              f"be 'arena' (or 'auto'), not {self.engine_config.grads!r}.")
+        if executors > 1:
+            self.engine_config = replace(self.engine_config, grads="arena")
+        self.placement = NodePlacement.reserve(node, n, on_gpu, self.resource_timeout, f"megatrain/{self.run_id}",
+                                               executors=executors)
         plan = self._plan(batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         budget = plan.checkpoint_budget
@@ -241,7 +257,7 @@ class Engine:
         self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
         self.versions = self._arena.versions.view(-1, n)
         self.workers = [self._new_worker(w) for w in range(n)]
-        self.executor = self._new_executor()
+        self.executors = self._new_executors()
         self.device = get(self.executor.device.remote())
         get([w.numel.remote() for w in self.workers])  # all up before the first step
 
@@ -254,7 +270,7 @@ class Engine:
     def _updates_after_step(self) -> bool:
         """The driver starts a step's update once the step is done (it needs the global norm, or the gradients
         wait on the GPU); otherwise the executor handed each unit to the workers as its gradients landed."""
-        return self.optim.clipping or self.grads == "device"
+        return self.optim.clipping or self.grads == "device" or len(self.executors) > 1
 
     def _on_gpu(self, node: str) -> bool:
         """Whether the run computes on a GPU of its node (Ray's view: a GPU Ray does not know of is not used)."""
@@ -300,10 +316,22 @@ class Engine:
         return OptimizerWorker.options(name=self._name(f"optimizer/{index}"), **p.worker(index)).remote(
             self.handle, self.config, self.optim, index, p.workers, p.worker_threads, self.grads, self.metrics)
 
-    def _new_executor(self) -> Any:
+    def _new_executors(self) -> list[Any]:
+        """The run's executors, joined into one process group when there are several (a new one each time: a
+        replacement never joins a group whose member died)."""
         engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
-        return GPUExecutor.options(name=self._name("executor"), **self.placement.executor()).remote(
-            self.handle, self.config, engine, self.workers, self.optim.clipping, self.trace)
+        world = engine.executors
+        assert isinstance(world, int)
+        rendezvous = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
+        names = ["executor"] if world == 1 else [f"executor/{rank}" for rank in range(world)]
+        return [GPUExecutor.options(name=self._name(name), **self.placement.executor(rank)).remote(
+                    self.handle, self.config, engine, self.workers, self.optim.clipping, self.trace, rank, world,
+                    rendezvous) for rank, name in enumerate(names)]
+
+    @property
+    def executor(self) -> Any:
+        """The first executor (the only one, unless `executors` > 1)."""
+        return self.executors[0] if self.executors else None
 
     def _name(self, role: str) -> str:
         """Readable in the dashboard and `ray timeline`; the restart count keeps a replacement's name free."""
@@ -352,8 +380,8 @@ class Engine:
     def _step_once(self, batch: ray.ObjectRef) -> StepResult:
         step = self.steps_done
         t0 = time.monotonic()
-        out = get(self.executor.train_step.remote(batch, self.updates_applied, self.updates_applied,
-                                                  self._pending))
+        out = _merged(get([e.train_step.remote(batch, self.updates_applied, self.updates_applied, self._pending)
+                           for e in self.executors]))
         update_spans = [span for spans in get(self._pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
@@ -426,14 +454,15 @@ class Engine:
 
     def _recover_once(self, error: BaseException) -> None:
         dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
-        if not dead_workers and _alive(self.executor) and not is_cuda_error(error):
+        if not dead_workers and all(_alive(e) for e in self.executors) and not is_cuda_error(error):
             raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
         if not _alive(self.store):
             raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
                                  "to continue from the last checkpoint.")
         for i in dead_workers:
             self.workers[i] = self._new_worker(i)
-        ray.kill(self.executor)  # dead already, or holding handles of dead workers
+        for executor in self.executors:  # dead already, holding handles of dead workers, or in a broken group
+            ray.kill(executor)
         if self._updates_after_step and not dead_workers:
             try:
                 # the previous step's updates, issued by the driver, run to completion (with grads = "device"
@@ -446,8 +475,8 @@ class Engine:
         self._pending = []
         versions = self._settled_versions()
         consistent = not dead_workers and versions == (self.updates_applied, self.updates_applied)
-        self.executor = self._new_executor()
-        ray.get([self.executor.device.remote()] + [w.numel.remote() for w in self.workers])
+        self.executors = self._new_executors()
+        ray.get([e.device.remote() for e in self.executors] + [w.numel.remote() for w in self.workers])
         if consistent:
             log.warning("the GPU executor died; a new one mapped the same arena and redoes step %d", self.steps_done)
             return
@@ -552,12 +581,12 @@ class Engine:
                 ray.get(self.store.close.remote(), timeout=60)
         except Exception as e:  # the store died: its segments are removed just below
             log.warning("parameter store did not close cleanly (%s)", e)
-        for actor in [self.executor, *self.workers, self.store]:
+        for actor in [*self.executors, *self.workers, self.store]:
             if actor is not None:
                 ray.kill(actor)
         if self.placement is not None:
             self.placement.release()
-        self.store, self.executor, self.workers, self.placement = None, None, [], None
+        self.store, self.executors, self.workers, self.placement = None, [], [], None
         remove_stale_segments()
 
     def __enter__(self) -> Engine:
@@ -565,6 +594,21 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's result from its executors' (data parallel): losses, tokens and each unit's squared norm (of
+    each one's slice of the summed gradient) added up; the first's stall accounting."""
+    if len(outs) == 1:
+        return outs[0]
+    merged = dict(outs[0])
+    for key in ("loss", "tokens"):
+        merged[key] = sum(out[key] for out in outs)
+    norms = [out["unit_norms_sq"] for out in outs]
+    merged["unit_norms_sq"] = [sum(unit) for unit in zip(*norms, strict=True)] if all(norms) else []
+    merged["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
+    merged["spans"] = [span for out in outs for span in out["spans"]]
+    return merged
 
 
 def _alive(actor: Any, timeout: float = 60.0) -> bool:

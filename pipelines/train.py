@@ -66,6 +66,9 @@ class TrainConfig:
     checkpoint_budget_gib: float | str | None = "auto"
     micro_batches: int = 1  # a step is this many micro-batches of data.batch_size rows and one update
     schedule: str = "auto"  # layer-major (weights once per step) where memory allows, else per-micro-batch
+    # executors, data parallel ("auto": one per GPU Ray offers on the run's node, one on the CPU path); a step's
+    # batch is data.batch_size x micro_batches x executors rows
+    executors: int | str = "auto"
     seed: int = 0
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
@@ -150,7 +153,8 @@ TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
-             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule")
+             "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
+             "executors")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
@@ -228,7 +232,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     try:
         with sigterm_stops_the_run():
             cfg.data.vocab_size = engine.config.vocab_size
-            cfg.data.micro_batches = cfg.micro_batches  # the loader hands a step's micro-batches as one batch
+            # the loader hands a step's micro-batches, every executor's, as one batch
+            cfg.data.micro_batches = cfg.micro_batches * engine.engine_config.executors
             loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory

@@ -31,24 +31,26 @@ def batches() -> list[torch.Tensor]:
 
 
 def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
-          seed: int = 0, grads: str = "auto", device: str = "cpu", micro_batches: int = 1
+          seed: int = 0, grads: str = "auto", device: str = "cpu", micro_batches: int = 1, executors: int = 1,
+          kill_steps: set[int] = KILL_STEPS, checkpoint_after: int = 9
           ) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
-    """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps."""
+    """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps (or of
+    `kill_steps` of as many steps as `batches` has, the checkpoint after `checkpoint_after`)."""
     rng = random.Random(seed)
     losses = []
     with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, micro_batches=micro_batches,
-                          **{**ENGINE, "device": device}) as engine:
+                          executors=executors, **{**ENGINE, "device": device}) as engine:
         for i, ids in enumerate(batches):
             killer = None
-            if victim is not None and i in KILL_STEPS:
+            if victim is not None and i in kill_steps:
                 pid = engine.executor_pid() if victim == "executor" else rng.choice(engine.worker_pids())
                 killer = threading.Timer(rng.uniform(0.0, 0.15), os.kill, (pid, signal.SIGKILL))
                 killer.start()
             losses.append(engine.step(ids))
             if killer is not None:
                 killer.join()
-            if i == 9:
-                engine.save_checkpoint(tmp / "step-10")
+            if i == checkpoint_after:
+                engine.save_checkpoint(tmp / f"step-{i + 1}")
         params = engine.parameters()
         restarts = engine.restarts
         segments = [engine.handle.path(name) for name, _, _ in engine.handle.segments]

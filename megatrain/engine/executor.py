@@ -36,6 +36,7 @@ import torch
 
 from megatrain.config import PRECISIONS, SCHEDULES, MegatrainError, ModelConfig, check_choice
 from megatrain.engine.checkpoints import CheckpointStore
+from megatrain.engine.data_parallel import DataParallel
 from megatrain.engine.streams import Streams, make_streams
 from megatrain.model import ops
 from megatrain.model.architecture import Batch, LayerFn
@@ -200,7 +201,8 @@ class Executor:
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
                  shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
-                 tile_tokens: int | None = None, checkpoint_budget: int | None = None):
+                 tile_tokens: int | None = None, checkpoint_budget: int | None = None,
+                 data_parallel: DataParallel | None = None):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
         simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer;
         with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
@@ -210,7 +212,9 @@ class Executor:
         GPU's path; on the plain CPU path the step's own thread does them). tile_tokens: the layers' token-wise
         parts run over tiles of that many tokens (None: whole). checkpoint_budget: bytes of device memory for the
         layer inputs the backward recomputes from; the rest wait in host memory (None: all on the device;
-        megatrain/engine/checkpoints.py)."""
+        megatrain/engine/checkpoints.py). data_parallel: this executor is one of several, each running its share of
+        a step's rows; every unit's gradient is summed over them and this one writes its slice of the sum
+        (megatrain/engine/data_parallel.py)."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         check_choice("precision", precision, PRECISIONS)
@@ -231,6 +235,10 @@ class Executor:
             self.arch.tile(tile_tokens)
         self.tiled = tile_tokens is not None
         self.checkpoints = CheckpointStore(self.streams, checkpoint_budget)
+        self.dp = data_parallel if data_parallel is not None and data_parallel.world > 1 else None
+        if self.dp is not None and not self.grad_layout.full_ranges:
+            raise MegatrainError("several executors write slices of every unit's gradient into the arena, which needs "
+                                 "grads = 'arena'; set grads = 'arena' (or 'auto').")
         self.compile = compile
         if compile:
             allow_recompiles(COMPILED_SHAPES_LIMIT)
@@ -266,12 +274,28 @@ class Executor:
                    accumulate: bool = False) -> GradsOut:
         """Packs a unit's gradients, just computed on the compute stream, with their host destinations;
         accumulate: what the destinations hold (an earlier pass's gradients of this step) is added first, so that
-        the norm is the sum's."""
+        the norm is the sum's. Data parallel, the pairs become this executor's slice of their sum over the
+        executors, and the norm that slice's (the engine adds the executors' up)."""
+        if self.dp is not None:
+            pairs = self._reduced(unit, pairs)
         if accumulate:
             pairs = [(g.float() + self._to_device(dst), dst) for g, dst in pairs]
         norm_sq = sum(self._norm_sq(g) for g, _ in pairs)
         self.streams.compute_uses(norm_sq, *(g for g, _ in pairs))
         return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter, permit)
+
+    def _reduced(self, unit: Unit, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(this executor's slice of the unit's gradient summed over the executors, its range in the arena)]: the
+        pairs laid out flat at their destinations' offsets in the unit's range, the gaps (tensors with no gradient
+        here) zero."""
+        assert self.dp is not None
+        whole = self.grad_layout.range_of(unit, self.grads)
+        flat = torch.zeros(whole.numel(), dtype=torch.float32, device=self.device)
+        for g, dst in pairs:
+            start = (dst.data_ptr() - whole.data_ptr()) // whole.element_size()
+            flat[start : start + dst.numel()] = g.reshape(-1)
+        return [(self.dp.reduce(flat), whole[self.dp.shard(whole.numel())])]
 
     def _emit(self, out: GradsOut, landed: LandedCallback, slot_free: UnitCallback,
               slot_users: dict[int, Unit]) -> None:
@@ -446,7 +470,8 @@ class Executor:
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             *, wait_weights: UnitCallback = _noop, grads_landed: LandedCallback = _noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = _noop,
-            hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major") -> StepOutput:
+            hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major",
+            loss_tokens: int | None = None) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
@@ -463,6 +488,8 @@ class Executor:
         cross once per step whatever the number. "per-micro-batch": a whole forward and backward per
         micro-batch (weights cross once each), its gradients added to the earlier ones' in the arena (grads =
         "arena" only): one micro-batch's checkpoints at a time, for when every micro-batch's do not fit.
+        loss_tokens: the labelled tokens the loss is the mean over, where they are more than this batch's (its
+        rows are an executor's share of a step's, data parallel); StepOutput.tokens stays this batch's.
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
@@ -477,8 +504,12 @@ class Executor:
         labels = None if labels is None else labels.long()
         host_targets = ops.shift_labels(input_ids, labels)
         n_tokens = int((host_targets != ops.IGNORE_INDEX).sum())
-        if n_tokens == 0:
+        loss_tokens = n_tokens if loss_tokens is None else loss_tokens
+        if loss_tokens == 0:
             raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
+        if hold_grads and self.dp is not None:
+            raise MegatrainError("several executors sum gradients on their way to the arena: they cannot hold them on "
+                                 "the device (grads = 'device'); use grads = 'arena'.")
         if position_ids is not None:
             position_ids = self._check_positions(position_ids, input_ids)
         rows_per_micro = input_ids.shape[0] // k
@@ -499,7 +530,7 @@ class Executor:
             rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
-        step = _Step(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, n_tokens, table)
+        step = _Step(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, loss_tokens, table)
         passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
         # loss_ready sees each pass's share of the loss (finite if and only if their sum is); once it says stop
         # (a non-finite loss, or an evaluation), the remaining passes run their forward only, for the loss
@@ -510,7 +541,9 @@ class Executor:
                              hold_grads, accumulate=number > 0, forward_only=not backward)
             loss += out.loss
             backward = backward and bool(out.unit_grad_norms_sq)
-        return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held) if backward else StepOutput(loss, n_tokens)
+        if not backward:
+            return StepOutput(loss, n_tokens)
+        return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held)
 
     def _pass(self, step: _Step, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
               loss_ready: Callable[[float], bool] | None, slot_free: UnitCallback, hold_grads: bool,
@@ -681,8 +714,8 @@ class Executor:
                 grad_rows.masked_fill_(self._to_device(rows_idx == pad).unsqueeze(1), 0.0)
         del grads
         embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
-        if self.config.tie_embeddings:
-            full = grad_lm.float()
+        if self.config.tie_embeddings or self.dp is not None:  # data parallel: the executors' rows differ
+            full = grad_lm.float() if self.config.tie_embeddings else grad_rows.new_zeros(embed_grad.shape)
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
             del grad_lm
             emit(self._gradients(embed_unit, [(full, embed_grad)], accumulate=accumulate))

@@ -1,0 +1,84 @@
+"""Data parallelism between executors: each runs its share of a step's rows, and every unit's gradient is summed
+over them before it leaves the device, each executor writing only its 1/N slice of the sum into the arena.
+
+    rank r of N: rows [r R/N, (r+1) R/N) of the step's R rows; loss scaled by the whole step's labelled tokens
+    per unit:    the unit's gradients, flattened in arena order, reduce-scattered (NCCL) or all-reduced and
+                 sliced (gloo, which has no reduce-scatter), so host-side traffic per executor is 1/N a unit
+
+The process group is made inside the executor actors (as Ray Train does): torch.distributed over TCP on the
+loopback, gloo on the CPU path and NCCL between GPUs. Model math knows nothing of it: the executor hands each
+unit's flat gradient to `reduce`.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatrain.config import MegatrainError
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DataParallel:
+    rank: int
+    world: int
+    device: torch.device  # where the collectives' tensors live (NCCL's on the GPU)
+
+    @classmethod
+    def join(cls, rank: int, world: int, address: str, device: torch.device, timeout_s: float = 120.0
+             ) -> DataParallel:
+        """Joins the process group of `world` executors at `address` (tcp://host:port) as `rank`."""
+        from datetime import timedelta
+
+        if dist.is_initialized():  # a replacement actor never reuses a process, but a test might
+            dist.destroy_process_group()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # torch's own messages name the rendezvous, not what to do about it
+            raise MegatrainError(f"executor {rank} of {world} could not join the others at {address} ({e}); check "
+                                 "that every executor started (the Ray dashboard shows why one did not).") from None
+        return cls(rank, world, device)
+
+    def rows(self, total: int) -> slice:
+        """This rank's rows of a step's `total` (which the engine checked divide evenly)."""
+        per = total // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def shard(self, numel: int) -> slice:
+        """This rank's slice of a unit's `numel` gradient elements (the last ranks may hold one fewer)."""
+        per, extra = divmod(numel, self.world)
+        start = self.rank * per + min(self.rank, extra)
+        return slice(start, start + per + (self.rank < extra))
+
+    def reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of `flat` (one unit's gradient, fp32), this rank's shard of it."""
+        mine = self.shard(flat.numel())
+        if flat.is_cuda and flat.numel() % self.world == 0:  # NCCL: each rank receives only its shard
+            out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(out, flat)
+            return out
+        dist.all_reduce(flat)  # gloo has no reduce-scatter
+        return flat[mine]
+
+    def all_finite(self, value: float) -> bool:
+        """Whether `value` is finite on every rank: all go on to the backward (and its collectives) or none does."""
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
+        dist.all_reduce(bad)
+        return bool(bad.item() == 0.0)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -612,8 +612,10 @@ def _merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _alive(actor: Any, timeout: float = 60.0) -> bool:
+    """Whether `actor` answers within `timeout`: one that does not (stuck in a collective with a dead peer) is as
+    good as dead to a recovery, which replaces it."""
     try:
         ray.get(actor.pid.remote(), timeout=timeout)
         return True
-    except ray.exceptions.RayActorError:
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False

@@ -1,7 +1,8 @@
 """Measurements of this machine: host <-> GPU copy rates from the arena, and the fused AdamW kernel's speed.
 
 `megatrain doctor` runs them small; benchmarks/pcie.py and benchmarks/optimizer.py run them at full size and
-print tables. A plan that predicts step times would calibrate itself with the same functions.
+print tables. `megatrain calibrate` (megatrain/memory/predict.py: calibrate) runs them beside the matmul rate,
+a host memcpy and a model's layers timed in an Executor, to predict step times.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,3 +137,74 @@ def fused_adamw_seconds(layout: ModelLayout, optim: OptimConfig, repeats: int, t
         return times
     finally:
         torch.set_num_threads(before)
+
+
+# ---- compute ----
+
+def memcpy_gbps(nbytes: int) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9  # read and written
+
+
+def matmul_tflops(device: str, precision: str, config: ModelConfig | None, tokens: int, scale: float) -> float:
+    """TFLOP/s of [m, k] @ [k, n] in `precision`: the model's MLP up-projection shape (tokens x hidden x ffn)
+    where given, else a square one sized for the device."""
+    from megatrain.engine.executor import set_matmul_precision
+
+    if config is not None:
+        m, k, n = tokens, config.hidden_size, config.intermediate_size
+    else:
+        m = k = n = 4096 if device.startswith("cuda") else max(256, int(1024 * scale ** 0.5))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    if device.startswith("cuda"):
+        set_matmul_precision(precision)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    a @ b
+    sync()
+    best, total, t_end = math.inf, 0, time.monotonic() + max(0.2, 2 * scale)
+    while total < 3 or (time.monotonic() < t_end and total < 50):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best, total = min(best, time.perf_counter() - t0), total + 1
+    return 2 * m * k * n / best / 1e12
+
+
+def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", precision: str = "tf32",
+                budget_s: float = 30.0, repeats: int = 3) -> tuple[float, float] | None:
+    """(one layer's, the rest's) compute seconds for batch x seq tokens: an in-process Executor (the code a run
+    executes) on this model's shape with 1 and with 2 decoder layers, weights in plain host memory. None where a
+    first untimed step already takes more than a fifth of `budget_s`."""
+    from megatrain.engine.executor import Executor
+
+    times: list[float] = []
+    for layers in (1, 2):
+        shape = replace(config, num_layers=layers)
+        layout = ModelLayout.build(shape)
+        params, grads = torch.empty(layout.numel), torch.zeros(layout.numel)
+        fill(params, grads)
+        executor = Executor(shape, layout, params, grads, device, precision)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        try:
+            t0 = time.perf_counter()
+            executor.run(ids)  # first touch, allocator warm-up
+            if time.perf_counter() - t0 > budget_s / 5:
+                return None
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                executor.run(ids)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        finally:
+            executor.close()
+    layer = max(times[1] - times[0], 0.0)
+    return layer, max(times[0] - layer, 0.0)

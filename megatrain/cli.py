@@ -1,4 +1,4 @@
-"""`megatrain train | finetune | plan | cleanup | report | doctor`.
+"""`megatrain train | finetune | plan | calibrate | cleanup | report | doctor`.
 
 Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
 Ctrl-C stops the run, removes its shared memory and exits 130.
@@ -7,6 +7,7 @@ Ctrl-C stops the run, removes its shared memory and exits 130.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -68,6 +69,13 @@ def _auto_none_or(kind: type) -> Any:
     return parse
 
 
+def _int_or_auto(text: str) -> int | str:
+    return "auto" if text.lower() == "auto" else int(text)
+
+
+_int_or_auto.__name__ = "int"  # what argparse names in its "invalid value" message
+
+
 def _add_long_context_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile-tokens", type=_auto_none_or(int),
                    help="tokens per tile of the layers' token-wise work: auto (the plan picks), none, or N")
@@ -118,11 +126,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The plan of the run `megatrain train` would make with the same config file and flags."""
     from megatrain.config import ConfigError, EngineConfig, OptimConfig
     from megatrain.memory.plan import gpu_free_here, longest_seq, plan_run
+    from megatrain.memory.predict import choose, predict
     from megatrain.memory.store import resolve_model
     from pipelines.train import TrainConfig
 
+    workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
     cfg = TrainConfig.load(args.config, {"model": args.model, "data.batch_size": args.batch, "data.seq_len": args.seq,
-                                         "precision": args.precision, "optimizer_workers": args.optimizer_workers,
+                                         "precision": args.precision, "optimizer_workers": workers,
                                          "device": args.device, "grads": args.grads,
                                          "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
                                          "checkpoint_budget_gib": args.checkpoint_budget_gib,
@@ -143,20 +153,113 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
     long_context = dict(tile_tokens=cfg.tile_tokens,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
+    cal = _calibration(on_gpu, config, cfg, fresh=args.json)
+    choice = None
+    if args.optimizer_workers == "auto":  # the fastest predicted settings among those left auto
+        if cal is None:
+            raise ConfigError("--optimizer-workers auto picks the fastest predicted settings, which needs a "
+                              "calibration of this machine: run `megatrain calibrate` first.")
+        choice = choose(config, cfg.data.batch_size, cfg.data.seq_len, cal, optimizer_workers="auto",
+                        grads=cfg.grads, tile_tokens=cfg.tile_tokens, clipping=optim.clipping,
+                        precision=cfg.precision, schedule=cfg.schedule,
+                        checkpoint_budget=long_context["checkpoint_budget"],
+                        **{k: v for k, v in common.items() if k not in ("precision", "optimizer_workers")})
+        if choice is not None:
+            common["optimizer_workers"] = choice.optimizer_workers
+            cfg.grads, long_context["tile_tokens"] = choice.plan.grads, choice.plan.tile_tokens
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
                     schedule=cfg.schedule, **long_context, **common)
-    print(plan.report())
     longest = plan.longest_seq
     if longest is None:  # it fits: how far it would
         longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context,
                               **{**common, "schedule": plan.schedule})
+    prediction = None if cal is None else predict(plan, config, cal, precision=cfg.precision,
+                                                  optimizer_workers=common["optimizer_workers"],
+                                                  clipping=optim.clipping)
+    fits = (plan.host_problem() or plan.gpu_problem()) is None
+    if args.json:
+        print(json.dumps(_plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"]), indent=2))
+        return 0 if fits else 1
+    print(plan.report())
     where = "the GPU and host given" if args.gpu_gib or args.host_gib else "this machine"
     if on_gpu and gpu_free is None:
         where += " (GPU memory unknown: give --gpu-gib)"
     print(f"longest sequence at batch {cfg.data.batch_size} on {where}: {longest} tokens"
           + (f" (the model has {config.max_position_embeddings} positions)"
              if longest > config.max_position_embeddings else ""))
-    return 0 if (plan.host_problem() or plan.gpu_problem()) is None else 1
+    if choice is not None:
+        tiles = "none" if plan.tile_tokens is None else plan.tile_tokens
+        print(f"fastest of {choice.tried} settings that fit: --optimizer-workers {choice.optimizer_workers} "
+              f"--grads {plan.grads} --tile-tokens {tiles}")
+    if prediction is not None:
+        print(prediction.report())
+    return 0 if fits else 1
+
+
+def _calibration(on_gpu: bool, config: Any, cfg: Any, fresh: bool) -> Any:
+    """The cached calibration of the device the plan is for; with `fresh`, where none is cached (or it lacks this
+    model's layers), a quick one (~20 s), cached. None on a GPU plan made without a GPU here."""
+    from megatrain.memory.predict import Calibration, calibrate, device_name, layer_key
+
+    if on_gpu and not _cuda():
+        return None
+    device = "cuda" if on_gpu else "cpu"
+    name = device_name(device)
+    cal = Calibration.load(name)
+    key = layer_key(config, cfg.data.batch_size, cfg.data.seq_len, cfg.precision)
+    if fresh and (cal is None or key not in cal.layers):
+        logging.getLogger("megatrain").info("calibrating %s for the prediction (megatrain calibrate does it once)",
+                                            name)
+        cal = calibrate(device, config, batch=cfg.data.batch_size, seq=cfg.data.seq_len, precision=cfg.precision,
+                        max_seconds=QUICK_CALIBRATION_S, base=cal)
+        cal.save()
+    return cal
+
+
+QUICK_CALIBRATION_S = 20.0
+
+
+def _plan_json(plan: Any, prediction: Any, cal: Any, longest: int, fits: bool, workers: int) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    out: dict[str, Any] = {"predicted_step_s": None, "predicted_tokens_per_s": None, "bound": None}
+    if prediction is not None:
+        out.update(prediction.to_dict())
+    out["plan"] = {**asdict(plan), "step_tokens": plan.step_tokens, "host_total": plan.host_total,
+                   "gpu_total": plan.gpu_total, "optimizer_workers": workers, "longest_seq": longest}
+    out["fits"] = fits
+    out["problem"] = plan.host_problem() or plan.gpu_problem()
+    out["calibration"] = None if cal is None else {"device": cal.device, "created": cal.created}
+    return out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measures this machine for predicted step times and caches it (megatrain/memory/predict.py)."""
+    from megatrain.memory.predict import Calibration, calibrate, device_name
+    from megatrain.memory.store import resolve_model
+
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    config = resolve_model(args.model)[0] if args.model else None
+    base = Calibration.load(device_name(device))
+    cal = calibrate(device, config, batch=args.batch, seq=args.seq, precision=args.precision,
+                    max_seconds=args.max_seconds, base=base)
+    path = cal.save()
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({**asdict(cal), "path": str(path)}, indent=2))
+        return 0
+    copies = ("no host <-> device copies (the CPU path)" if cal.h2d_gbps is None
+              else f"H2D {cal.h2d_gbps:.1f} GB/s, D2H {cal.d2h_gbps:.1f} GB/s (registered arena)")
+    print(f"calibrated {cal.device} ({cal.cores} cores, {cal.compute_threads} compute threads): {copies}, host "
+          f"memcpy {cal.memcpy_gbps:.1f} GB/s")
+    print("matmul TFLOP/s: " + ", ".join(f"{p} {r:.3g}" for p, r in cal.matmul_tflops.items()))
+    print("fused AdamW G params/s by optimizer workers: "
+          + ", ".join(f"{w}: {r:.2f}" for w, r in cal.adamw_gparams.items()))
+    for key, timing in cal.layers.items():
+        print(f"layers {key}: {1e3 * timing.layer_s:.1f} ms a layer, {1e3 * timing.rest_s:.1f} ms the rest")
+    print(f"cached in {path}")
+    return 0
 
 
 def _cuda() -> bool:
@@ -218,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", "--batch-size", dest="batch", type=int)
     p.add_argument("--seq", "--seq-len", dest="seq", type=int)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
-    p.add_argument("--optimizer-workers", type=int)
+    p.add_argument("--optimizer-workers", type=_int_or_auto, help="N, or auto: the fastest predicted settings "
+                                                                    "among those left auto (needs a calibration)")
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
     p.add_argument("--micro-batches", type=int, help="micro-batches of --batch rows per step")
@@ -228,7 +332,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_long_context_flags(p)
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
     p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
+    p.add_argument("--json", action="store_true", help="the plan and its predicted step time as JSON (calibrates "
+                                                       "this machine first where no calibration is cached)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure this machine (copies, matmul, AdamW, a model's layers) for "
+                                         "predicted step times; cached for `megatrain plan`")
+    p.add_argument("--device", help="cpu or cuda (default: cuda where there is one)")
+    p.add_argument("--model", help=PRESETS_HELP + ": also time its layers at --batch x --seq tokens")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="about how long to measure (default 60)")
+    p.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
     p.add_argument("--all", action="store_true", help="also remove segments of live runs")

@@ -7,6 +7,7 @@ one coloured box per span, a time axis in ms.
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from dataclasses import dataclass, field, fields
@@ -203,12 +204,33 @@ def _load(run_dir: Path) -> tuple[list[StepStats], list[Span] | None]:
     return steps, spans
 
 
+PREDICTION_FILE = "prediction.json"  # written by pipelines/train.py where the machine was calibrated
+
+
+def predicted_line(run_dir: Path, steps: list[StepStats]) -> str:
+    """The run's predicted step time beside the measured mean (without the first step), or "" where the run
+    recorded no prediction."""
+    try:
+        pred = json.loads((run_dir / PREDICTION_FILE).read_text())
+        predicted = float(pred["predicted_step_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    body = steps[1:] if len(steps) > 1 else steps
+    measured = sum(s.step_time for s in body) / len(body)
+    lanes = ", ".join(f"{name} {1e3 * float(pred.get(name + '_s', 0.0)):.1f}"
+                      for name in ("compute", "h2d", "d2h", "optimizer", "data"))
+    return (f"\npredicted step {1e3 * predicted:.1f} ms (bound by {pred.get('bound', '?')}; {lanes} ms), measured "
+            f"{1e3 * measured:.1f} ms: predicted / measured {predicted / measured:.2f}" if measured > 0 else "")
+
+
 def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
-    """The stall table of every step, and timeline.png of `step` (default: the last step the trace holds)."""
+    """The stall table of every step (and the predicted step time beside the measured one where the run recorded
+    it), and timeline.png of `step` (default: the last step the trace holds)."""
     run_dir = Path(run_dir)
     steps, spans = _load(run_dir)
+    table = format_table(steps) + predicted_line(run_dir, steps)
     if spans is None:
-        return f"{format_table(steps)}\n\nno timeline: {run_dir} has no {TRACE_FILE}; train with --trace to record one."
+        return f"{table}\n\nno timeline: {run_dir} has no {TRACE_FILE}; train with --trace to record one."
     windows = {s.step: (s.start, s.end) for s in spans if s.lane == STEP_LANE}
     if not windows:
         raise ReportError(f"The trace {run_dir / TRACE_FILE} holds no step markers, so no step can be drawn; "
@@ -233,7 +255,7 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
         write_png(img, png)
     except OSError as e:
         raise ReportError(f"Could not write {png} ({e.strerror}).") from e
-    return f"{format_table(steps)}\n\ntimeline of step {step}: {png}"
+    return f"{table}\n\ntimeline of step {step}: {png}"
 
 
 def main_report(run_dir: str, step: int | None = None) -> int:

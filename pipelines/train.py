@@ -239,7 +239,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-            return _loop(cfg, engine, loader, out_dir, start, extra_files or [])
+            predicted = record_prediction(cfg, engine, out_dir)
+            return _loop(cfg, engine, loader, out_dir, start, extra_files or [], predicted)
     finally:
         if loader is not None:
             ray.kill(loader)
@@ -264,8 +265,45 @@ def sigterm_stops_the_run() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def record_prediction(cfg: TrainConfig, engine: Engine, out_dir: Path) -> float | None:
+    """The predicted step time of this run (megatrain/memory/predict.py) from the cached calibration of its device,
+    written to out_dir/prediction.json for `megatrain report`; None (and nothing written) where this machine was not
+    calibrated (`megatrain calibrate`): a run does not spend its time measuring the machine."""
+    from megatrain.memory.plan import plan_run
+    from megatrain.memory.predict import Calibration, device_name, predict
+    from megatrain.report import PREDICTION_FILE
+
+    (out_dir / PREDICTION_FILE).unlink(missing_ok=True)  # an earlier run's, in this directory
+    try:
+        device = "cuda" if engine.on_gpu else "cpu"
+        cal = Calibration.load(device_name(device)) if device == "cpu" or _cuda_here() else None
+        if cal is None:
+            return None
+        e = engine.engine_config
+        budget = e.checkpoint_budget_gib
+        plan = plan_run(engine.config, cfg.data.batch_size, cfg.data.seq_len, grads=e.grads,
+                        clipping=engine.optim.clipping, name=engine.model_name, precision=e.precision,
+                        optimizer_workers=e.optimizer_workers, on_gpu=engine.on_gpu, tile_tokens=e.tile_tokens,
+                        checkpoint_budget=None if budget is None else round(budget * 2**30),
+                        micro_batches=e.micro_batches, schedule=e.schedule, find_longest=False)
+        pred = predict(plan, engine.config, cal, precision=e.precision, optimizer_workers=e.optimizer_workers,
+                       clipping=engine.optim.clipping)
+    except Exception as exc:  # noqa: BLE001 - a prediction is commentary: it never stops a run
+        log.warning("no predicted step time: %s", exc)
+        return None
+    (out_dir / PREDICTION_FILE).write_text(json.dumps(pred.to_dict(), indent=2))
+    log.info("%s", pred.report())
+    return pred.step_s
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: int,
-          extra_files: list[Path]) -> dict[str, Any]:
+          extra_files: list[Path], predicted: float | None = None) -> dict[str, Any]:
     flops_per_token = engine.config.flops_per_token(cfg.data.seq_len)
     progress = Progress(cfg.steps, cfg.log_every)
     steps_path = out_dir / "steps.jsonl"
@@ -292,7 +330,8 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
             _log_step(steps_log, result, step_time, flops_per_token)
             if cfg.trace:
                 spans.extend(result.spans)
-            progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps))
+            progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps,
+                                                   predicted))
             step += 1
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evals.append((step, evaluate(engine, loader)))
@@ -333,11 +372,16 @@ def _tokens_per_s(result: StepResult, step_time: float) -> float:
     return result.tokens / step_time if step_time > 0 else 0.0
 
 
-def _progress_fields(result: StepResult, step_time: float, flops_per_token: float, skipped: int) -> dict[str, str]:
+def _progress_fields(result: StepResult, step_time: float, flops_per_token: float, skipped: int,
+                     predicted: float | None = None) -> dict[str, str]:
+    """The progress line's fields; `predicted`: the predicted step time, shown beside the measured one."""
     tps = _tokens_per_s(result, step_time)
     stall = result.stats["stall_fraction"] if result.stats else float("nan")
     out = {"loss": f"{result.loss:.4f}", "tok/s": f"{tps:,.0f}", "TFLOP/s": f"{tps * flops_per_token / 1e12:.3g}",
            "stall": f"{100 * stall:.0f}%" if math.isfinite(stall) else "-", "lr": f"{result.lr:.2e}"}
+    if predicted is not None:
+        out["step s"] = f"{step_time:.3g}"
+        out["pred s"] = f"{predicted:.3g}"
     if skipped:
         out["skipped"] = str(skipped)
     return out

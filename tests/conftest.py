@@ -9,3 +9,12 @@ def ray_session():
              ignore_reinit_error=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_cached_calibration(tmp_path_factory: pytest.TempPathFactory):
+    """Tests see no calibration of this machine (`megatrain calibrate` caches one in ~/.cache): what `plan` and
+    `train` print must not depend on whether someone ran it here. Subprocesses inherit the variable."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGATRAIN_CALIBRATION", str(tmp_path_factory.mktemp("calibration") / "none.json"))
+        yield

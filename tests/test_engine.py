@@ -46,12 +46,12 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim: dict = OPTIM,
-                 dtype: torch.dtype = torch.float32, no_decay: Callable[[str], Any] | None = None
-                 ) -> tuple[list[float], dict]:
+                 dtype: torch.dtype = torch.float32, no_decay: Callable[[str], Any] | None = None,
+                 attention: str = "eager") -> tuple[list[float], dict]:
     """transformers' model trained by torch.optim.AdamW (norms and biases not decayed, or the parameters whose
     names `no_decay` accepts) on HF's cosine schedule; `dtype` float64 gives the exact result that fp32 runs are
     judged against (parameters returned in fp32). A batch is (ids, labels) or (ids, labels, position_ids)."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=attention, dtype=dtype)
     named = list(model.named_parameters())
     if dtype == torch.float64 and any(".experts." in n for n, _ in named):
         model.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel

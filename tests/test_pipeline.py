@@ -45,7 +45,7 @@ def test_default_train_learns_and_leaves_nothing(tmp_path) -> None:
 @pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
 def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code, said) -> None:
     """Ctrl-C from a terminal, or SIGTERM from `timeout`, `kill` or a job scheduler (to the driver alone)."""
-    before = set(list_segments())
+    before = dead_segments()
     proc = megatrain("train", "--steps", "5000", "--log-every", "1", cwd=tmp_path)
     for line in proc.stdout:
         if line.startswith("step 3/"):
@@ -57,7 +57,8 @@ def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == code, out
     assert f"{said}: shared memory released" in out and "SIGTERM received" not in out
-    assert set(list_segments()) <= before, "the run left shared memory behind"
+    # segments whose owner is gone (a live run beside this test, another test's, is no leak of this one)
+    assert dead_segments() <= before, "the run left shared memory behind"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,6 +1,6 @@
 """Predicted against measured step time on the CPU path: three model sizes, two numbers of micro-batches.
 
-    python3 benchmarks/predict.py --steps 3 --warmup 2 --out predict.json
+    python3 benchmarks/predict.py --steps 6 --warmup 5 --out predict.json
 
 For each model: calibrate this machine for its layer shape (megatrain.memory.predict.calibrate, into a file of
 this run's own, not the user's cache), then for each K an Engine on the CPU (clipping on, grads in the arena,
@@ -39,8 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(m[0] for m in MODELS))
     p.add_argument("--ks", default="1,4", help="micro-batches per step, comma-separated")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=5)  # fewer: the 50m steps are still falling
     p.add_argument("--optimizer-workers", type=int, default=2)
     p.add_argument("--tolerance", type=float, default=0.25)
     p.add_argument("--out", help="JSON of the rows")

@@ -37,8 +37,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                    help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
-    p.add_argument("--micro-batches", type=int, help="a step is this many micro-batches of --batch-size rows and "
-                                                       "one update (weights stream once per step)")
+    p.add_argument("--micro-batches", type=_auto_none_or(int),
+                   help="a step is this many micro-batches of --batch-size rows and one update (weights stream once "
+                        "per step); auto: --batch-size is the step's rows, in the fewest micro-batches that fit")
     p.add_argument("--executors", type=_auto_none_or(int), help="executors, data parallel over each step's rows "
                    "(auto: one per GPU of the node, one on the CPU path)")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), help="layer-major: the weights cross once a step, "
@@ -125,7 +126,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The plan of the run `megatrain train` would make with the same config file and flags."""
     from megatrain.config import ConfigError, EngineConfig, OptimConfig
-    from megatrain.memory.plan import gpu_free_here, longest_seq, plan_run
+    from megatrain.memory.plan import gpu_free_here, longest_seq, pick_micro_batches, plan_run
     from megatrain.memory.predict import choose, predict
     from megatrain.memory.store import resolve_model
     from pipelines.train import TrainConfig
@@ -153,6 +154,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
     long_context = dict(tile_tokens=cfg.tile_tokens,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
+    picked = None
+    if cfg.micro_batches == "auto":  # --batch is the step's rows: the fewest micro-batches that fit
+        picked = pick_micro_batches(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads,
+                                    clipping=optim.clipping, schedule=cfg.schedule, **long_context,
+                                    **{k: v for k, v in common.items() if k != "micro_batches"})
+        cfg.data.batch_size, common["micro_batches"] = picked.batch, picked.micro_batches
     cal = _calibration(on_gpu, config, cfg, fresh=args.json)
     choice = None
     if args.optimizer_workers == "auto":  # the fastest predicted settings among those left auto
@@ -181,6 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(_plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"]), indent=2))
         return 0 if fits else 1
     print(plan.report())
+    if picked is not None:
+        print(f"micro-batches auto: {picked.micro_batches} of {picked.batch} rows")
     where = "the GPU and host given" if args.gpu_gib or args.host_gib else "this machine"
     if on_gpu and gpu_free is None:
         where += " (GPU memory unknown: give --gpu-gib)"
@@ -325,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "among those left auto (needs a calibration)")
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: what the GPU here has free)")
-    p.add_argument("--micro-batches", type=int, help="micro-batches of --batch rows per step")
+    p.add_argument("--micro-batches", type=_auto_none_or(int),
+                   help="micro-batches of --batch rows per step (auto: --batch is the step's rows)")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES))
     p.add_argument("--host-gib", type=float, help="host memory to plan for, /dev/shm included (default: what this "
                                                    "machine has available)")

@@ -415,7 +415,7 @@ class EngineConfig:
     checkpoint_budget_gib: float | None | str = "auto"
     # a step is this many micro-batches and one update; schedule (SCHEDULES, or "auto": layer-major where it fits,
     # so that weights cross once per step, else per micro-batch)
-    micro_batches: int = 1
+    micro_batches: int | str = 1  # "auto": the fewest that fit memory (batch_size is then the step's rows)
     schedule: str = "auto"
     # executors, data parallel over a step's rows, all streaming from the one arena ("auto": one per GPU Ray offers
     # the run on its node, one on the CPU path)
@@ -430,8 +430,8 @@ class EngineConfig:
         threads = self.threads_per_worker
         if threads is not None and not (_is_int(threads) and threads >= 1):
             raise ConfigError(f"threads_per_worker must be a positive integer or None, got {threads!r}.")
-        if not (_is_int(self.micro_batches) and self.micro_batches >= 1):
-            raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}.")
+        if not (self.micro_batches == "auto" or (_is_int(self.micro_batches) and self.micro_batches >= 1)):
+            raise ConfigError(f"micro_batches must be 'auto' or a positive integer, got {self.micro_batches!r}.")
         check_choice("schedule", self.schedule, ("auto", *SCHEDULES))
         if not (self.executors == "auto" or (_is_int(self.executors) and self.executors >= 1)):
             raise ConfigError(f"executors must be 'auto' or a positive integer, got {self.executors!r}.")

@@ -52,7 +52,7 @@ from megatrain.engine.executor import token_ids
 from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, proc_stat, remove_stale_segments
 from megatrain.memory.checkpoint import check_save_target
-from megatrain.memory.plan import MemoryPlan, plan_run
+from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
 from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources
@@ -150,7 +150,7 @@ class Engine:
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
-                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int = 1,
+                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
                  schedule: str = "auto", executors: int | str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
@@ -159,7 +159,8 @@ class Engine:
         resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node.
         tile_tokens, checkpoint_budget_gib: long sequences (EngineConfig); "auto" lets the memory plan pick, and a
         run the plan says will not fit is refused before anything is allocated.
-        micro_batches: a step's batch is that many micro-batches of batch_size rows and one update, run
+        micro_batches: a step's batch is that many micro-batches of batch_size rows and one update ("auto": batch_size
+        is the step's rows, each executor's, split into the fewest equal micro-batches that fit memory), run
         layer-major (each layer's weights cross once per step; its weight gradients are summed over the
         micro-batches on the device); the loss is the mean over all the step's labelled tokens. schedule "auto"
         takes that layer-major schedule where the memory plan fits it, else "per-micro-batch" (the weights cross
@@ -236,10 +237,13 @@ class Engine:
                                                executors=executors)
         plan = self._plan(batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
+        if self.engine_config.micro_batches == "auto":
+            log.info("micro_batches auto: %d micro-batch(es) of %d rows a step", plan.micro_batches, plan.batch)
+        batch = plan.batch  # a micro-batch's rows
         budget = plan.checkpoint_budget
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
                                      checkpoint_budget_gib=None if budget is None else budget / 2**30,
-                                     schedule=plan.schedule)
+                                     schedule=plan.schedule, micro_batches=plan.micro_batches)
         if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
             log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
                         "(%d times a step) and the gradients add up in the arena", plan.micro_batches,
@@ -296,13 +300,16 @@ class Engine:
         device budget of layer checkpoints. On a GPU its free memory is measured first, in a throwaway process."""
         e = self.engine_config
         budget = e.checkpoint_budget_gib
-        plan = plan_run(self.config, batch, seq, grads=e.grads, clipping=self.optim.clipping, name=self.model_name,
-                        precision=e.precision, optimizer_workers=e.optimizer_workers, on_gpu=on_gpu,
-                        loss_chunk_tokens=e.loss_chunk_tokens, tile_tokens=e.tile_tokens, micro_batches=e.micro_batches,
-                        schedule=e.schedule,
+        settings = dict(grads=e.grads, clipping=self.optim.clipping, name=self.model_name, precision=e.precision,
+                        optimizer_workers=e.optimizer_workers, on_gpu=on_gpu, loss_chunk_tokens=e.loss_chunk_tokens,
+                        tile_tokens=e.tile_tokens, schedule=e.schedule,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
                         if on_gpu else None)
+        if e.micro_batches == "auto":  # batch: the step's rows
+            plan = pick_micro_batches(self.config, batch, seq, **settings)
+        else:
+            plan = plan_run(self.config, batch, seq, micro_batches=e.micro_batches, **settings)
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
                                         }[plan.grads])

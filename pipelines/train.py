@@ -64,7 +64,9 @@ class TrainConfig:
     # checkpoints stay on the GPU (0: all of them in host memory)
     tile_tokens: int | str | None = "auto"
     checkpoint_budget_gib: float | str | None = "auto"
-    micro_batches: int = 1  # a step is this many micro-batches of data.batch_size rows and one update
+    # a step is this many micro-batches of data.batch_size rows and one update ("auto": data.batch_size is the
+    # step's rows, each executor's, in the fewest micro-batches that fit memory)
+    micro_batches: int | str = 1
     schedule: str = "auto"  # layer-major (weights once per step) where memory allows, else per-micro-batch
     # executors, data parallel ("auto": one per GPU Ray offers on the run's node, one on the CPU path); a step's
     # batch is data.batch_size x micro_batches x executors rows
@@ -144,7 +146,7 @@ class TrainConfig:
         return asdict(self)
 
 
-TRAIN_INTS = ("steps", "micro_batches", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed",
+TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")
@@ -233,7 +235,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
         with sigterm_stops_the_run():
             cfg.data.vocab_size = engine.config.vocab_size
             # the loader hands a step's micro-batches, every executor's, as one batch
-            cfg.data.micro_batches = cfg.micro_batches * engine.engine_config.executors
+            per_executor = 1 if cfg.micro_batches == "auto" else cfg.micro_batches
+            cfg.data.micro_batches = per_executor * engine.engine_config.executors
             loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory

@@ -30,7 +30,7 @@ import megatrain
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
 from megatrain.data import DataConfig
 from megatrain.data.loader import BatchLoader
-from megatrain.memory.plan import plan_run
+from megatrain.memory.plan import pick_micro_batches, plan_run
 
 VOCAB, ROWS, SEQ, K = 128, 8, 24, 4
 
@@ -80,7 +80,7 @@ def test_rows_that_do_not_split_are_one_sentence(llama: tuple[torch.nn.Module, P
     with megatrain.from_pretrained(directory) as model:
         with pytest.raises(megatrain.MegatrainError, match="does not split into 3 equal micro-batches"):
             model.loss_and_grads(rows(0)[0], micro_batches=3)
-    with pytest.raises(ConfigError, match="micro_batches must be a positive integer"):
+    with pytest.raises(ConfigError, match="micro_batches must be 'auto' or a positive integer"):
         EngineConfig(micro_batches=0)
     with pytest.raises(ConfigError, match="schedule must be one of auto, layer-major, per-micro-batch"):
         EngineConfig(schedule="breadth-first")
@@ -163,3 +163,19 @@ def test_plan_falls_back_to_per_micro_batch_where_layer_major_does_not_fit() -> 
     assert plan.schedule == "per-micro-batch" and plan.grads == "arena"
     assert plan.host_problem() is None and plan.gpu_problem() is None
     assert plan_run(config, 1, 32768, micro_batches=2, **kwargs).schedule == "layer-major"
+
+
+def test_auto_takes_the_fewest_micro_batches_that_fit(ray_session: None) -> None:
+    """micro_batches = "auto": batch_size is the step's rows, split into the fewest equal micro-batches that fit. 7B
+    at 16 rows of 32k tokens on an 80 GiB GPU and a 125 GiB host: 4 micro-batches of 4 rows (1 and 2 do not fit);
+    the tiny model on the CPU: one."""
+    config = ModelConfig.from_name("7b")
+    kwargs = dict(name="7b", precision="bf16", on_gpu=True, gpu_free=80 * 2**30, host_free=125 * 2**30)
+    plan = pick_micro_batches(config, 16, 32768, **kwargs)
+    assert (plan.micro_batches, plan.batch) == (4, 4) and plan.host_problem() is None and plan.gpu_problem() is None
+    for k in (1, 2):
+        worse = plan_run(config, 16 // k, 32768, micro_batches=k, **kwargs)
+        assert worse.host_problem() or worse.gpu_problem()
+    with megatrain.Engine("tiny", device="cpu", micro_batches="auto", batch_size=4, seq_len=32) as engine:
+        assert engine.engine_config.micro_batches == 1
+        engine.step(torch.randint(0, 256, (4, 32)))

@@ -353,6 +353,19 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     return plan
 
 
+def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:
+    """The plan of a step of `rows` rows in the fewest equal micro-batches that fit memory (their FLOPs are the same
+    whatever the split; fewer passes over the layers, larger matmuls): K the smallest divisor of rows that fits,
+    each micro-batch rows / K rows. None fitting: the plan of K = rows (one row each), whose problem says why."""
+    plan = None
+    for k in (d for d in range(1, rows + 1) if rows % d == 0):
+        plan = plan_run(config, rows // k, seq, micro_batches=k, find_longest=False, **plan_kwargs)
+        if not (plan.host_problem() or plan.gpu_problem()):
+            return plan
+    assert plan is not None
+    return plan
+
+
 def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_tokens: int | None | str,
                    checkpoint_budget: int | None | str, kwargs: dict[str, Any]) -> MemoryPlan:
     """The plan with tile_tokens and checkpoint_budget picked where they are "auto"."""

@@ -76,7 +76,8 @@ class GPUExecutor:
             torch.set_num_threads(min(GPU_HOST_THREADS, os.cpu_count() or 1))
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
             torch.set_num_threads(max(1, os.cpu_count() or 1))
-        self.versions = self.arena.versions.view(len(self.layout.units), len(workers))
+        # per unit: each optimizer worker's update, and with several nodes a last column, the update every node has
+        self.versions = self.arena.versions.view(len(self.layout.units), -1)
         self.issued = self.arena.issued  # per unit, the update number handed to the workers
         self.workers = workers
         # updates are handed out as gradients land in the backward only when nothing must be known first (with

@@ -13,21 +13,24 @@ from actors.metrics import EngineMetrics
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
-from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
 from megatrain.telemetry import Span, optimizer_lane
 
 
 @ray.remote
 class OptimizerWorker:
     def __init__(self, handle: ArenaHandle, config: ModelConfig, optim: OptimConfig, worker: int, num_workers: int,
-                 threads: int, grads: str = "arena", metrics: EngineMetrics | None = None):
-        """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read."""
+                 threads: int, grads: str = "arena", metrics: EngineMetrics | None = None, node: int = 0,
+                 nodes: int = 1):
+        """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read.
+        node, nodes: the worker updates its share of node `node`'s part of each unit (NodeShard)."""
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
-        versions = self.arena.versions.view(len(self.layout.units), num_workers)
+        versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
-                                GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"))
+                                GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),
+                                NodeShard.build(self.layout, node, nodes))
         self.lane = optimizer_lane(worker)
         self.worker, self.metrics = worker, metrics
 
@@ -46,6 +49,8 @@ class OptimizerWorker:
 
     def apply(self, step: int, clip_coef: float) -> list[Span]:
         """All units in forward order (clipping on: called once the global norm is known)."""
+        if self.shard.issued is not None:  # every unit is handed out at once (the queue depth metric reads it)
+            self.shard.issued.fill_(step + 1)
         return [self._timed_update(u.index, step, clip_coef) for u in self.layout.units]
 
     def mark_skipped(self, unit: int, step: int) -> list[Span]:

@@ -15,11 +15,14 @@ from megatrain.memory.arena import ArenaHandle
 from megatrain.memory.store import ParameterStore
 
 
-@ray.remote(num_cpus=0)
+# Several nodes: the weight exchange runs on a thread of its own, so that the store still answers (a health check,
+# a recovery's questions) while it waits for its workers or for another node.
+@ray.remote(num_cpus=0, concurrency_groups={"sync": 1})
 class ParameterStoreActor:
     def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
                  run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False,
-                 tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1):
+                 tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1,
+                 node: int = 0, nodes: int = 1):
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
         self.init_error: MegatrainError | None = None
@@ -27,7 +30,7 @@ class ParameterStoreActor:
             self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
                                         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-                                        micro_batches=micro_batches)
+                                        micro_batches=micro_batches, node=node, nodes=nodes)
         except MegatrainError as e:
             self.init_error = e
             return
@@ -55,6 +58,25 @@ class ParameterStoreActor:
 
     def save_checkpoint(self, directory: str, state: dict[str, Any]) -> str:
         return str(self.store.save_checkpoint(directory, state))
+
+    def write_checkpoint_part(self, directory: str, state: dict[str, Any] | None) -> None:
+        self.store.write_checkpoint_part(Path(directory), state)
+
+    def join_nodes(self, address: str) -> None:
+        self.store.join_nodes(address)
+
+    @ray.method(concurrency_group="sync")
+    def sync_weights(self, step: int) -> list[Any]:
+        """Returns no spans: the driver adds a step's pending calls' spans up, and this call's wait is a stall of
+        the executors, recorded there."""
+        self.store.sync_weights(step)
+        return []
+
+    def version_range(self) -> tuple[int, int]:
+        return self.store.version_range()
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return self.store.load_checkpoint(directory)

@@ -42,6 +42,8 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                         "per step); auto: --batch-size is the step's rows, in the fewest micro-batches that fit")
     p.add_argument("--executors", type=_auto_none_or(int), help="executors, data parallel over each step's rows "
                    "(auto: one per GPU of the node, one on the CPU path)")
+    p.add_argument("--nodes", type=int, help="Ray nodes the run spans (the driver's first), each with its parameter "
+                   "store, optimizer workers and executors; gradients and weights cross between them over TCP")
     p.add_argument("--schedule", choices=("auto", *SCHEDULES), help="layer-major: the weights cross once a step, "
                    "every micro-batch's activations kept; per-micro-batch: once per micro-batch (auto: the first "
                    "that fits)")

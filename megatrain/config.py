@@ -420,6 +420,9 @@ class EngineConfig:
     # executors, data parallel over a step's rows, all streaming from the one arena ("auto": one per GPU Ray offers
     # the run on its node, one on the CPU path)
     executors: int | str = "auto"
+    # Ray nodes the run spans, each with its parameter store (the whole weights, 1/nodes of the Adam moments), its
+    # optimizer workers and `executors` executors (pipelines/engine.py)
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -435,6 +438,8 @@ class EngineConfig:
         check_choice("schedule", self.schedule, ("auto", *SCHEDULES))
         if not (self.executors == "auto" or (_is_int(self.executors) and self.executors >= 1)):
             raise ConfigError(f"executors must be 'auto' or a positive integer, got {self.executors!r}.")
+        if not (_is_int(self.nodes) and self.nodes >= 1):
+            raise ConfigError(f"nodes must be a positive integer, got {self.nodes!r}.")
         if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):

@@ -10,11 +10,12 @@ out by a quick TCP connect instead of Ray's minutes of retrying, and a dead *rec
     a private one instead); if the record is stale (a head killed or rebooted away), a private local Ray,
     said in one log line; with no record, a private local Ray
 
-Where (`NodePlacement`): every actor of a run on one node, the driver's. The driver maps the arena from its
-own /dev/shm (Engine._arena), so the arena's node is the driver's. The optimizer workers' CPUs and the
-executor's GPU are reserved at once in a placement group pinned to that node (Ray's node-id label), sized by
-the node's free CPUs (not the cluster's: a bundle larger than any node would wait forever), and waited for
-with a deadline; actors that reserve nothing (parameter store, a CPU executor, the data loader) go into the
+Where (`NodePlacement`): every actor of a run on one node, the driver's (several nodes: one placement per node,
+`run_nodes`, each holding that node's store, workers and executors; what follows holds for each). The driver
+maps the arena from its own /dev/shm (Engine._arena), so the arena's node is the driver's. The optimizer workers'
+CPUs and the executor's GPU are reserved at once in a placement group pinned to that node (Ray's node-id label),
+sized by the node's free CPUs (not the cluster's: a bundle larger than any node would wait forever), and waited
+for with a deadline; actors that reserve nothing (parameter store, a CPU executor, the data loader) go into the
 same group, which puts them on its node. A replaced worker or executor takes its predecessor's bundle.
 """
 
@@ -153,6 +154,18 @@ def node_resources(node_id: str) -> tuple[dict[str, float], dict[str, float]]:
     total = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), {})
     free = available_resources_per_node().get(node_id, {})
     return total, free
+
+
+def run_nodes(driver: str, count: int) -> list[str]:
+    """The hex ids of the `count` Ray nodes a run spans: the driver's first (its arena is the one the driver maps),
+    then the other live nodes with CPUs, in Ray's order; too few fail in one sentence."""
+    others = [n["NodeID"] for n in ray.nodes()
+              if n["Alive"] and n["NodeID"] != driver and n["Resources"].get("CPU", 0) >= 1]
+    if count > 1 + len(others):
+        raise MegatrainError(f"nodes={count} asks for {count} Ray nodes but the cluster has {1 + len(others)} with "
+                             f"CPUs ({describe_nodes(driver, False)}); join more hosts with `ray start --address "
+                             f"<head>:6379`, or ask for fewer nodes.")
+    return [driver, *others[: count - 1]]
 
 
 def describe_nodes(node_id: str, gpu: bool) -> str:

@@ -50,12 +50,12 @@ from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelCon
 from megatrain.engine.data_parallel import free_port
 from megatrain.engine.executor import token_ids
 from megatrain.engine.optimizer import clip_coefficient
-from megatrain.memory.arena import Arena, proc_stat, remove_stale_segments
-from megatrain.memory.checkpoint import check_save_target
+from megatrain.memory.arena import Arena, ArenaHandle, proc_stat, remove_stale_segments
+from megatrain.memory.checkpoint import atomic_directory, check_save_target, checkpoint_target, write_manifest
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
-from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources
+from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources, run_nodes
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Engine:
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
-                 schedule: str = "auto", executors: int | str = "auto"):
+                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -168,14 +168,18 @@ class Engine:
         data parallel over each step's rows (which must divide by executors x micro_batches), all streaming from
         the one arena; each unit's gradient is summed between them (torch.distributed: gloo on the CPU path, NCCL
         between GPUs) and each writes its slice into the arena ("auto": one per GPU Ray offers the run's node,
-        one on the CPU path)."""
+        one on the CPU path). nodes: the run spans that many Ray nodes (the driver's first), each with a parameter
+        store holding the whole weights and 1/nodes of the Adam moments, its optimizer workers and `executors`
+        executors; the step's rows split over all nodes' executors, each node updates its part of every unit and
+        the stores exchange the updated weights (megatrain/memory/nodes.py). A Ray node is a host, or in a test,
+        a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile, tile_tokens=tile_tokens,
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
-                                          schedule=schedule, executors=executors)
+                                          schedule=schedule, executors=executors, nodes=nodes)
         self.config, hf_dir, self.model_name = resolve_model(model)
         if seq_len > self.config.max_position_embeddings:
             log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
@@ -197,10 +201,11 @@ class Engine:
         self._replay_complete = True  # False once batches were dropped: no exact replay until the next checkpoint
         self._last_checkpoint: Path | None = None
         self._arena: Arena | None = None
-        self.store = None
+        self.stores: list[Any] = []  # one per node, the driver's first
+        self.handles: list[ArenaHandle] = []  # their arenas
         self.executors: list[Any] = []  # rank order: the first also evaluates and holds gradients on the device
         self.workers: list[Any] = []
-        self.placement: NodePlacement | None = None
+        self.placements: list[NodePlacement] = []  # one per node, the driver's first
         self.resource_timeout = resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
         reap_orphaned_ray_agents()  # ... and its local Ray's agents
@@ -224,22 +229,23 @@ class Engine:
         n = self.engine_config.optimizer_workers
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
         on_gpu = self.on_gpu = self._on_gpu(node)
+        nodes = run_nodes(node, self.engine_config.nodes)
         executors = self.engine_config.executors
         if executors == "auto":
             executors = max(1, int(node_resources(node)[0].get("GPU", 0))) if on_gpu else 1
         self.engine_config = replace(self.engine_config, executors=executors)
-        if executors > 1 and self.engine_config.grads not in ("auto", "arena"):
-            raise ConfigError(f"{executors} executors sum each unit's gradient into slices of the arena: grads must "
-                              f"be 'arena' (or 'auto'), not {self.engine_config.grads!r}.")
-        if executors > 1:
+        if executors * len(nodes) > 1 and self.engine_config.grads not in ("auto", "arena"):
+            raise ConfigError(f"{executors * len(nodes)} executors sum each unit's gradient into slices of the arena: "
+                              f"grads must be 'arena' (or 'auto'), not {self.engine_config.grads!r}.")
+        if executors * len(nodes) > 1:
             self.engine_config = replace(self.engine_config, grads="arena")
-        self.placement = NodePlacement.reserve(node, n, on_gpu, self.resource_timeout, f"megatrain/{self.run_id}",
-                                               executors=executors)
+        self.placements = [NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
+                                                 f"megatrain/{self.run_id}/node{m}", executors=executors)
+                           for m, node_id in enumerate(nodes)]
         plan = self._plan(batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if self.engine_config.micro_batches == "auto":
             log.info("micro_batches auto: %d micro-batch(es) of %d rows a step", plan.micro_batches, plan.batch)
-        batch = plan.batch  # a micro-batch's rows
         budget = plan.checkpoint_budget
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
                                      checkpoint_budget_gib=None if budget is None else budget / 2**30,
@@ -253,17 +259,44 @@ class Engine:
                      "every layer checkpoint on the device" if budget is None else
                      f"{budget / 2**30:.2f} GiB of layer checkpoints on the device, "
                      f"{plan.host_checkpoints / 2**30:.2f} GiB in host memory")
-        self.store = ParameterStoreActor.options(name=self._name("parameter-store"), **self.placement.pinned()
-                                                 ).remote(model_arg, n, seed, batch, seq, self.run_id, self.grads,
-                                                          plan.shadow_bytes > 0, on_gpu, plan.tile_tokens,
-                                                          plan.checkpoint_budget, plan.micro_batches)
-        self.handle = get(self.store.handle.remote())
-        self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
-        self.versions = self._arena.versions.view(-1, n)
-        self.workers = [self._new_worker(w) for w in range(n)]
-        self.executors = self._new_executors()
+        if len(nodes) > 1:
+            log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",
+                     len(nodes), ", ".join(n[:8] for n in nodes), n, executors)
+        # what the parameter stores are made from (again, by a recovery that replaces every actor)
+        self._store_args = (model_arg, n, seed, plan.batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0,
+                            on_gpu, plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches)
+        self._start_actors()
         self.device = get(self.executor.device.remote())
+
+    def _start_actors(self) -> None:
+        """The parameter store, optimizer workers and executors of every node, in the placements reserved."""
+        nodes = len(self.placements)
+        self.stores = [ParameterStoreActor.options(name=self._name("parameter-store" if nodes == 1 else
+                                                                   f"parameter-store/{m}"), **p.pinned()
+                                                   ).remote(*self._store_args, node=m, nodes=nodes)
+                       for m, p in enumerate(self.placements)]
+        self.handles = get([s.handle.remote() for s in self.stores])
+        if nodes > 1:  # the stores' own group, to keep the nodes' weights equal (megatrain/memory/nodes.py)
+            address = f"tcp://{get(self.store.node_ip.remote())}:{free_port()}"
+            get([s.join_nodes.remote(address) for s in self.stores])
+        self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
+        self.versions = self._arena.versions.view(-1, self.placement.workers + (nodes > 1))
+        self.workers = [self._new_worker(w) for w in range(nodes * self.placement.workers)]
+        self.executors = self._new_executors()
         get([w.numel.remote() for w in self.workers])  # all up before the first step
+
+    @property
+    def store(self) -> Any:
+        """The parameter store of the driver's node (the only one, unless `nodes` > 1)."""
+        return self.stores[0] if self.stores else None
+
+    @property
+    def placement(self) -> NodePlacement | None:
+        return self.placements[0] if self.placements else None
+
+    @property
+    def handle(self) -> ArenaHandle:
+        return self.handles[0]
 
     @property
     def grads(self) -> str:
@@ -302,7 +335,7 @@ class Engine:
         budget = e.checkpoint_budget_gib
         settings = dict(grads=e.grads, clipping=self.optim.clipping, name=self.model_name, precision=e.precision,
                         optimizer_workers=e.optimizer_workers, on_gpu=on_gpu, loss_chunk_tokens=e.loss_chunk_tokens,
-                        tile_tokens=e.tile_tokens, schedule=e.schedule,
+                        tile_tokens=e.tile_tokens, schedule=e.schedule, nodes=len(self.placements),
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
                         if on_gpu else None)
@@ -319,21 +352,33 @@ class Engine:
         return plan
 
     def _new_worker(self, index: int) -> Any:
-        p = self.placement
-        return OptimizerWorker.options(name=self._name(f"optimizer/{index}"), **p.worker(index)).remote(
-            self.handle, self.config, self.optim, index, p.workers, p.worker_threads, self.grads, self.metrics)
+        """Optimizer worker `index` of the run: worker index % n of node index // n."""
+        node, worker = divmod(index, self.placement.workers)
+        p = self.placements[node]
+        name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
+        return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
+            self.handles[node], self.config, self.optim, worker, p.workers, p.worker_threads, self.grads, self.metrics,
+            node, len(self.placements))
 
     def _new_executors(self) -> list[Any]:
         """The run's executors, joined into one process group when there are several (a new one each time: a
         replacement never joins a group whose member died)."""
         engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
-        world = engine.executors
-        assert isinstance(world, int)
-        rendezvous = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
-        names = ["executor"] if world == 1 else [f"executor/{rank}" for rank in range(world)]
-        return [GPUExecutor.options(name=self._name(name), **self.placement.executor(rank)).remote(
-                    self.handle, self.config, engine, self.workers, self.optim.clipping, self.trace, rank, world,
-                    rendezvous) for rank, name in enumerate(names)]
+        per_node, nodes = engine.executors, len(self.placements)
+        assert isinstance(per_node, int)
+        world = per_node * nodes  # rank r: executor r % per_node of node r // per_node
+        # rank 0, which hosts the rendezvous, runs on the driver's node: its loopback unless other hosts must reach it
+        host = "127.0.0.1" if nodes == 1 else ray.util.get_node_ip_address()
+        rendezvous = f"tcp://{host}:{free_port()}" if world > 1 else None
+        executors = []
+        for rank in range(world):
+            node, local = divmod(rank, per_node)
+            name = "executor" if world == 1 else f"executor/{rank}"
+            workers = self.workers[node * self.placement.workers : (node + 1) * self.placement.workers]
+            executors.append(GPUExecutor.options(name=self._name(name), **self.placements[node].executor(local)).remote(
+                self.handles[node], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
+                rendezvous))
+        return executors
 
     @property
     def executor(self) -> Any:
@@ -400,8 +445,9 @@ class Engine:
                 if self.grads == "device":
                     self._pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
                 else:
-                    self._arena.issued.fill_(self.updates_applied + 1)
                     self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
+                    if len(self.stores) > 1:  # each node updated its part: the nodes exchange them
+                        self._pending += [s.sync_weights.remote(self.updates_applied) for s in self.stores]
         else:
             self._pending = out["updates"]
         # clipping off: units updated before a non-finite one was found keep their update (see README)
@@ -463,9 +509,15 @@ class Engine:
         dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
         if not dead_workers and all(_alive(e) for e in self.executors) and not is_cuda_error(error):
             raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
-        if not _alive(self.store):
-            raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
-                                 "to continue from the last checkpoint.")
+        self._check_stores()
+        if dead_workers and len(self.stores) > 1:
+            # the dead worker's node cannot finish its part of the update, and the other nodes' stores may be waiting
+            # for it inside the weight exchange: every actor is replaced (new arenas), then restored and replayed
+            self._stop_actors(close=False)
+            self._pending = []
+            self._start_actors()
+            self._restore_and_replay("an optimizer worker")
+            return
         for i in dead_workers:
             self.workers[i] = self._new_worker(i)
         for executor in self.executors:  # dead already, holding handles of dead workers, or in a broken group
@@ -487,14 +539,17 @@ class Engine:
         if consistent:
             log.warning("the GPU executor died; a new one mapped the same arena and redoes step %d", self.steps_done)
             return
+        self._restore_and_replay("an optimizer worker" if dead_workers else "the GPU executor")
+
+    def _restore_and_replay(self, who: str) -> None:
+        """The arenas back to the last checkpoint (or the initial weights), and the steps since run again."""
         if not self._replay_complete:
             raise MegatrainError(f"an actor died during an update and the steps since the last checkpoint "
                                  f"(more than max_replay_steps={self.max_replay_steps}) cannot be replayed; resume "
                                  "from the last checkpoint, and save checkpoints more often.")
         replay = self._replay[:-1]
         source = self._last_checkpoint or "the initial weights"
-        log.warning("%s died during an update; restoring %s and replaying %d step(s)",
-                    "an optimizer worker" if dead_workers else "the GPU executor", source, len(replay))
+        log.warning("%s died during an update; restoring %s and replaying %d step(s)", who, source, len(replay))
         self._restore_last_checkpoint()
         self.replayed_steps += len(replay)
         for ref in replay:
@@ -505,7 +560,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:
-            now = (int(self.versions.min()), int(self.versions.max()))
+            now = self._version_range()
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet:
@@ -513,12 +568,34 @@ class Engine:
             time.sleep(0.02)
         return last  # type: ignore[return-value]
 
+    def _version_range(self) -> tuple[int, int]:
+        """(min, max) of every node's version table."""
+        if len(self.stores) == 1:
+            return int(self.versions.min()), int(self.versions.max())
+        ranges = get([s.version_range.remote() for s in self.stores])
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+
+    def _check_stores(self) -> None:
+        """A dead parameter store took its arena with it: the run stops, saying which node and how to go on."""
+        for m, store in enumerate(self.stores):
+            if _alive(store):
+                continue
+            if len(self.stores) == 1:
+                raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
+                                     "to continue from the last checkpoint.")
+            node = self.placements[m].node_id
+            ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), "address unknown")
+            raise MegatrainError(f"node {m} of the run ({ip}, Ray node {node[:8]}) was lost: its parameter store "
+                                 f"died with its arena; restart the run with --resume to continue from the last "
+                                 f"checkpoint, on {len(self.stores)} nodes once it is back or on fewer (--nodes "
+                                 f"{len(self.stores) - 1}: checkpoints reshard).")
+
     def _restore_last_checkpoint(self) -> None:
         if self._last_checkpoint is not None:
-            state = get(self.store.load_checkpoint.remote(str(self._last_checkpoint)))
+            state = get([s.load_checkpoint.remote(str(self._last_checkpoint)) for s in self.stores])[0]
             self._set_state(state)
         else:
-            get(self.store.reinitialize.remote())
+            get([s.reinitialize.remote() for s in self.stores])
             self._set_state({"steps_done": 0, "updates_applied": 0, "skipped_steps": 0})
         self.nonfinite_in_row = 0
 
@@ -552,16 +629,24 @@ class Engine:
                 self._replay.pop()
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
+        """One checkpoint of the whole run, written atomically: every node's store writes its files (the first
+        node's: also the weights and the trainer state) into one directory, and the manifest comes last. With
+        several hosts the directory must be on a file system they share."""
         self.wait_for_updates()
         state = {**self.state(), **(extra_state or {})}
-        path = Path(get(self.store.save_checkpoint.remote(save_target(directory), state)))
+        path = Path(save_target(directory))
+        with atomic_directory(checkpoint_target(path)) as tmp:
+            get([s.write_checkpoint_part.remote(str(tmp), state if m == 0 else None)
+                 for m, s in enumerate(self.stores)])
+            write_manifest(tmp)
         self._last_checkpoint, self._replay, self._replay_complete = path, [], True
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Loads a checkpoint of a run on any number of nodes (each node takes its part of the Adam moments)."""
         self.wait_for_updates()
         directory = absolute(directory)
-        state = get(self.store.load_checkpoint.remote(directory))
+        state = get([s.load_checkpoint.remote(directory) for s in self.stores])[0]
         self._set_state(state)
         self._last_checkpoint, self._replay, self._replay_complete = Path(directory), [], True
         return state
@@ -579,22 +664,27 @@ class Engine:
         return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self._arena.params).items()}
 
     def shutdown(self) -> None:
-        """Stops the actors; the store unlinks the arena first."""
+        """Stops the actors; the stores unlink the arenas first."""
+        self._stop_actors()
+        for placement in self.placements:
+            placement.release()
+        self.placements = []
+        remove_stale_segments()
+
+    def _stop_actors(self, close: bool = True) -> None:
+        """The stores unlink their arenas (close=False: a recovery, where one may be stuck waiting for a dead
+        peer; the next store on each node removes them); then every actor is killed."""
         if self._arena is not None:
             self._arena.close()
             self._arena = None
         try:
-            if self.store is not None:
-                ray.get(self.store.close.remote(), timeout=60)
-        except Exception as e:  # the store died: its segments are removed just below
-            log.warning("parameter store did not close cleanly (%s)", e)
-        for actor in [*self.executors, *self.workers, self.store]:
-            if actor is not None:
-                ray.kill(actor)
-        if self.placement is not None:
-            self.placement.release()
-        self.store, self.executors, self.workers, self.placement = None, [], [], None
-        remove_stale_segments()
+            if close:
+                ray.get([s.close.remote() for s in self.stores], timeout=60)
+        except Exception as e:  # a store died: its node's next start removes its segments (this node's: below)
+            log.warning("a parameter store did not close cleanly (%s)", e)
+        for actor in [*self.executors, *self.workers, *self.stores]:
+            ray.kill(actor)
+        self.stores, self.handles, self.executors, self.workers = [], [], [], []
 
     def __enter__(self) -> Engine:
         return self

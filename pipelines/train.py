@@ -71,6 +71,8 @@ class TrainConfig:
     # executors, data parallel ("auto": one per GPU Ray offers on the run's node, one on the CPU path); a step's
     # batch is data.batch_size x micro_batches x executors rows
     executors: int | str = "auto"
+    # Ray nodes (each with its store, optimizer workers and executors): a step's batch is also x nodes rows
+    nodes: int = 1
     seed: int = 0
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
@@ -146,7 +148,7 @@ class TrainConfig:
         return asdict(self)
 
 
-TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed",
+TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")
@@ -156,7 +158,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
-             "executors")
+             "executors", "nodes")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
@@ -236,7 +238,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             cfg.data.vocab_size = engine.config.vocab_size
             # the loader hands a step's micro-batches, every executor's, as one batch
             per_executor = 1 if cfg.micro_batches == "auto" else cfg.micro_batches
-            cfg.data.micro_batches = per_executor * engine.engine_config.executors
+            cfg.data.micro_batches = per_executor * engine.engine_config.executors * engine.engine_config.nodes
             loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory

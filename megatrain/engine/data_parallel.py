@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.config import MegatrainError
+from megatrain.model.layout import ALIGN, aligned_split
 
 
 def free_port() -> int:
@@ -58,15 +59,14 @@ class DataParallel:
         return slice(self.rank * per, (self.rank + 1) * per)
 
     def shard(self, numel: int) -> slice:
-        """This rank's slice of a unit's `numel` gradient elements (the last ranks may hold one fewer)."""
-        per, extra = divmod(numel, self.world)
-        start = self.rank * per + min(self.rank, extra)
-        return slice(start, start + per + (self.rank < extra))
+        """This rank's slice of a unit's `numel` gradient elements, cut on ALIGN boundaries: with several nodes the
+        slices of a node's ranks (consecutive) make up the part of the unit that node's optimizer updates."""
+        return slice(*aligned_split(numel, self.rank, self.world))
 
     def reduce(self, flat: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `flat` (one unit's gradient, fp32), this rank's shard of it."""
         mine = self.shard(flat.numel())
-        if flat.is_cuda and flat.numel() % self.world == 0:  # NCCL: each rank receives only its shard
+        if flat.is_cuda and flat.numel() // ALIGN % self.world == 0:  # NCCL (equal shards): each gets only its own
             out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
             dist.reduce_scatter_tensor(out, flat)
             return out

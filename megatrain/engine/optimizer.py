@@ -19,7 +19,7 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHADOW_SEGMENT
-from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, Unit
+from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 
 def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
@@ -29,12 +29,12 @@ def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
     return min(1.0, max_grad_norm / (grad_norm + 1e-6))
 
 
-def shard_bounds(unit: Unit, worker: int, num_workers: int) -> tuple[int, int]:
-    """[start, end) of worker's shard within the unit, in elements from the unit's start."""
-    blocks = unit.numel // ALIGN
-    lo = blocks * worker // num_workers
-    hi = blocks * (worker + 1) // num_workers
-    return lo * ALIGN, hi * ALIGN
+def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:
+    """[start, end) of worker's shard within the unit (of the node's part of it), in elements from the unit's
+    start."""
+    lo, hi = (0, unit.numel) if node is None else node.bounds[unit.index]
+    a, b = aligned_split(hi - lo, worker, num_workers)
+    return lo + a, lo + b
 
 
 @dataclass
@@ -51,8 +51,11 @@ class AdamWShard:
 
     def __init__(self, layout: ModelLayout, tensors: dict[str, torch.Tensor], optim: OptimConfig, worker: int,
                  num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None,
-                 issued: torch.Tensor | None = None):
+                 issued: torch.Tensor | None = None, node: NodeShard | None = None):
+        """`node`: the part of each unit this node updates, whose moments are packed in `exp_avg`/`exp_avg_sq`
+        (several nodes); by default the whole model, moments at the weights' offsets."""
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
+        self.node = node or NodeShard.build(layout)
         self.versions = versions  # int64 [units, workers], shared
         self.issued = issued  # int64 [units], shared: the update number each unit has been handed out for
         # where each unit's gradient is read from (its slot of a ring, when gradients stream)
@@ -62,7 +65,7 @@ class AdamWShard:
         self.numel = sum(t.numel() for pair in self.groups for grp in pair for t in grp.params)
 
     def _groups(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[_Group, _Group]:
-        lo, hi = shard_bounds(unit, self.worker, self.num_workers)
+        lo, hi = shard_bounds(unit, self.worker, self.num_workers, self.node)
         decay, no_decay = _Group([], [], [], [], []), _Group([], [], [], [], [])
         grads = self.grad_layout.range_of(unit, tensors["grads"])
         shadow = tensors.get(SHADOW_SEGMENT)
@@ -74,8 +77,8 @@ class AdamWShard:
             start, end = unit.offset + a, unit.offset + b
             group.params.append(tensors["params"][start:end])
             group.grads.append(grads[a:b])
-            group.exp_avg.append(tensors["exp_avg"][start:end])
-            group.exp_avg_sq.append(tensors["exp_avg_sq"][start:end])
+            group.exp_avg.append(self.node.moments(unit, tensors["exp_avg"], a, b))
+            group.exp_avg_sq.append(self.node.moments(unit, tensors["exp_avg_sq"], a, b))
             if shadow is not None:
                 group.shadow.append(shadow[start:end])
         return decay, no_decay

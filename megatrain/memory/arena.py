@@ -86,9 +86,12 @@ class Arena:
 
     @classmethod
     def create(cls, numel: int, run_id: str | None = None, directory: Path | str | None = None,
-               extra_segments: tuple[tuple[str, str, int], ...] = (), grads_numel: int | None = None) -> Arena:
-        """Creates and zero-fills the segments (params and Adam moments of `numel` elements, grads of
-        `grads_numel`, default `numel`); the calling process becomes the owner that unlinks them."""
+               extra_segments: tuple[tuple[str, str, int], ...] = (), grads_numel: int | None = None,
+               moments_numel: int | None = None) -> Arena:
+        """Creates and zero-fills the segments (params of `numel` elements, grads of `grads_numel` and each Adam
+        moment of `moments_numel`, both by default `numel`); the calling process becomes the owner that unlinks
+        them."""
+        sizes = {"grads": grads_numel, "exp_avg": moments_numel, "exp_avg_sq": moments_numel}
         directory = Path(directory or SHM_DIR)
         remove_stale_segments(directory)
         pid = os.getpid()
@@ -97,7 +100,7 @@ class Arena:
             owner_pid=pid,
             owner_start=process_start_time(pid) or 0,
             directory=str(directory),
-            segments=tuple((name, "float32", grads_numel if name == "grads" and grads_numel is not None else numel)
+            segments=tuple((name, "float32", numel if sizes.get(name) is None else sizes[name])
                            for name in FP32_SEGMENTS) + tuple(extra_segments),
         )
         created: list[Path] = []

@@ -12,6 +12,7 @@ or disagrees with the files is refused.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megatrain.config import ConfigError, MegatrainError, ModelConfig
-from megatrain.model.layout import ModelLayout
+from megatrain.model.layout import ModelLayout, NodeShard
 
 SHARD_BYTES = 4 * 2**30
 MANIFEST = "manifest.json"
@@ -151,9 +152,10 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "",
-              tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+              tensors: Iterable[tuple[str, torch.Tensor]] | None = None, shard: NodeShard | None = None) -> None:
     """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes. `tensors`:
-    the (name, tensor) pairs to load, if not those of `files` as stored."""
+    the (name, tensor) pairs to load, if not those of `files` as stored. `shard`: `flat` holds only a node's part of
+    each unit, packed (Adam moments on one of several nodes): each tensor's elements in that part are copied."""
     slots = layout.slots_by_hf_name()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
@@ -181,8 +183,14 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
         if not (t.is_floating_point()):
             raise CheckpointError(f"{where or files[0].parent}: tensor {hf_name} has dtype {t.dtype}, "
                                   "not a floating-point type; the file is not a model checkpoint.")
-        start = unit.offset + slot.offset
-        flat[start : start + slot.numel].view(slot.shape).copy_(t)
+        if shard is None:
+            start = unit.offset + slot.offset
+            flat[start : start + slot.numel].view(slot.shape).copy_(t)
+        else:
+            lo, hi = shard.bounds[unit.index]
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                shard.moments(unit, flat, a, b).copy_(t.reshape(-1)[a - slot.offset : b - slot.offset])
         seen.add(hf_name)
     missing = sorted(set(slots) - seen)
     if missing:
@@ -244,6 +252,87 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))
+
+
+# ---- Adam moments of a run on several nodes ----
+# Each node writes its part of every unit's moments, packed, to optimizer-node{k}-of-{K}.safetensors: tensors
+# "exp_avg.{unit}" and "exp_avg_sq.{unit}" and, in the metadata, the part's bounds. A store of any node count reads
+# the elements of its own part from whichever files hold them (resharding).
+PART_FORMAT = "megatrain-moments-part-v1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def moment_part_name(node: int, nodes: int) -> str:
+    return f"optimizer-node{node:03d}-of-{nodes:03d}.safetensors"
+
+
+def write_moment_part(directory: Path, layout: ModelLayout, shard: NodeShard, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor) -> None:
+    tensors = [(f"{name}.{unit.index}", shard.moments(unit, flat, *shard.bounds[unit.index]))
+               for name, flat in zip(MOMENTS, (exp_avg, exp_avg_sq), strict=True) for unit in layout.units]
+    metadata = {"format": PART_FORMAT, "node": str(shard.node), "nodes": str(shard.nodes),
+                "units": str(len(layout.units)), "bounds": json.dumps(shard.bounds)}
+    write_safetensors(directory / moment_part_name(shard.node, shard.nodes), tensors, metadata)
+
+
+def moment_parts(directory: Path, layout: ModelLayout) -> list[tuple[Path, list[tuple[int, int]]]]:
+    """[(file, per unit [lo, hi))] of a checkpoint written by several nodes, checked to cover every unit exactly
+    once; [] for a checkpoint of one node (its moments under HF names)."""
+    files = sorted(directory.glob("optimizer-node*-of-*.safetensors"))
+    if not files:
+        return []
+    parts, counts = [], set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            node, nodes = int(meta["node"]), int(meta["nodes"])
+            bounds = [tuple(b) for b in json.loads(meta["bounds"])]
+            ok = meta.get("format") == PART_FORMAT and path.name == moment_part_name(node, nodes)
+        except (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path} is not a readable part of a checkpoint's optimizer state ({e}); copy "
+                                  "the checkpoint again.") from None
+        if not ok or len(bounds) != len(layout.units):
+            raise CheckpointError(f"{path} is not a part of this model's optimizer state (wrong format or unit "
+                                  "count); resume with the model the checkpoint was trained with.")
+        parts.append((node, path, bounds))
+        counts.add(nodes)
+    if len(counts) != 1 or sorted(node for node, _, _ in parts) != list(range(next(iter(counts)))):
+        raise CheckpointError(f"{directory} holds optimizer parts of {len(files)} node(s) that do not make one "
+                              "whole (a part is missing, or parts of different runs were mixed); copy the "
+                              "complete checkpoint.")
+    for unit in layout.units:  # the parts must tile every unit
+        edges = [b[unit.index] for _, _, b in sorted(parts)]
+        if edges[0][0] != 0 or edges[-1][1] != unit.numel or any(a[1] != b[0] for a, b in itertools.pairwise(edges)):
+            raise CheckpointError(f"the optimizer parts in {directory} do not cover unit {unit.index} exactly; "
+                                  "copy the complete checkpoint.")
+    return [(path, bounds) for _, path, bounds in sorted(parts)]
+
+
+def load_moment_parts(parts: list[tuple[Path, list[tuple[int, int]]]], layout: ModelLayout, shard: NodeShard,
+                      moments: dict[str, torch.Tensor]) -> None:
+    """Fills this node's part of each moment (name -> its packed flat segment) from the parts that hold it."""
+    for path, bounds in parts:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for unit in layout.units:
+                    (src_lo, src_hi), (lo, hi) = bounds[unit.index], shard.bounds[unit.index]
+                    a, b = max(lo, src_lo), min(hi, src_hi)
+                    if a >= b:
+                        continue
+                    for name, flat in moments.items():
+                        piece = f.get_slice(f"{name}.{unit.index}")[a - src_lo : b - src_lo]
+                        shard.moments(unit, flat, a, b).copy_(piece)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise _unreadable(path, e) from None
+
+
+def checkpoint_target(directory: Path) -> Path:
+    """`directory`, unless it holds files that are not a megatrain checkpoint (which saving would replace)."""
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / MANIFEST).is_file():
+        raise CheckpointError(f"{directory} already holds files and is not a megatrain checkpoint, which "
+                              "would replace them; save the checkpoint into a new directory.")
+    return directory
 
 
 def check_save_target(path: Path) -> None:

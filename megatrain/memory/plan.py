@@ -79,6 +79,8 @@ class MemoryPlan:
     schedule: str = "layer-major"  # how they meet the weights (megatrain.engine.executor.SCHEDULES)
     h2d_bytes: int = 0  # per step: weights streamed in (forward and backward), embedding rows, checkpoints back
     d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out
+    nodes: int = 1  # hosts the run spans; every number above is one node's (the batch: one executor's)
+    network_bytes: int = 0  # per step, what each node sends (and receives) to the others
 
     @property
     def step_tokens(self) -> int:
@@ -153,8 +155,9 @@ class MemoryPlan:
         tiles = f"{self.tile_tokens}-token tiles" if self.tile_tokens else "untiled"
         micro = f" x {self.micro_batches} micro-batches ({self.schedule})" if self.micro_batches > 1 else ""
         lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens{micro}, "
-                 f"{tiles}", "host:"]
-        lines += [row("arena: params + Adam m,v (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
+                 f"{tiles}", "host:" if self.nodes == 1 else f"host (each of {self.nodes} nodes):"]
+        moments = "Adam m,v" if self.nodes == 1 else f"1/{self.nodes} of Adam m,v"
+        lines += [row(f"arena: params + {moments} (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
         lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
@@ -173,6 +176,9 @@ class MemoryPlan:
                   row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
         if self.gpu_free is not None:
             lines.append(row("free", self.gpu_free))
+        if self.nodes > 1:
+            lines.append(f"network per step and node ({self.nodes} nodes): {self.network_bytes / GiB:.2f} GiB sent "
+                         "and as much received")
         if self.on_gpu:
             lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
                          f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
@@ -185,7 +191,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major") -> MemoryPlan:
+                host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major",
+                nodes: int = 1) -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
     asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
@@ -194,7 +201,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     micro_batches: a step is that many micro-batches of batch x seq tokens; schedule "layer-major": every
     micro-batch's checkpoints, one micro-batch's working set, the weights streamed once; "per-micro-batch": one
     micro-batch's checkpoints, the weights streamed and the gradients sent once per micro-batch (and the earlier
-    sums brought back to add to)."""
+    sums brought back to add to). nodes: the run spans that many hosts, each with the whole weights and 1/nodes of
+    the Adam moments (4 + 8/nodes B a parameter), and each step sends every node's gradients and updated weights
+    between them (network_bytes)."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -271,9 +280,15 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     if not on_gpu:  # the CPU path computes in host memory
         processes += weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
+    moments_numel = -(-arena_numel // nodes)  # NodeShard: this node's part of each unit
+    # Between nodes, per step and node: each unit's gradient summed over every executor (gloo's ring all-reduce:
+    # 2 (M-1)/M of it sent; a reduce-scatter, as NCCL does, would send half that), and the other nodes' updated
+    # parts of the weights broadcast in ((M-1)/M of them)
+    network = int(3 * (nodes - 1) / nodes * arena_numel * 4)
     return MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
-        arena_bytes=arena_numel * 12 + grads_numel * 4 + shadow_bytes, grads=grads, grads_bytes=grads_numel * 4,
+        arena_bytes=arena_numel * 4 + moments_numel * 8 + grads_numel * 4 + shadow_bytes, grads=grads,
+        grads_bytes=grads_numel * 4, nodes=nodes, network_bytes=network,
         shadow_bytes=shadow_bytes,
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_checkpoints=gpu_checkpoints,
         gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
@@ -312,7 +327,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
-             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO) -> MemoryPlan:
+             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
     wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
     for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -327,7 +342,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
                   loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
-                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule)
+                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule, nodes=nodes)
     if kwargs["schedule"] == "per-micro-batch" and micro_batches > 1:
         if grads not in (AUTO, "arena"):
             raise ConfigError(f"the per-micro-batch schedule adds gradients up in the arena: it needs grads = "

@@ -20,8 +20,9 @@ import torch
 from megatrain.config import PRESETS, ConfigError, ModelConfig
 from megatrain.memory import checkpoint as ckpt
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.nodes import NodeGroup
 from megatrain.memory.plan import plan_memory
-from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
 
 log = logging.getLogger(__name__)
 
@@ -72,31 +73,37 @@ class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
                  grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
-                 checkpoint_budget: int | None = None, micro_batches: int = 1):
+                 checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
         `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory but
         the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
-        executor runs (megatrain/memory/plan.py)."""
+        executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
+        whole weights, 1/nodes of the Adam moments; megatrain/memory/nodes.py keeps the weights equal)."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
                         grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
-                        checkpoint_budget=checkpoint_budget, micro_batches=micro_batches).check_host()
+                        checkpoint_budget=checkpoint_budget, micro_batches=micro_batches,
+                        nodes=nodes).check_host()
         self.layout = ModelLayout.build(self.config)
         self.grad_layout = GradLayout.build(self.layout, grads)
-        # versions: per unit and worker, the updates applied; issued: per unit, the updates handed out (what is
+        self.node = NodeShard.build(self.layout, node, nodes)
+        # versions: per unit and worker, the updates applied (several nodes: and a last column, the update whose
+        # weights every node has, see NodeGroup.sync_weights); issued: per unit, the updates handed out (what is
         # issued and not yet applied is an optimizer worker's queue)
         units = len(self.layout.units)
-        extra = [("versions", "int64", units * num_workers), ("issued", "int64", units)]
+        columns = num_workers + (nodes > 1)
+        extra = [("versions", "int64", units * columns), ("issued", "int64", units)]
         if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
-                                  grads_numel=self.grad_layout.numel)
-        self.versions = self.arena.versions.view(len(self.layout.units), num_workers)
+                                  grads_numel=self.grad_layout.numel, moments_numel=self.node.numel)
+        self.versions = self.arena.versions.view(units, columns)
         self.seed = seed
+        self.node_group: NodeGroup | None = None
         try:
             self._init_params()
         except BaseException:
@@ -132,24 +139,45 @@ class ParameterStore:
         self.versions.fill_(updates_applied)
         self.arena.issued.fill_(updates_applied)
 
+    def join_nodes(self, address: str) -> None:
+        """Several nodes: joins the other nodes' stores (at tcp://host:port) to keep the weights equal."""
+        self.node_group = NodeGroup.join(self.node, address)
+
+    def sync_weights(self, step: int) -> None:
+        """Several nodes: once this node's workers applied update `step`, unit by unit, the updated parts of the
+        weights are exchanged with the other nodes (NodeGroup.sync_weights)."""
+        self.node_group.sync_weights(self.layout, step, self.arena.params, self.versions,
+                                     self.arena.tensors.get(SHADOW_SEGMENT))
+
+    def version_range(self) -> tuple[int, int]:
+        """(min, max) of the version table: the update every unit has, and the newest any part of one has."""
+        return int(self.versions.min()), int(self.versions.max())
+
     def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
         return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [])
 
     def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
         """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""
-        directory = Path(directory)
-        if directory.is_dir() and any(directory.iterdir()) and not (directory / ckpt.MANIFEST).is_file():
-            raise ckpt.CheckpointError(f"{directory} already holds files and is not a megatrain checkpoint, which "
-                                       "would replace them; save the checkpoint into a new directory.")
-        with ckpt.atomic_directory(directory) as tmp:
-            (tmp / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
-            ckpt.write_sharded(tmp, "model", ckpt.hf_tensors(self.layout, self.arena.params))
-            moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
-                       + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
-            ckpt.write_sharded(tmp, "optimizer", moments)
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        with ckpt.atomic_directory(ckpt.checkpoint_target(Path(directory))) as tmp:
+            self.write_checkpoint_part(tmp, state)
             ckpt.write_manifest(tmp)
         return Path(os.path.abspath(directory))
+
+    def write_checkpoint_part(self, directory: Path, state: dict[str, Any] | None) -> None:
+        """This node's files of a checkpoint being written into `directory`: with `state` (one node of the run
+        gives it) the config, the weights (HF names) and trainer_state.json; always its Adam moments: with HF names
+        on one node, else the node's part (ckpt.write_moment_part). The caller writes the manifest once all are."""
+        directory = Path(directory)
+        if state is not None:
+            (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+            ckpt.write_sharded(directory, "model", ckpt.hf_tensors(self.layout, self.arena.params))
+            (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if self.node.nodes == 1:
+            moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
+                       + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
+            ckpt.write_sharded(directory, "optimizer", moments)
+        else:
+            ckpt.write_moment_part(directory, self.layout, self.node, self.arena.exp_avg, self.arena.exp_avg_sq)
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Verifies and loads a training checkpoint into the arena; returns its trainer state."""
@@ -165,16 +193,25 @@ class ParameterStore:
         state = ckpt.read_json(directory / "trainer_state.json", "trainer state")
         # every check that can fail comes before the arena changes
         model_files = ckpt.weight_files(directory, "model")
-        opt_files = ckpt.weight_files(directory, "optimizer")
+        parts = ckpt.moment_parts(directory, self.layout)  # written by a run on several nodes
+        opt_files = [] if parts else ckpt.weight_files(directory, "optimizer")
         ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory))
         self._refresh_shadow()
-        ckpt.load_into(self.layout, self.arena.exp_avg, opt_files, prefix="exp_avg.", where=str(directory))
-        ckpt.load_into(self.layout, self.arena.exp_avg_sq, opt_files, prefix="exp_avg_sq.", where=str(directory))
+        moments = {"exp_avg": self.arena.exp_avg, "exp_avg_sq": self.arena.exp_avg_sq}
+        if parts:
+            ckpt.load_moment_parts(parts, self.layout, self.node, moments)
+        else:
+            for name, flat in moments.items():
+                ckpt.load_into(self.layout, flat, opt_files, prefix=f"{name}.", where=str(directory),
+                               shard=self.node)
         self.arena.grads.zero_()
         self.set_version(int(state.get("updates_applied", 0)))
         return state
 
     def close(self) -> None:
+        if getattr(self, "node_group", None) is not None:
+            self.node_group.close()
+            self.node_group = None
         if getattr(self, "arena", None) is not None:
             self.arena.destroy()
             self.arena = None  # type: ignore[assignment]

@@ -24,6 +24,14 @@ def _round_up(n: int, multiple: int = ALIGN) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def aligned_split(numel: int, index: int, count: int) -> tuple[int, int]:
+    """[start, end) of part `index` of `count` of a range of `numel` elements (a multiple of ALIGN), cut on ALIGN
+    boundaries. Nested splits agree: parts i*k .. (i+1)*k-1 of count*k are together part i of count, so a node's
+    executors' gradient slices make up exactly the range that node's optimizer updates."""
+    blocks = numel // ALIGN
+    return blocks * index // count * ALIGN, blocks * (index + 1) // count * ALIGN
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     name: str  # name inside the unit, e.g. "self_attn.q_proj.weight"
@@ -110,6 +118,35 @@ class ModelLayout:
         """HF name -> view into a full-model flat buffer (params, grads, or an optimizer state)."""
         return {s.hf_name: arena_flat[u.offset + s.offset : u.offset + s.offset + s.numel].view(s.shape)
                 for u in self.units for s in u.slots}
+
+
+@dataclass(frozen=True)
+class NodeShard:
+    """The part of every unit whose Adam moments node `node` of `nodes` keeps and updates (all of it on one node).
+
+    Each node holds the whole fp32 weights (its executors stream them) but only its 1/nodes of each unit's moments,
+    packed unit after unit in its `exp_avg`/`exp_avg_sq` segments: 4 + 8/nodes bytes a parameter."""
+
+    node: int
+    nodes: int
+    bounds: tuple[tuple[int, int], ...]  # per unit: [lo, hi) from the unit's start
+    offsets: tuple[int, ...]  # per unit: where its moments start in the node's moment segments
+    numel: int  # elements of each moment segment
+
+    @classmethod
+    def build(cls, layout: ModelLayout, node: int = 0, nodes: int = 1) -> NodeShard:
+        bounds, offsets, total = [], [], 0
+        for unit in layout.units:
+            lo, hi = aligned_split(unit.numel, node, nodes)
+            bounds.append((lo, hi))
+            offsets.append(total)
+            total += hi - lo
+        return cls(node, nodes, tuple(bounds), tuple(offsets), total)
+
+    def moments(self, unit: Unit, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """The moments of elements [lo, hi) of `unit` (from the unit's start; inside this node's part) in `flat`."""
+        start = self.offsets[unit.index] + lo - self.bounds[unit.index][0]
+        return flat[start : start + hi - lo]
 
 
 GRAD_RING_SLOTS = 4  # decoder-layer gradient slots on the host when gradients stream (see GradLayout)

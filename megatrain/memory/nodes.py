@@ -1,0 +1,81 @@
+"""Several nodes: keeping every node's copy of the weights equal after each update.
+
+Each node's parameter store holds the whole fp32 weights (its executors stream them) and 1/M of the Adam moments
+(NodeShard). The executors of all nodes are one process group: each unit's gradient is reduce-scattered over all
+of them, so node m's arena receives exactly the part of the gradient that node m's optimizer updates. After the
+update, that part of the weights exists only on node m; the stores, one process group of their own (gloo over TCP),
+then broadcast every node's part to the others, unit by unit in forward order as the local workers finish it:
+
+    per unit u:  wait until this node's workers applied update s to u (their columns of the version table)
+                 for m in 0..M-1: broadcast u's part m from node m      (an all-gather of the updated weights)
+                 versions[u, sync] = s + 1                              (the executors wait for this column)
+
+so the next step's forward starts on unit 0 while later units are still being updated or sent. Per step each
+node receives (M-1)/M of the weights; with NCCL between GPU hosts the all-gather could instead run from device
+memory over the executors' group, which today sends gradients only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatrain.config import MegatrainError
+from megatrain.model.layout import ModelLayout, NodeShard, aligned_split
+
+POLL_SECONDS = 0.0005
+
+
+@dataclass
+class NodeGroup:
+    """This node's store among the run's M stores (rank = node)."""
+
+    shard: NodeShard
+    timeout_s: float
+
+    @classmethod
+    def join(cls, shard: NodeShard, address: str, timeout_s: float = 600.0) -> NodeGroup:
+        """Joins the stores' process group at `address` (tcp://host:port of node 0's store)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            dist.init_process_group("gloo", init_method=address, rank=shard.node, world_size=shard.nodes,
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # torch names the rendezvous, not what to do about it
+            raise MegatrainError(f"the parameter store of node {shard.node} of {shard.nodes} could not reach the "
+                                 f"others at {address} ({e}); check that the nodes reach each other over TCP "
+                                 "(firewall, the address Ray gave node 0).") from None
+        return cls(shard, timeout_s)
+
+    def sync_weights(self, layout: ModelLayout, step: int, params: torch.Tensor, versions: torch.Tensor,
+                     shadow: torch.Tensor | None = None) -> None:
+        """After update `step` (0-based): every node's part of each unit broadcast to the others (see the module
+        doc). versions: [units, workers + 1], the last column written here."""
+        nodes, me = self.shard.nodes, self.shard.node
+        for unit in layout.units:
+            self._wait_updated(versions[unit.index, :-1], step + 1, unit.index)
+            for owner in range(nodes):
+                lo, hi = aligned_split(unit.numel, owner, nodes)
+                part = params[unit.offset + lo : unit.offset + hi]
+                if part.numel():
+                    dist.broadcast(part, src=owner)
+                if owner != me and shadow is not None:  # the owner's workers rounded their own part
+                    shadow[unit.offset + lo : unit.offset + hi].copy_(part)
+            versions[unit.index, -1] = step + 1
+
+    def _wait_updated(self, row: torch.Tensor, version: int, unit: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while int(row.min()) < version:
+            if time.monotonic() > deadline:
+                raise MegatrainError(f"node {self.shard.node}'s optimizer workers did not apply update {version} "
+                                     f"to unit {unit} within {self.timeout_s:g} s; check the Ray dashboard for a "
+                                     "dead or stuck optimizer worker.")
+            time.sleep(POLL_SECONDS)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

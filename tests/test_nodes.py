@@ -1,0 +1,242 @@
+"""Several hosts: a run spanning Ray nodes, each with its parameter store (the whole weights, 1/M of the Adam
+moments), optimizer workers and executors.
+
+On the CPU, a 2-node `ray.cluster_utils.Cluster` on this machine, each node with its own arena directory (the
+MEGATRAIN_SHM_DIR its processes see), traffic on the loopback only: 3 steps reach bit for bit the parameters of one
+node running the same two executors (the same gradient sums, the same AdamW shards), whose equality with one
+executor and with transformers is test_data_parallel's; the checkpoint resumes on 1 node and on 2 to the same
+parameters as the run that went on; killing the second node's executor in the middle of a step, or its optimizer
+worker, recovers exactly.
+The plain classes (node parts, resharding of checkpoints) are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_ray_cluster import TIMEOUT, assert_nothing_left, dead_segments, ray_env  # noqa: F401, F811 - a fixture
+
+from megatrain.config import ModelConfig, OptimConfig
+from megatrain.engine.optimizer import AdamWShard
+from megatrain.memory import checkpoint as ckpt
+from megatrain.memory.store import ParameterStore
+from megatrain.model.layout import ALIGN, ModelLayout, NodeShard, aligned_split
+
+# ---- plain classes ----
+
+
+def test_nested_splits_agree() -> None:
+    """A node's executors' gradient slices (ranks m N .. m N + N - 1 of M N) are exactly the node's part."""
+    for blocks in (1, 2, 7, 64, 1001):
+        numel = blocks * ALIGN
+        for nodes in (1, 2, 3, 4):
+            for per_node in (1, 2, 3):
+                for m in range(nodes):
+                    first = aligned_split(numel, m * per_node, nodes * per_node)[0]
+                    last = aligned_split(numel, (m + 1) * per_node - 1, nodes * per_node)[1]
+                    assert (first, last) == aligned_split(numel, m, nodes)
+
+
+def tiny_layout() -> ModelLayout:
+    return ModelLayout.build(ModelConfig.from_name("tiny"))
+
+
+def test_node_parts_update_as_the_whole() -> None:
+    """AdamW on each node's part (its moments packed) gives bit for bit what one node updating everything gives."""
+    layout = tiny_layout()
+    gen = torch.Generator().manual_seed(0)
+    params0 = torch.randn(layout.numel, generator=gen)
+    grads = [torch.randn(layout.numel, generator=gen) for _ in range(3)]
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1)
+
+    def train(nodes: int) -> torch.Tensor:
+        params = params0.clone()
+        shards = []
+        for m in range(nodes):
+            node = NodeShard.build(layout, m, nodes)
+            tensors = {"params": params, "grads": torch.empty(layout.numel),
+                       "exp_avg": torch.zeros(node.numel), "exp_avg_sq": torch.zeros(node.numel)}
+            shards += [(tensors, AdamWShard(layout, tensors, optim, w, 2, node=node)) for w in range(2)]
+        for step, grad in enumerate(grads):
+            for tensors, shard in shards:
+                tensors["grads"].copy_(grad)
+                for unit in layout.units:
+                    shard.update(unit.index, step)
+        return params
+
+    whole = train(1)
+    assert not torch.equal(whole, params0)
+    for nodes in (2, 3):
+        assert torch.equal(train(nodes), whole)
+
+
+def stores(nodes: int) -> list[ParameterStore]:
+    return [ParameterStore("tiny", run_id=f"test{nodes}{m}", check_memory=False, node=m, nodes=nodes)
+            for m in range(nodes)]
+
+
+def gathered(parts: list[ParameterStore], name: str) -> torch.Tensor:
+    """The whole model's moment `name`, put together from every node's part."""
+    layout = parts[0].layout
+    whole = torch.empty(layout.numel)
+    for store in parts:
+        for unit in layout.units:
+            lo, hi = store.node.bounds[unit.index]
+            whole[unit.offset + lo : unit.offset + hi] = store.node.moments(unit, store.arena.tensors[name], lo, hi)
+    return whole
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 1), (2, 3), (1, 2), (3, 2)])
+def test_checkpoints_reshard(tmp_path: Path, saved: int, loaded: int) -> None:
+    """Moments saved by `saved` nodes load into `loaded` nodes' parts (one node saves them under HF names, which hold
+    no padding)."""
+    writers = stores(saved)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for store in writers:
+            for name in ckpt.MOMENTS:
+                store.arena.tensors[name].copy_(torch.randn(store.node.numel, generator=gen))
+        want = {name: gathered(writers, name) for name in ckpt.MOMENTS}
+        directory = tmp_path / "ckpt"
+        directory.mkdir()
+        for m, store in enumerate(writers):
+            store.write_checkpoint_part(directory, {"updates_applied": 3} if m == 0 else None)
+        ckpt.write_manifest(directory)
+        expect_parts = saved > 1
+        assert bool(list(directory.glob("optimizer-node*"))) == expect_parts
+    finally:
+        for store in writers:
+            store.close()
+    readers = stores(loaded)
+    try:
+        states = [store.load_checkpoint(directory) for store in readers]
+        assert all(state["updates_applied"] == 3 for state in states)
+        layout = readers[0].layout
+        tensor_elements = torch.cat([torch.arange(u.offset + s.offset, u.offset + s.offset + s.numel)
+                                     for u in layout.units for s in u.slots])  # not the padding between them
+        for name in ckpt.MOMENTS:
+            assert torch.equal(gathered(readers, name)[tensor_elements], want[name][tensor_elements])
+    finally:
+        for store in readers:
+            store.close()
+
+
+def test_an_incomplete_set_of_parts_is_refused(tmp_path: Path) -> None:
+    writers = stores(2)
+    try:
+        for m, store in enumerate(writers):
+            store.write_checkpoint_part(tmp_path, {"updates_applied": 1} if m == 0 else None)
+    finally:
+        for store in writers:
+            store.close()
+    (tmp_path / ckpt.moment_part_name(1, 2)).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="optimizer parts of 1 node.* do not make one whole"):
+        ckpt.moment_parts(tmp_path, tiny_layout())
+
+
+# ---- a cluster of two nodes ----
+
+TWO_NODES = """
+import json, os, signal, sys, threading, ray, torch
+from safetensors.torch import save_file
+from ray.cluster_utils import Cluster
+import megatrain
+
+shm0, shm1, out = sys.argv[1:4]
+node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
+nodes = Cluster(initialize_head=True, head_node_args={**node_args, "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
+nodes.add_node(**node_args, env_vars={"MEGATRAIN_SHM_DIR": shm1})
+result = {}
+try:
+    ray.init(address=nodes.address)  # by address: see test_ray_cluster's TWO_NODES
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(5)]
+    settings = dict(batch_size=4, seq_len=32, device="cpu", optimizer_workers=1, lr=1e-2, warmup_steps=0)
+
+    def train(engine, steps, kill_at=None, victim="executor"):
+        losses = []
+        for i, ids in enumerate(steps):
+            killer = None
+            if i == kill_at:  # the second node's executor or optimizer worker, a moment into the step
+                pid = ray.get((engine.executors if victim == "executor" else engine.workers)[1].pid.remote())
+                killer = threading.Timer(0.05, os.kill, (pid, signal.SIGKILL))
+                killer.start()
+            losses.append(engine.step(ids))
+            if killer is not None:
+                killer.join()
+        return losses
+
+    def where(actor):
+        return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+    with megatrain.Engine("tiny", executors=2, **settings) as one:
+        result["one"] = train(one, batches[:3])
+        save_file(one.parameters(), out + "/one-3.safetensors")
+        result["one"] += train(one, batches[3:])
+        save_file(one.parameters(), out + "/one-5.safetensors")
+    with megatrain.Engine("tiny", nodes=2, executors=1, **settings) as two:
+        result["nodes"] = [p.node_id for p in two.placements]
+        result["stores"] = [where(s) for s in two.stores]
+        result["executors"] = [where(e) for e in two.executors]
+        result["workers"] = [where(w) for w in two.workers]
+        result["shm"] = [h.directory for h in two.handles]
+        result["two"] = train(two, batches[:3])
+        save_file(two.parameters(), out + "/two-3.safetensors")
+        two.save_checkpoint(out + "/ckpt")
+        result["two"] += train(two, batches[3:], kill_at=0, victim="worker")
+        result["worker-restarts"] = two.restarts
+        save_file(two.parameters(), out + "/two-5.safetensors")
+    with megatrain.Engine("tiny", nodes=1, executors=2, **settings) as resumed:
+        resumed.load_checkpoint(out + "/ckpt")
+        result["resumed-1"] = train(resumed, batches[3:])
+        save_file(resumed.parameters(), out + "/resumed-1.safetensors")
+    with megatrain.Engine("tiny", nodes=2, executors=1, **settings) as resumed:
+        resumed.load_checkpoint(out + "/ckpt")
+        result["resumed-2"] = train(resumed, batches[3:], kill_at=1)
+        result["restarts"] = resumed.restarts
+        save_file(resumed.parameters(), out + "/resumed-2.safetensors")
+    result["files"] = sorted(os.listdir(out + "/ckpt"))
+    print(json.dumps(result))
+finally:
+    ray.shutdown()
+    nodes.shutdown()
+"""
+
+
+def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+    for d in shm:
+        d.mkdir()
+    dead_before = dead_segments()
+    proc = subprocess.run([sys.executable, "-c", TWO_NODES, str(shm[0]), str(shm[1]), str(tmp_path)],
+                          cwd=tmp_path, env={**ray_env, "MEGATRAIN_SHM_DIR": str(shm[0])}, capture_output=True,
+                          text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second = result["nodes"]
+    assert first != second
+    assert result["stores"] == result["executors"] == result["workers"] == [first, second]
+    assert result["shm"] == [str(shm[0]), str(shm[1])]  # each node's arena in its own directory
+    assert "optimizer-node000-of-002.safetensors" in result["files"] and "model.safetensors" in result["files"]
+
+    def params(name: str) -> dict[str, torch.Tensor]:
+        return load_file(tmp_path / f"{name}.safetensors")
+
+    assert result["two"] == result["one"]
+    for name, value in params("one-3").items():
+        assert torch.equal(params("two-3")[name], value), name
+    five = params("one-5")
+    for run in ("two-5", "resumed-1", "resumed-2"):
+        got = params(run)
+        for name, value in five.items():
+            assert torch.equal(got[name], value), f"{run}: {name}"
+    assert result["resumed-1"] == result["resumed-2"] == result["one"][3:]
+    assert result["restarts"] >= 1 and result["worker-restarts"] >= 1
+    assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
+    assert_nothing_left(ray_env, dead_before)

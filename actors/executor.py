@@ -22,7 +22,7 @@ from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
-from megatrain.telemetry import Recorder, Span
+from megatrain.telemetry import Recorder, Span, executor_lanes
 
 POLL_SECONDS = 0.0005
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
@@ -62,6 +62,7 @@ class GPUExecutor:
                                  engine.compile, tile_tokens=engine.tile_tokens,
                                  checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp)
         self.hold_grads = engine.grads == "device"
+        self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1
         self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
@@ -146,7 +147,10 @@ class GPUExecutor:
                 "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units,
                 "stats": stats.to_dict(),
-                "spans": [s for s in rec.spans if s.step == step] if self.trace else []}
+                "spans": self._lanes([s for s in rec.spans if s.step == step]) if self.trace else []}
+
+    def _lanes(self, spans: list[Span]) -> list[Span]:
+        return spans if self.dp is None else executor_lanes(spans, self.dp.rank, self.executors_per_node)
 
     def evaluate(self, batch: dict[str, np.ndarray], expected_version: int, pending: list[ray.ObjectRef]
                  ) -> dict[str, Any]:

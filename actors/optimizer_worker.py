@@ -31,7 +31,7 @@ class OptimizerWorker:
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
                                 GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),
                                 NodeShard.build(self.layout, node, nodes))
-        self.lane = optimizer_lane(worker)
+        self.lane = optimizer_lane(worker, node)
         self.worker, self.metrics = worker, metrics
 
     def _timed_update(self, unit: int, step: int, clip_coef: float) -> Span:

@@ -87,3 +87,9 @@ class ParameterStoreActor:
     def close(self) -> None:
         if self.init_error is None:
             self.store.close()
+
+    def unlink(self) -> None:
+        """Removes the arena's files, the mappings staying valid: before a recovery kills this store, which may be
+        stuck in the weight exchange with a dead peer (so `close` could wait for it)."""
+        if self.init_error is None:
+            self.store.arena.unlink()

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, PRESETS, SCHEDULES, MegatrainError, Terminated, cause_chain
+from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, PRESETS, SCHEDULES, MegatrainError, Terminated, cause_chain
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -139,20 +139,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "device": args.device, "grads": args.grads,
                                          "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
                                          "checkpoint_budget_gib": args.checkpoint_budget_gib,
-                                         "micro_batches": args.micro_batches, "schedule": args.schedule})
+                                         "micro_batches": args.micro_batches, "schedule": args.schedule,
+                                         "nodes": args.nodes, "executors": args.executors})
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
                  tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
-    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):
+    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib), ("--link-gbps", args.link_gbps)):
         if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be a positive number of GiB, got {value}.")
+            raise ConfigError(f"{flag} must be a positive number, got {value}.")
+    executors = 1 if cfg.executors == "auto" else cfg.executors
+    if not executors >= 1 or not cfg.nodes >= 1:
+        raise ConfigError(f"--executors and --nodes must be at least 1, got {executors} and {cfg.nodes}.")
     config, _, name = resolve_model(cfg.model)
     on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and _cuda())
     gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
     budget = cfg.checkpoint_budget_gib
     common = dict(name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
-                  gpu_free=gpu_free, micro_batches=cfg.micro_batches,
+                  gpu_free=gpu_free, micro_batches=cfg.micro_batches, nodes=cfg.nodes, executors=executors,
                   host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
     long_context = dict(tile_tokens=cfg.tile_tokens,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
@@ -184,7 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               **{**common, "schedule": plan.schedule})
     prediction = None if cal is None else predict(plan, config, cal, precision=cfg.precision,
                                                   optimizer_workers=common["optimizer_workers"],
-                                                  clipping=optim.clipping)
+                                                  clipping=optim.clipping, executors=executors,
+                                                  link_gbps=args.link_gbps or LINK_GBPS)
     fits = (plan.host_problem() or plan.gpu_problem()) is None
     if args.json:
         print(json.dumps(_plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"]), indent=2))
@@ -344,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_long_context_flags(p)
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
     p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
+    p.add_argument("--executors", type=int, help="executors per node, each computing --batch rows (default 1)")
+    p.add_argument("--nodes", type=int, help="hosts the run spans: per-node memory (1/nodes of the Adam moments) "
+                   "and the network bytes and time per step")
+    p.add_argument("--link-gbps", type=float, help=f"GB/s between hosts for the prediction (default {LINK_GBPS:g}, "
+                   "100 Gb Ethernet)")
     p.add_argument("--json", action="store_true", help="the plan and its predicted step time as JSON (calibrates "
                                                        "this machine first where no calibration is cached)")
     p.set_defaults(func=cmd_plan)

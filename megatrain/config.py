@@ -394,6 +394,7 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
 # how a step's micro-batches meet the streamed weights (megatrain/engine/executor.py: Executor.run)
 SCHEDULES = ("layer-major", "per-micro-batch")
+LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
 @dataclass

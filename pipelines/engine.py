@@ -336,6 +336,7 @@ class Engine:
         settings = dict(grads=e.grads, clipping=self.optim.clipping, name=self.model_name, precision=e.precision,
                         optimizer_workers=e.optimizer_workers, on_gpu=on_gpu, loss_chunk_tokens=e.loss_chunk_tokens,
                         tile_tokens=e.tile_tokens, schedule=e.schedule, nodes=len(self.placements),
+                        executors=e.executors,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
                         if on_gpu else None)
@@ -672,14 +673,13 @@ class Engine:
         remove_stale_segments()
 
     def _stop_actors(self, close: bool = True) -> None:
-        """The stores unlink their arenas (close=False: a recovery, where one may be stuck waiting for a dead
-        peer; the next store on each node removes them); then every actor is killed."""
+        """The stores unlink their arenas (close=False: only that, in a recovery, where a store may be stuck in the
+        weight exchange waiting for a dead peer); then every actor is killed."""
         if self._arena is not None:
             self._arena.close()
             self._arena = None
         try:
-            if close:
-                ray.get([s.close.remote() for s in self.stores], timeout=60)
+            ray.get([s.close.remote() if close else s.unlink.remote() for s in self.stores], timeout=60)
         except Exception as e:  # a store died: its node's next start removes its segments (this node's: below)
             log.warning("a parameter store did not close cleanly (%s)", e)
         for actor in [*self.executors, *self.workers, *self.stores]:

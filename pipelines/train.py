@@ -290,9 +290,10 @@ def record_prediction(cfg: TrainConfig, engine: Engine, out_dir: Path) -> float 
                         clipping=engine.optim.clipping, name=engine.model_name, precision=e.precision,
                         optimizer_workers=e.optimizer_workers, on_gpu=engine.on_gpu, tile_tokens=e.tile_tokens,
                         checkpoint_budget=None if budget is None else round(budget * 2**30),
-                        micro_batches=e.micro_batches, schedule=e.schedule, find_longest=False)
+                        micro_batches=e.micro_batches, schedule=e.schedule, find_longest=False, nodes=e.nodes,
+                        executors=int(e.executors))
         pred = predict(plan, engine.config, cal, precision=e.precision, optimizer_workers=e.optimizer_workers,
-                       clipping=engine.optim.clipping)
+                       clipping=engine.optim.clipping, executors=int(e.executors))
     except Exception as exc:  # noqa: BLE001 - a prediction is commentary: it never stops a run
         log.warning("no predicted step time: %s", exc)
         return None

@@ -240,3 +240,26 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
     assert result["restarts"] >= 1 and result["worker-restarts"] >= 1
     assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
     assert_nothing_left(ray_env, dead_before)
+
+
+def test_the_plan_counts_each_nodes_bytes_and_the_network() -> None:
+    """Host bytes per parameter per node: 4 + 8/M (+ gradients, + the bf16 copy in bf16 runs); between the nodes,
+    per step, each sends 3 (M-1)/M of the weights' bytes (gloo's all-reduce of the gradients, the weights' parts)."""
+    from megatrain.memory.plan import plan_memory
+    from megatrain.memory.predict import Calibration, predict
+
+    config = ModelConfig.from_name("1b")
+    one, two, four = (plan_memory(config, 1, 512, nodes=m, host_free=2**40) for m in (1, 2, 4))
+    n = one.arena_numel
+    assert one.arena_bytes - one.grads_bytes == 12 * n and one.network_bytes == 0
+    assert two.arena_bytes - two.grads_bytes == 4 * n + 8 * -(-n // 2)
+    assert four.arena_bytes - four.grads_bytes == 4 * n + 8 * -(-n // 4)
+    assert two.network_bytes == int(3 * 0.5 * n * 4) and four.network_bytes == int(3 * 0.75 * n * 4)
+    assert "network per step and node (2 nodes)" in two.report() and "1/2 of Adam m,v" in two.report()
+
+    cal = Calibration("cpu", "host", 0.0, 2, 2, None, None, 10.0, {"tf32": 1.0}, {"2": 1.0})
+    alone = predict(one, config, cal)
+    spread = predict(two, config, cal, executors=2, link_gbps=1.0)
+    assert spread.optimizer_s == pytest.approx(alone.optimizer_s / 2)
+    assert spread.network_s == pytest.approx(two.network_bytes / 1e9)
+    assert spread.tokens_per_s == pytest.approx(4 * one.step_tokens / spread.step_s)

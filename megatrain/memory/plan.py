@@ -192,7 +192,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
                 host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major",
-                nodes: int = 1) -> MemoryPlan:
+                nodes: int = 1, executors: int = 1) -> MemoryPlan:
     """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
     a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
     asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
@@ -203,7 +203,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     micro-batch's checkpoints, the weights streamed and the gradients sent once per micro-batch (and the earlier
     sums brought back to add to). nodes: the run spans that many hosts, each with the whole weights and 1/nodes of
     the Adam moments (4 + 8/nodes B a parameter), and each step sends every node's gradients and updated weights
-    between them (network_bytes)."""
+    between them (network_bytes). executors: each node runs that many, each on `batch` rows."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -263,9 +263,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     shadow_bytes = arena_numel * 2 if shadow else 0
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
-    processes += PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
-    if on_gpu:  # the executor's page-locked host buffers: the batch's embedding rows in, their gradient out
-        processes += 2 * embed_rows
+    processes += executors * PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
+    if on_gpu:  # each executor's page-locked host buffers: the batch's embedding rows in, their gradient out
+        processes += executors * 2 * embed_rows
     gpu_checkpoints, gpu_transfer = kept_layers * checkpoint, (2 * checkpoint if offloaded else 0)
     # PCIe per step: each layer's weights in for the forward and again for the backward (the top two layers'
     # stay between them), the head once, the batch's embedding rows; gradients out in fp32; offloaded
@@ -277,8 +277,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     d2h = passes * ((layers_numel + head) * 4 + embed_rows)
     h2d += (passes - 1) * ((layers_numel + head) * 4 + embed_rows)  # the sum so far, to add the next pass's to
     h2d, d2h = h2d + passes * offloaded * checkpoint, d2h + passes * offloaded * checkpoint
-    if not on_gpu:  # the CPU path computes in host memory
-        processes += weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss
+    if not on_gpu:  # the CPU path computes in host memory, each executor its own
+        processes += executors * (weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss)
     shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
     moments_numel = -(-arena_numel // nodes)  # NodeShard: this node's part of each unit
     # Between nodes, per step and node: each unit's gradient summed over every executor (gloo's ring all-reduce:
@@ -327,7 +327,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
-             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1) -> MemoryPlan:
+             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
+             executors: int = 1) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
     wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
     for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -342,7 +343,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
                   loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
-                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule, nodes=nodes)
+                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule, nodes=nodes,
+                  executors=executors)
     if kwargs["schedule"] == "per-micro-batch" and micro_batches > 1:
         if grads not in (AUTO, "arena"):
             raise ConfigError(f"the per-micro-batch schedule adds gradients up in the arena: it needs grads = "

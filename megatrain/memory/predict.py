@@ -18,6 +18,12 @@ What each lane costs per step:
              thread, and that copy is inside the timed layers.
   optimizer  every parameter's fused AdamW update at the calibrated rate of that many workers.
   data       tokens x the calibrated per-token data time (0 where not measured: the loader prefetches).
+  network    several nodes: plan.network_bytes (each node's gradients summed with the others', its updated part
+             of the weights sent to them) at `link_gbps` (given: one machine cannot measure the link between two;
+             default LINK_GBPS). The gradients' exchange runs inside the backward, unit by unit, and the weights'
+             beside the next forward: counted whole, an upper bound. Each node's optimizer updates 1/nodes of
+             the parameters; each executor computes its own rows (the plan's batch), so a step trains
+             executors x nodes times the plan's tokens.
 How they overlap (megatrain/engine/executor.py, pipelines/engine.py):
   GPU: weights stream in while the layer before computes (two buffers) and gradients stream out during the
   backward: the copy lanes run beside compute, only the first layer's load exposed. The optimizer runs on the
@@ -40,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, ModelConfig, OptimConfig
+from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, ModelConfig, OptimConfig
 from megatrain.memory.plan import AUTO, MIN_TILE_TOKENS, TILE_TOKENS, MemoryPlan, plan_run
 
 CACHE_ENV = "MEGATRAIN_CALIBRATION"  # a file path: where the calibration is read and written (tests, benchmarks)
@@ -147,17 +153,18 @@ class Prediction:
     overhead_s: float
     step_s: float
     tokens_per_s: float
-    bound: str  # the lane with the largest time: compute | h2d | d2h | optimizer | data
+    bound: str  # the lane with the largest time: compute | h2d | d2h | optimizer | data | network
     compute_source: str  # "measured layers" or "matmul rate" (see the module's docstring)
     exposed: dict[str, float] = field(default_factory=dict)  # what each lane adds beyond compute
+    network_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"predicted_step_s": self.step_s, "predicted_tokens_per_s": self.tokens_per_s, **asdict(self)}
 
     def report(self) -> str:
         ms = lambda s: f"{1e3 * s:,.1f} ms"  # noqa: E731
-        lanes = ", ".join(f"{name} {ms(getattr(self, name + '_s'))}"
-                          for name in ("compute", "h2d", "d2h", "optimizer", "data"))
+        names = ("compute", "h2d", "d2h", "optimizer", "data") + (("network",) if self.network_s else ())
+        lanes = ", ".join(f"{name} {ms(getattr(self, name + '_s'))}" for name in names)
         return (f"predicted step: {ms(self.step_s)}, {self.tokens_per_s:,.0f} tokens/s, bound by {self.bound}\n"
                 f"  per step: {lanes} (compute from {self.compute_source})")
 
@@ -174,19 +181,22 @@ def compute_seconds(plan: MemoryPlan, config: ModelConfig, cal: Calibration, pre
 
 
 def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precision: str = "tf32",
-            optimizer_workers: int = 2, clipping: bool = True) -> Prediction:
-    """The step time of the run `plan` describes on the calibrated machine (see the module docstring)."""
+            optimizer_workers: int = 2, clipping: bool = True, executors: int = 1, link_gbps: float = LINK_GBPS
+            ) -> Prediction:
+    """The step time of the run `plan` describes on the calibrated machine, with `executors` executors on each of
+    plan.nodes nodes (see the module docstring)."""
     compute, source = compute_seconds(plan, config, cal, precision)
     on_gpu = plan.on_gpu and cal.h2d_gbps is not None
     h2d = plan.h2d_bytes / (cal.h2d_gbps * 1e9) if on_gpu else 0.0
     d2h = plan.d2h_bytes / (cal.d2h_gbps * 1e9) if on_gpu and cal.d2h_gbps else 0.0
-    optimizer = plan.params / (cal.adamw_rate(optimizer_workers) * 1e9)
-    data = plan.step_tokens * cal.data_s_per_token
+    optimizer = plan.params / plan.nodes / (cal.adamw_rate(optimizer_workers) * 1e9)
+    data = plan.step_tokens * executors * cal.data_s_per_token  # one loader feeds the node's executors
+    network = plan.network_bytes / (link_gbps * 1e9)
     overhead = STEP_OVERHEAD_S
-    lanes = {"compute": compute, "h2d": h2d, "d2h": d2h, "optimizer": optimizer, "data": data}
+    lanes = {"compute": compute, "h2d": h2d, "d2h": d2h, "optimizer": optimizer, "data": data, "network": network}
     if not on_gpu:  # one set of cores for all of them
-        exposed = {"optimizer": optimizer, "data": data}
-        step = compute + optimizer + data + overhead
+        exposed = {"optimizer": optimizer, "data": data, "network": network}
+        step = compute + optimizer + data + network + overhead
     else:
         layers = max(config.num_layers, 1)
         first_load = h2d / (2 * layers * (plan.micro_batches if plan.schedule == "per-micro-batch" else 1))
@@ -199,11 +209,12 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
             opt_exposed = max(0.0, optimizer - compute)
         busy = max(compute + opt_exposed, h2d, d2h, data)
         exposed = {"h2d": first_load + max(0.0, h2d - compute), "d2h": max(0.0, d2h - compute),
-                   "optimizer": opt_exposed, "data": max(0.0, data - compute)}
-        step = busy + first_load + overhead
+                   "optimizer": opt_exposed, "data": max(0.0, data - compute), "network": network}
+        step = busy + first_load + network + overhead
     bound = max(lanes, key=lambda name: lanes[name])
-    return Prediction(compute, h2d, d2h, optimizer, data, overhead, step, plan.step_tokens / step, bound, source,
-                      exposed)
+    tokens = plan.step_tokens * executors * plan.nodes
+    return Prediction(compute, h2d, d2h, optimizer, data, overhead, step, tokens / step, bound, source, exposed,
+                      network)
 
 
 # ---- picking what was left to "auto" ----
@@ -244,7 +255,8 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
                 if plan.host_problem() or plan.gpu_problem():
                     continue
                 tried += 1
-                pred = predict(plan, config, cal, precision=precision, optimizer_workers=w, clipping=clipping)
+                pred = predict(plan, config, cal, precision=precision, optimizer_workers=w, clipping=clipping,
+                               executors=plan_kwargs.get("executors", 1))
                 # ties (the CPU path's lanes do not depend on the placement) go to the earlier, leaner candidate
                 if best is None or pred.step_s < best.prediction.step_s * (1 - 1e-9):
                     best = Choice(plan, pred, w, 0)

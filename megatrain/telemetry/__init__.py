@@ -19,6 +19,7 @@ from megatrain.telemetry.recorder import (
     Span,
     StepStats,
     account,
+    executor_lanes,
     optimizer_lane,
 )
 from megatrain.telemetry.trace import (
@@ -42,7 +43,7 @@ def main_report(run_dir: str, step: int | None = None) -> int:
 
 __all__ = [
     "DEVICE_LANES", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder", "Span",
-    "StepStats", "account", "append_step", "chrome_trace_to_spans", "main_report", "optimizer_lane",
+    "StepStats", "account", "append_step", "chrome_trace_to_spans", "main_report", "executor_lanes", "optimizer_lane",
     "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
     "write_png",
 ]

@@ -28,8 +28,20 @@ WAIT_CAUSES = ("weights", "optimizer", "data")
 STEP_LANE = "step"  # one span per step: its window, so a trace alone knows where steps begin and end
 
 
-def optimizer_lane(worker: int) -> str:
-    return f"optimizer/{worker}"
+def optimizer_lane(worker: int, node: int = 0) -> str:
+    """Worker `worker`'s lane; another node's workers' lanes carry their node (the first node's names stay)."""
+    return f"optimizer/{worker}" if node == 0 else f"node {node}/optimizer/{worker}"
+
+
+def executor_lanes(spans: list[Span], rank: int, per_node: int) -> list[Span]:
+    """The spans of executor `rank` (of several): the first's lanes keep their names (its stall table is the step's
+    in the report), each other's are its own lanes (`executor 1/compute`; `node 1/executor 0/compute` with several
+    nodes), so the timeline shows every executor's stalls."""
+    if rank == 0:
+        return spans
+    node, local = divmod(rank, per_node)
+    prefix = f"node {node}/executor {local}/" if rank >= per_node else f"executor {rank}/"
+    return [Span(prefix + s.lane, s.name, s.step, s.start, s.end, s.layer, s.nbytes) for s in spans]
 
 
 @dataclass(slots=True)

@@ -29,7 +29,8 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup-steps", type=int)
     p.add_argument("--max-grad-norm", type=float, help="0 turns clipping off")
-    p.add_argument("--optimizer-workers", type=int)
+    p.add_argument("--optimizer-workers", type=_int_or_auto,
+                   help="N per node, or auto: one per free CPU of the node (the fastest calibrated count, if cached)")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
@@ -145,9 +146,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
                  tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
-    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib), ("--link-gbps", args.link_gbps)):
+    for flag, value, unit in (("--gpu-gib", args.gpu_gib, "GiB"), ("--host-gib", args.host_gib, "GiB"),
+                              ("--link-gbps", args.link_gbps, "GB/s")):
         if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be a positive number, got {value}.")
+            raise ConfigError(f"{flag} must be a positive number of {unit}, got {value}.")
     executors = 1 if cfg.executors == "auto" else cfg.executors
     if not executors >= 1 or not cfg.nodes >= 1:
         raise ConfigError(f"--executors and --nodes must be at least 1, got {executors} and {cfg.nodes}.")

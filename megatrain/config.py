@@ -403,7 +403,7 @@ class EngineConfig:
 
     device: str = "auto"  # auto | cpu | cpu-async (CPU with simulated asynchronous streams, for tests) | cuda | cuda:N
     precision: str = "tf32"  # fp32 (strict) | tf32 | bf16 (bf16 compute, fp32 masters)
-    optimizer_workers: int = 2
+    optimizer_workers: int | str = 2  # "auto": from the node's free CPUs (megatrain.memory.predict)
     threads_per_worker: int | None = None  # None: cores / workers
     loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
     seed: int = 0
@@ -428,8 +428,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         check_choice("precision", self.precision, PRECISIONS)
-        if not (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1):
-            raise ConfigError(f"optimizer_workers must be an integer of at least 1, "
+        if not (self.optimizer_workers == "auto" or (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1)):
+            raise ConfigError(f"optimizer_workers must be 'auto' or an integer of at least 1, "
                               f"got {self.optimizer_workers!r}.")
         threads = self.threads_per_worker
         if threads is not None and not (_is_int(threads) and threads >= 1):

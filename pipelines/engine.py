@@ -43,7 +43,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.executor import GPUExecutor, gpu_free_memory
+from actors.executor import GPU_HOST_THREADS, GPUExecutor, gpu_free_memory
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
@@ -53,6 +53,7 @@ from megatrain.engine.optimizer import clip_coefficient
 from megatrain.memory.arena import Arena, ArenaHandle, proc_stat, remove_stale_segments
 from megatrain.memory.checkpoint import atomic_directory, check_save_target, checkpoint_target, write_manifest
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
+from megatrain.memory.predict import Calibration, auto_optimizer_workers
 from megatrain.memory.store import resolve_model
 from megatrain.telemetry import StepStats
 from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources, run_nodes
@@ -145,7 +146,7 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, *, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                  warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0,
-                 optimizer_workers: int = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
+                 optimizer_workers: int | str = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
@@ -226,7 +227,6 @@ class Engine:
 
     # ---- actors ----
     def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
-        n = self.engine_config.optimizer_workers
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
         on_gpu = self.on_gpu = self._on_gpu(node)
         nodes = run_nodes(node, self.engine_config.nodes)
@@ -239,6 +239,13 @@ class Engine:
                               f"grads must be 'arena' (or 'auto'), not {self.engine_config.grads!r}.")
         if executors * len(nodes) > 1:
             self.engine_config = replace(self.engine_config, grads="arena")
+        n = self.engine_config.optimizer_workers
+        if n == "auto":
+            n = auto_optimizer_workers(node_resources(node)[1].get("CPU", 0.0),
+                                       executors * GPU_HOST_THREADS if on_gpu else 0,
+                                       None if on_gpu else Calibration.load("cpu"))
+            log.info("optimizer_workers auto: %d per node", n)
+            self.engine_config = replace(self.engine_config, optimizer_workers=n)
         self.placements = [NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
                                                  f"megatrain/{self.run_id}/node{m}", executors=executors)
                            for m, node_id in enumerate(nodes)]
@@ -684,7 +691,8 @@ class Engine:
             log.warning("a parameter store did not close cleanly (%s)", e)
         for actor in [*self.executors, *self.workers, *self.stores]:
             ray.kill(actor)
-        self.stores, self.handles, self.executors, self.workers = [], [], [], []
+        # the arenas' handles stay: they name the segment files, which a caller may check are gone
+        self.stores, self.executors, self.workers = [], [], []
 
     def __enter__(self) -> Engine:
         return self

@@ -54,7 +54,7 @@ class TrainConfig:
     decay: bool = True  # cosine decay to min_lr_ratio over `steps` (False: constant after warmup)
     min_lr_ratio: float = 0.1
     # engine
-    optimizer_workers: int = 2
+    optimizer_workers: int | str = 2  # "auto": from the node's free CPUs (and the calibration, where cached)
     precision: str = "tf32"
     device: str = "auto"
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
@@ -148,7 +148,7 @@ class TrainConfig:
         return asdict(self)
 
 
-TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "nodes",
+TRAIN_INTS = ("steps", "warmup_steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")

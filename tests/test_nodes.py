@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 from test_ray_cluster import TIMEOUT, assert_nothing_left, dead_segments, ray_env  # noqa: F401, F811 - a fixture
 
-from megatrain.config import ModelConfig, OptimConfig
+import megatrain
+from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory import checkpoint as ckpt
 from megatrain.memory.store import ParameterStore
@@ -263,3 +264,14 @@ def test_the_plan_counts_each_nodes_bytes_and_the_network() -> None:
     assert spread.optimizer_s == pytest.approx(alone.optimizer_s / 2)
     assert spread.network_s == pytest.approx(two.network_bytes / 1e9)
     assert spread.tokens_per_s == pytest.approx(4 * one.step_tokens / spread.step_s)
+
+
+def test_more_nodes_than_the_cluster_has_is_one_sentence(ray_session: None) -> None:
+    with pytest.raises(MegatrainError) as info:
+        megatrain.Engine("tiny", nodes=2, device="cpu", batch_size=2, seq_len=16)
+    message = str(info.value)
+    assert message.startswith("nodes=2 asks for 2 Ray nodes but the cluster has 1 with CPUs (the driver node ")
+    assert message.endswith("join more hosts with `ray start --address <head>:6379`, or ask for fewer nodes.")
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match="nodes must be a positive integer, got 0"):
+        EngineConfig(nodes=0)

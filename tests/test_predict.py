@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatrain.cli import main
 from megatrain.config import ModelConfig
@@ -16,6 +17,7 @@ from megatrain.memory.predict import (
     CACHE_ENV,
     Calibration,
     LayerTiming,
+    auto_optimizer_workers,
     calibrate,
     choose,
     layer_key,
@@ -170,3 +172,21 @@ def test_predicted_beside_measured(tmp_path: Path) -> None:
                                                         "compute_s": 0.3}))
     assert "predicted step 400.0 ms (bound by compute" in report(tmp_path)
     assert "predicted / measured 0.80" in report(tmp_path)
+
+
+def test_auto_optimizer_workers() -> None:
+    """One per free CPU less the GPU executors' host threads (at least one, at most 16); with a calibration, the
+    fewest that reach its best AdamW rate."""
+    assert auto_optimizer_workers(2.0) == 2 and auto_optimizer_workers(64.0) == 16
+    assert auto_optimizer_workers(16.0, reserved_cpus=8) == 8 and auto_optimizer_workers(2.0, reserved_cpus=4) == 1
+    assert auto_optimizer_workers(16.0, cal=gpu_calibration()) == 8  # measured up to 8: more gain nothing
+    flat = replace(cpu_calibration(), adamw_gparams={"1": 1.0, "2": 1.2, "4": 1.2})
+    assert auto_optimizer_workers(8.0, cal=flat) == 2
+
+
+def test_engine_takes_auto_optimizer_workers(ray_session: None) -> None:
+    import megatrain
+
+    with megatrain.Engine("tiny", optimizer_workers="auto", device="cpu", batch_size=2, seq_len=16) as engine:
+        assert engine.engine_config.optimizer_workers == len(engine.workers) == 2  # the session's 2 CPUs, uncalibrated
+        engine.step(torch.randint(0, 256, (2, 16)))

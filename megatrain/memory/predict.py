@@ -219,6 +219,19 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
 
 # ---- picking what was left to "auto" ----
 
+def auto_optimizer_workers(free_cpus: float, reserved_cpus: int = 0, cal: Calibration | None = None) -> int:
+    """optimizer_workers = "auto" at a run's start: one worker per CPU Ray has free on the node, less
+    `reserved_cpus` (a GPU executor's host threads, which Ray does not count), at most MAX_CALIBRATED_WORKERS; where
+    this machine's calibration is given, the fewest of those with its highest measured AdamW rate (workers past
+    the memory bandwidth only share it)."""
+    most = max(1, min(MAX_CALIBRATED_WORKERS, int(free_cpus) - reserved_cpus))
+    if cal is None or not cal.adamw_gparams:
+        return most
+    rates = {w: cal.adamw_rate(w) for w in range(1, most + 1)}
+    best = max(rates.values())
+    return min(w for w, rate in rates.items() if rate >= best)
+
+
 @dataclass
 class Choice:
     plan: MemoryPlan

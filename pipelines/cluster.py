@@ -198,11 +198,14 @@ class NodePlacement:
                 ) -> NodePlacement:
         """Shares the node's free CPUs out among `workers` and reserves them (and a GPU per executor), or fails in
         one sentence after `timeout` seconds, saying what was asked and what the nodes have."""
+        driver = node_id == driver_node()
+        where = "the driver's node" if driver else f"node {node_id[:8]}"
         deadline = time.monotonic() + FREE_CPU_WAIT_SECONDS
         while (free := node_resources(node_id)[1].get("CPU", 0.0)) < 0.01 * workers and time.monotonic() < deadline:
             time.sleep(0.1)
         if free < 0.01 * workers:
-            raise MegatrainError(f"the driver's Ray node has no free CPU for the {workers} optimizer worker(s) "
+            node = "the driver's Ray node" if driver else f"Ray node {node_id[:8]} of the run"
+            raise MegatrainError(f"{node} has no free CPU for the {workers} optimizer worker(s) "
                                  f"({describe_nodes(node_id, gpu)}; other actors, e.g. another Engine, reserve them); "
                                  "shut those down first, or start Ray with more CPUs.")
         per_worker = free / workers
@@ -217,7 +220,7 @@ class NodePlacement:
             remove_placement_group(group)
             gpus = "a GPU" if executors == 1 else f"{executors} GPUs"
             asked = f"{cpus:g} CPU for each of {workers} optimizer worker(s)" + (f" and {gpus}" if gpu else "")
-            raise MegatrainError(f"Ray did not grant the {asked} this run asked for on the driver's node within "
+            raise MegatrainError(f"Ray did not grant the {asked} this run asked for on {where} within "
                                  f"{timeout:g} s ({describe_nodes(node_id, gpu)}); free them (another Engine or job "
                                  "holds them), or start Ray with more.") from None
         return cls(node_id, group, workers, cpus, threads, gpu)

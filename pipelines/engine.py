@@ -246,9 +246,9 @@ class Engine:
                                        None if on_gpu else Calibration.load("cpu"))
             log.info("optimizer_workers auto: %d per node", n)
             self.engine_config = replace(self.engine_config, optimizer_workers=n)
-        self.placements = [NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
-                                                 f"megatrain/{self.run_id}/node{m}", executors=executors)
-                           for m, node_id in enumerate(nodes)]
+        for m, node_id in enumerate(nodes):  # one at a time into the list: a failed one's are released by shutdown
+            self.placements.append(NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
+                                                         f"megatrain/{self.run_id}/node{m}", executors=executors))
         plan = self._plan(batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if self.engine_config.micro_batches == "auto":

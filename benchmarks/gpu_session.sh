@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh big     # megatrain alone: 7b bf16; a traced 1b run and its report; 9b tf32; 7b tf32
 #   bash benchmarks/gpu_session.sh long    # long_context.py, bf16: megatrain 7b at 128k; FSDP2 offload 1b at 32k/64k/128k
 #   bash benchmarks/gpu_session.sh long-1b # long_context.py, bf16: megatrain 1b at the plan's longest, up to 512k
+#   bash benchmarks/gpu_session.sh multi   # several GPUs (the lent machines have one): NCCL test, 7b at 1/2/4/8 executors
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -27,8 +28,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  tests | peers | big | long | long-1b) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|peers|big|long|long-1b" >&2; exit 2 ;;
+  tests | peers | big | long | long-1b | multi) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|peers|big|long|long-1b|multi" >&2; exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
   OUT=${OUT:-/tmp/gpu-session-out}  # only printed: a dry run writes nothing
@@ -217,6 +218,19 @@ case "$PART" in
     step long-1b 490 python3 benchmarks/long_context.py --model 1b --precision bf16 --seq auto --max-seq 524288 \
       --peers megatrain --warmup 0 --steps 1 --optimizer-workers 8 --timeout 470 --log-dir "$WORK/logs/1b" \
       --out "$OUT/long-1b.json"
+    ;;
+  multi)
+    prelude
+    # Issue #18 on a machine with several GPUs: NCCL between two executors against one (strict fp32), then 7b
+    # tf32 tokens/s with 1, 2, 4 and 8 executors on a fixed 8 x 2048-token step (each executor 8/N rows, its own
+    # PCIe link, one arena); 1 executor must be no slower than part big's tp-7b-tf32. Merge the rows with
+    # `throughput.py --table multi-7b-x*.json`.
+    step nccl-test 200 python3 -m pytest tests/test_gpu.py -m gpu -q -s -k two_gpu_executors
+    for n in 1 2 4 8; do
+      step "tp-7b-x$n" 200 python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 \
+        --peers megatrain --executors "$n" --optimizer-workers 8 --steps 3 --warmup 1 --timeout 200 \
+        --log-dir "$WORK/logs/7b-x$n" --out "$OUT/multi-7b-x$n.json"
+    done
     ;;
 esac
 finish

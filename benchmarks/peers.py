@@ -53,6 +53,7 @@ class BenchSpec:
     # budget of the layer-input checkpoints; None: untiled / every checkpoint on the device
     tile_tokens: int | None | str = "auto"
     checkpoint_budget_gib: float | None | str = "auto"
+    executors: int = 1  # megatrain: data-parallel executors (one per GPU), each on batch / executors rows
 
     @property
     def config(self) -> ModelConfig:
@@ -250,9 +251,10 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
         t0 = time.perf_counter()
         engine = megatrain.Engine(spec.model, lr=spec.lr, max_grad_norm=spec.max_grad_norm or None,
                                   optimizer_workers=spec.optimizer_workers, precision=spec.precision,
-                                  device="auto", seed=spec.seed, batch_size=spec.batch, seq_len=spec.seq,
-                                  grads=spec.grads, compile=spec.compile, tile_tokens=spec.tile_tokens,
-                                  checkpoint_budget_gib=spec.checkpoint_budget_gib)
+                                  device="auto", seed=spec.seed, batch_size=spec.batch // spec.executors,
+                                  seq_len=spec.seq, grads=spec.grads, compile=spec.compile,
+                                  tile_tokens=spec.tile_tokens, checkpoint_budget_gib=spec.checkpoint_budget_gib,
+                                  executors=spec.executors)
         gpu_name = _executor_cuda(engine, reset=True)  # also zeroes the executor's peak-memory counter
         result = PeerResult("megatrain", device=engine.device + (f" ({gpu_name})" if gpu_name else ""),
                             setup_s=time.perf_counter() - t0, grads=getattr(engine, "grads", None))

@@ -183,11 +183,11 @@ def plan_vs_measured(spec: BenchSpec, results: list[PeerResult]) -> list[dict[st
     # none kept them all in the arena), the tiles and checkpoint budget its plan picked, and the bf16 copy of
     # the weights where the host had room for it; the engine's default loss chunk, as the megatrain peer runs it.
     try:
-        plan = plan_run(spec.config, spec.batch, spec.seq, grads=mt.grads or "arena",
+        plan = plan_run(spec.config, spec.batch // spec.executors, spec.seq, grads=mt.grads or "arena",
                         clipping=bool(spec.max_grad_norm), name=spec.model, precision=spec.precision,
                         optimizer_workers=spec.optimizer_workers, on_gpu=on_gpu,
                         loss_chunk_tokens=EngineConfig().loss_chunk_tokens, tile_tokens=mt.tile_tokens,
-                        checkpoint_budget=mt.checkpoint_budget, find_longest=False)
+                        checkpoint_budget=mt.checkpoint_budget, find_longest=False, executors=spec.executors)
     except Exception as e:  # the plan's own failure must not cost the table and --out of a finished run
         print(f"memory plan vs measured: plan_run failed: {type(e).__name__}: {e}", file=sys.stderr)
         return None
@@ -266,6 +266,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grads", default="auto", choices=("auto", "arena", "stream", "device"),
                     help="megatrain: where gradients wait for the optimizer (to compare the placements)")
     ap.add_argument("--compile", action="store_true", help="megatrain: torch.compile the decoder layer")
+    ap.add_argument("--executors", type=int, default=1, help="megatrain: data-parallel executors, one per GPU "
+                    "(--batch is the step's rows, split among them)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per peer before it is killed")
     ap.add_argument("--log-dir", help="where each peer's log goes (default: a new temporary directory)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -295,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = BenchSpec(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision,
                      steps=args.steps, warmup=args.warmup, optimizer_workers=args.optimizer_workers,
                      lr=args.lr, max_grad_norm=args.max_grad_norm, object_store_mb=args.object_store_mb,
-                     grads=args.grads, compile=args.compile)
+                     grads=args.grads, compile=args.compile, executors=args.executors)
+    if args.executors < 1 or args.batch % args.executors:
+        raise SystemExit(f"--batch {args.batch} must split evenly among --executors {args.executors}.")
     meta = {"date": datetime.date.today().isoformat(), "machine": machine_summary(), "spec": asdict(spec),
             "params": spec.config.num_params()}  # an unknown preset fails here, before anything starts
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="mtbench-throughput-"))

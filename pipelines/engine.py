@@ -514,10 +514,10 @@ class Engine:
                 error = e
 
     def _recover_once(self, error: BaseException) -> None:
+        self._check_stores()
         dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
         if not dead_workers and all(_alive(e) for e in self.executors) and not is_cuda_error(error):
             raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
-        self._check_stores()
         if dead_workers and len(self.stores) > 1:
             # the dead worker's node cannot finish its part of the update, and the other nodes' stores may be waiting
             # for it inside the weight exchange: every actor is replaced (new arenas), then restored and replayed
@@ -672,8 +672,13 @@ class Engine:
         return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self._arena.params).items()}
 
     def shutdown(self) -> None:
-        """Stops the actors; the stores unlink the arenas first."""
+        """Stops the actors; the stores unlink the arenas first. What a store killed on the way left in /dev/shm
+        is removed here, on every node of the run."""
         self._stop_actors()
+        try:  # the other nodes' /dev/shm (a store that died there, or one a recovery replaced)
+            ray.get([remove_dead_segments.options(**p.pinned()).remote() for p in self.placements[1:]], timeout=30)
+        except Exception as e:  # noqa: BLE001 - a lost node: its next run there removes them
+            log.warning("could not remove dead arena segments on every node (%s)", e)
         for placement in self.placements:
             placement.release()
         self.placements = []
@@ -714,6 +719,12 @@ def _merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
     merged["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
     merged["spans"] = [span for out in outs for span in out["spans"]]
     return merged
+
+
+@ray.remote(num_cpus=0)
+def remove_dead_segments() -> int:
+    """remove_stale_segments on the node this runs on (its MEGATRAIN_SHM_DIR): the arena files of dead owners."""
+    return len(remove_stale_segments())
 
 
 def _alive(actor: Any, timeout: float = 60.0) -> bool:

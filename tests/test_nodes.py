@@ -6,7 +6,8 @@ MEGATRAIN_SHM_DIR its processes see), traffic on the loopback only: 3 steps reac
 node running the same two executors (the same gradient sums, the same AdamW shards), whose equality with one
 executor and with transformers is test_data_parallel's; the checkpoint resumes on 1 node and on 2 to the same
 parameters as the run that went on; killing the second node's executor in the middle of a step, or its optimizer
-worker, recovers exactly.
+worker, recovers exactly; killing its parameter store (the node lost) stops the run in one sentence naming it, and
+the dead store's segments are removed when the run shuts down.
 The plain classes (node parts, resharding of checkpoints) are tested without Ray.
 """
 
@@ -202,6 +203,12 @@ try:
         result["resumed-2"] = train(resumed, batches[3:], kill_at=1)
         result["restarts"] = resumed.restarts
         save_file(resumed.parameters(), out + "/resumed-2.safetensors")
+        os.kill(ray.get(resumed.stores[1].pid.remote()), signal.SIGKILL)  # the second node lost, with its arena
+        try:
+            resumed.step(batches[0])
+            resumed.wait_for_updates()
+        except megatrain.MegatrainError as e:
+            result["lost"] = str(e)
     result["files"] = sorted(os.listdir(out + "/ckpt"))
     print(json.dumps(result))
 finally:
@@ -239,6 +246,8 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
             assert torch.equal(got[name], value), f"{run}: {name}"
     assert result["resumed-1"] == result["resumed-2"] == result["one"][3:]
     assert result["restarts"] >= 1 and result["worker-restarts"] >= 1
+    assert result["lost"].startswith("node 1 of the run (") and f"Ray node {second[:8]}) was lost" in result["lost"]
+    assert result["lost"].endswith("on 2 nodes once it is back or on fewer (--nodes 1: checkpoints reshard).")
     assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
     assert_nothing_left(ray_env, dead_before)
 

@@ -275,7 +275,7 @@ class GemmaFamily:
         ]
 
     def num_params(self, c: ModelConfig) -> int:
-        raise NotImplementedError  # uniform layers: ModelConfig.num_params counts them
+        return c.num_params()  # uniform layers: ModelConfig counts them without asking the family
 
     def architecture(self, c: ModelConfig) -> GemmaArchitecture:
         return GemmaArchitecture(c)

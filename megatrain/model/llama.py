@@ -180,7 +180,7 @@ class LlamaFamily:
         ]
 
     def num_params(self, c: ModelConfig) -> int:
-        raise NotImplementedError  # uniform layers: ModelConfig.num_params counts them
+        return c.num_params()  # uniform layers: ModelConfig counts them without asking the family
 
     def architecture(self, c: ModelConfig) -> LlamaArchitecture:
         return LlamaArchitecture(c)

@@ -56,9 +56,6 @@ class ParameterStoreActor:
     def set_version(self, updates_applied: int) -> None:
         self.store.set_version(updates_applied)
 
-    def save_checkpoint(self, directory: str, state: dict[str, Any]) -> str:
-        return str(self.store.save_checkpoint(directory, state))
-
     def write_checkpoint_part(self, directory: str, state: dict[str, Any] | None) -> None:
         self.store.write_checkpoint_part(Path(directory), state)
 

@@ -234,10 +234,11 @@ class Engine:
         if executors == "auto":
             executors = max(1, int(node_resources(node)[0].get("GPU", 0))) if on_gpu else 1
         self.engine_config = replace(self.engine_config, executors=executors)
-        if executors * len(nodes) > 1 and self.engine_config.grads not in ("auto", "arena"):
-            raise ConfigError(f"{executors * len(nodes)} executors sum each unit's gradient into slices of the arena: "
-                              f"grads must be 'arena' (or 'auto'), not {self.engine_config.grads!r}.")
-        if executors * len(nodes) > 1:
+        world = executors * len(nodes)  # executors of the whole run
+        if world > 1 and self.engine_config.grads not in ("auto", "arena"):
+            raise ConfigError(f"{world} executors sum each unit's gradient into slices of the arena: grads must be "
+                              f"'arena' (or 'auto'), not {self.engine_config.grads!r}.")
+        if world > 1:
             self.engine_config = replace(self.engine_config, grads="arena")
         n = self.engine_config.optimizer_workers
         if n == "auto":

@@ -186,11 +186,9 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
         if shard is None:
             start = unit.offset + slot.offset
             flat[start : start + slot.numel].view(slot.shape).copy_(t)
-        else:
-            lo, hi = shard.bounds[unit.index]
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                shard.moments(unit, flat, a, b).copy_(t.reshape(-1)[a - slot.offset : b - slot.offset])
+        elif (mine := shard.overlap(unit, slot.offset, slot.offset + slot.numel)) is not None:
+            a, b = mine
+            shard.moments(unit, flat, a, b).copy_(t.reshape(-1)[a - slot.offset : b - slot.offset])
         seen.add(hf_name)
     missing = sorted(set(slots) - seen)
     if missing:
@@ -301,12 +299,13 @@ def moment_parts(directory: Path, layout: ModelLayout) -> list[tuple[Path, list[
         raise CheckpointError(f"{directory} holds optimizer parts of {len(files)} node(s) that do not make one "
                               "whole (a part is missing, or parts of different runs were mixed); copy the "
                               "complete checkpoint.")
+    parts.sort()  # by node: the parts' bounds in order along every unit
     for unit in layout.units:  # the parts must tile every unit
-        edges = [b[unit.index] for _, _, b in sorted(parts)]
+        edges = [b[unit.index] for _, _, b in parts]
         if edges[0][0] != 0 or edges[-1][1] != unit.numel or any(a[1] != b[0] for a, b in itertools.pairwise(edges)):
             raise CheckpointError(f"the optimizer parts in {directory} do not cover unit {unit.index} exactly; "
                                   "copy the complete checkpoint.")
-    return [(path, bounds) for _, path, bounds in sorted(parts)]
+    return [(path, bounds) for _, path, bounds in parts]
 
 
 def load_moment_parts(parts: list[tuple[Path, list[tuple[int, int]]]], layout: ModelLayout, shard: NodeShard,
@@ -316,10 +315,10 @@ def load_moment_parts(parts: list[tuple[Path, list[tuple[int, int]]]], layout: M
         try:
             with safe_open(str(path), framework="pt") as f:
                 for unit in layout.units:
-                    (src_lo, src_hi), (lo, hi) = bounds[unit.index], shard.bounds[unit.index]
-                    a, b = max(lo, src_lo), min(hi, src_hi)
-                    if a >= b:
+                    src_lo, src_hi = bounds[unit.index]
+                    if (mine := shard.overlap(unit, src_lo, src_hi)) is None:
                         continue
+                    a, b = mine
                     for name, flat in moments.items():
                         piece = f.get_slice(f"{name}.{unit.index}")[a - src_lo : b - src_lo]
                         shard.moments(unit, flat, a, b).copy_(piece)

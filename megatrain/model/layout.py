@@ -143,6 +143,12 @@ class NodeShard:
             total += hi - lo
         return cls(node, nodes, tuple(bounds), tuple(offsets), total)
 
+    def overlap(self, unit: Unit, start: int, end: int) -> tuple[int, int] | None:
+        """[a, b) of elements [start, end) of `unit` (from its start) that lie in this node's part; None if none do."""
+        lo, hi = self.bounds[unit.index]
+        a, b = max(lo, start), min(hi, end)
+        return (a, b) if a < b else None
+
     def moments(self, unit: Unit, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """The moments of elements [lo, hi) of `unit` (from the unit's start; inside this node's part) in `flat`."""
         start = self.offsets[unit.index] + lo - self.bounds[unit.index][0]

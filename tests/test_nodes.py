@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,8 @@ def test_the_plan_counts_each_nodes_bytes_and_the_network() -> None:
     assert spread.optimizer_s == pytest.approx(alone.optimizer_s / 2)
     assert spread.network_s == pytest.approx(two.network_bytes / 1e9)
     assert spread.tokens_per_s == pytest.approx(4 * one.step_tokens / spread.step_s)
+    loaded = replace(cal, data_s_per_token=1e-6)  # one data loader feeds all 4 executors of the 2 nodes
+    assert predict(two, config, loaded, executors=2).data_s == pytest.approx(4 * one.step_tokens * 1e-6)
 
 
 def test_more_nodes_than_the_cluster_has_is_one_sentence(ray_session: None) -> None:

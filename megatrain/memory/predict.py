@@ -189,8 +189,9 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
     on_gpu = plan.on_gpu and cal.h2d_gbps is not None
     h2d = plan.h2d_bytes / (cal.h2d_gbps * 1e9) if on_gpu else 0.0
     d2h = plan.d2h_bytes / (cal.d2h_gbps * 1e9) if on_gpu and cal.d2h_gbps else 0.0
+    tokens = plan.step_tokens * executors * plan.nodes  # a step's, over every executor of the run
     optimizer = plan.params / plan.nodes / (cal.adamw_rate(optimizer_workers) * 1e9)
-    data = plan.step_tokens * executors * cal.data_s_per_token  # one loader feeds the node's executors
+    data = tokens * cal.data_s_per_token  # one loader feeds every executor of the run
     network = plan.network_bytes / (link_gbps * 1e9)
     overhead = STEP_OVERHEAD_S
     lanes = {"compute": compute, "h2d": h2d, "d2h": d2h, "optimizer": optimizer, "data": data, "network": network}
@@ -212,7 +213,6 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
                    "optimizer": opt_exposed, "data": max(0.0, data - compute), "network": network}
         step = busy + first_load + network + overhead
     bound = max(lanes, key=lambda name: lanes[name])
-    tokens = plan.step_tokens * executors * plan.nodes
     return Prediction(compute, h2d, d2h, optimizer, data, overhead, step, tokens / step, bound, source, exposed,
                       network)
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, dataclass_from_dict
 from megatrain.data import BatchLoader, DataConfig, DataError
 
@@ -116,6 +117,7 @@ class DataLoaderActor:
     the one-sentence DataError instead of an actor that died in its constructor."""
 
     def __init__(self, config: DataConfig | dict[str, Any], prefetch: int = 4):
+        exit_on_sigterm()
         self.loader: PrefetchLoader | None = None
         self.error: MegatrainError | None = None
         try:

@@ -15,6 +15,7 @@ import numpy as np
 import ray
 import torch
 
+from actors.termination import exit_on_sigterm
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
 from megatrain.engine.data_parallel import DataParallel
 from megatrain.engine.executor import Executor, GradsOut, token_ids
@@ -50,6 +51,7 @@ class GPUExecutor:
         """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
         the arena), tile_tokens, checkpoint_budget_gib and schedule. rank, world: this executor's place among the
         run's executors (data parallel over a step's rows), which meet at `rendezvous` (tcp://host:port)."""
+        exit_on_sigterm()
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)
         self.dp = None

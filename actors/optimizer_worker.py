@@ -10,6 +10,7 @@ import ray
 import torch
 
 from actors.metrics import EngineMetrics
+from actors.termination import exit_on_sigterm
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
@@ -24,6 +25,7 @@ class OptimizerWorker:
                  nodes: int = 1):
         """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read.
         node, nodes: the worker updates its share of node `node`'s part of each unit (NodeShard)."""
+        exit_on_sigterm()
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
         self.layout = ModelLayout.build(config)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, ModelConfig
 from megatrain.memory.arena import ArenaHandle
 from megatrain.memory.store import ParameterStore
@@ -26,6 +26,9 @@ class ParameterStoreActor:
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
         self.init_error: MegatrainError | None = None
+        self.store: ParameterStore | None = None
+        # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
+        exit_on_sigterm(self.close)
         try:
             self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
@@ -34,9 +37,7 @@ class ParameterStoreActor:
         except MegatrainError as e:
             self.init_error = e
             return
-        # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
         atexit.register(self.store.close)
-        signal.signal(signal.SIGTERM, lambda *_: (self.store.close(), exit(0)))
 
     def handle(self) -> ArenaHandle:
         """The arena's handle, the first call the driver makes (and where a failed start is reported)."""
@@ -82,11 +83,11 @@ class ParameterStoreActor:
         return str(self.store.save_pretrained(directory, [Path(f) for f in extra_files or []]))
 
     def close(self) -> None:
-        if self.init_error is None:
+        if self.store is not None:
             self.store.close()
 
     def unlink(self) -> None:
         """Removes the arena's files, the mappings staying valid: before a recovery kills this store, which may be
         stuck in the weight exchange with a dead peer (so `close` could wait for it)."""
-        if self.init_error is None:
+        if self.store is not None:
             self.store.arena.unlink()

@@ -232,6 +232,8 @@ GPU_SESSION_COMMANDS = {
     "long-1b": [WHEELS,
                 "python3 benchmarks/long_context.py --model 1b --precision bf16 --seq auto --max-seq 524288 "
                 "--peers megatrain ", " --out OUT/long-1b.json"],
+    "predict": [WHEELS, "python3 -m megatrain.cli calibrate --model 7b --batch 1 --seq 2048 --precision tf32 ",
+                *(f"--model 7b --precision tf32 --batch-size 1 --seq-len 2048 --micro-batches {k} " for k in (16, 1, 4))],
     "multi": [WHEELS, "python3 -m pytest tests/test_gpu.py -m gpu -q -s -k two_gpu_executors",
               *(f"--peers megatrain --executors {n} --optimizer-workers 8 " for n in (1, 2, 4, 8))],
 }

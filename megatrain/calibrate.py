@@ -180,11 +180,19 @@ def matmul_tflops(device: str, precision: str, config: ModelConfig | None, token
 
 def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", precision: str = "tf32",
                 budget_s: float = 30.0, repeats: int = 3) -> tuple[float, float] | None:
-    """(one layer's, the rest's) compute seconds for batch x seq tokens: an in-process Executor (the code a run
-    executes) on this model's shape with 1 and with 2 decoder layers, weights in plain host memory. None where a
-    first untimed step already takes more than a fifth of `budget_s`."""
-    from megatrain.engine.executor import Executor
+    """(one layer's, the rest's) compute seconds for batch x seq tokens, timed in an in-process Executor (the code
+    a run executes) on this model's shape. None where a first untimed step already takes more than a fifth of
+    `budget_s`.
 
+    Where copies run on streams of their own (a GPU, or the CPU's simulation of one), the compute stream's spans
+    are the measurement: the copies are predicted apart, from the arena's PCIe rates, and here the weights are not
+    in the registered arena (a 7B layer's round trip through pageable memory took 10x its compute on the H100).
+    On the plain CPU path the cores that compute also copy: the wall clock of a 1- and a 2-layer model."""
+    from megatrain.engine.executor import Executor
+    from megatrain.engine.streams import make_streams
+
+    if make_streams(device).asynchronous:
+        return _compute_stream_times(config, batch, seq, device, precision, budget_s, repeats)
     times: list[float] = []
     for layers in (1, 2):
         shape = replace(config, num_layers=layers)
@@ -208,3 +216,37 @@ def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", 
             executor.close()
     layer = max(times[1] - times[0], 0.0)
     return layer, max(times[0] - layer, 0.0)
+
+
+def _compute_stream_times(config: ModelConfig, batch: int, seq: int, device: str, precision: str, budget_s: float,
+                          repeats: int) -> tuple[float, float] | None:
+    """time_layers on asynchronous streams: a 2-layer model's compute spans, per decoder layer (their mean) and
+    for the other units (embedding, head), the best of `repeats` steps after an untimed one."""
+    from megatrain.engine.executor import Executor
+    from megatrain.telemetry import Recorder
+
+    shape = replace(config, num_layers=2)
+    layout = ModelLayout.build(shape)
+    pinned = device.startswith("cuda")  # the host never waits on a pageable copy between two kernels' launches
+    params, grads = torch.empty(layout.numel, pin_memory=pinned), torch.zeros(layout.numel, pin_memory=pinned)
+    fill(params, grads)
+    rec = Recorder()
+    executor = Executor(shape, layout, params, grads, device, precision, recorder=rec)
+    layers = {unit.index for unit in layout.layers}
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    best_layer = best_rest = math.inf
+    try:
+        for step in range(repeats + 1):
+            t0 = time.perf_counter()
+            rec.begin_step(step, executor.device)
+            executor.run(ids)
+            rec.end_step()
+            if step == 0 and time.perf_counter() - t0 > budget_s / 5:
+                return None
+            compute = [s for s in rec.spans if s.step == step and s.lane == "compute"]
+            if step > 0:  # the first: allocator warm-up, kernels' first launches
+                best_layer = min(best_layer, sum(s.duration for s in compute if s.layer in layers) / len(layers))
+                best_rest = min(best_rest, sum(s.duration for s in compute if s.layer not in layers))
+    finally:
+        executor.close()
+    return best_layer, best_rest

@@ -94,6 +94,12 @@ def pool(config: ModelConfig, layout: ModelLayout, optim: OptimConfig, workers: 
         arena.destroy()
 
 
+def progress(t: Timing, numel: int) -> str:
+    """A setup's line as soon as it is measured: a run cut short (a runbook step's timeout) still says it."""
+    return (f"  {t.setup}: {t.rate(numel, 'best') / 1e9:.3f} G params/s best, "
+            f"{t.rate(numel, 'median') / 1e9:.3f} median")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e9, help="arena size in parameters (approximate)")
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = []
     if not args.no_reference:  # before Ray starts, so nothing else is on the cores
         timings.append(reference(layout, optim, args.repeats))
-        print(f"  {timings[-1].setup}: done", flush=True)
+        print(progress(timings[-1], numel), flush=True)
     import ray
 
     os.environ["PYTHONPATH"] = pythonpath_with_repo()  # inherited by Ray's workers, which import actors/
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in counts:
             timings.append(pool(config, layout, optim, n, args.repeats))
-            print(f"  {timings[-1].setup}: done", flush=True)
+            print(progress(timings[-1], numel), flush=True)
     finally:
         ray.shutdown()
 

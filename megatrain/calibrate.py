@@ -188,65 +188,58 @@ def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", 
     are the measurement: the copies are predicted apart, from the arena's PCIe rates, and here the weights are not
     in the registered arena (a 7B layer's round trip through pageable memory took 10x its compute on the H100).
     On the plain CPU path the cores that compute also copy: the wall clock of a 1- and a 2-layer model."""
-    from megatrain.engine.executor import Executor
-    from megatrain.engine.streams import make_streams
-
-    if make_streams(device).asynchronous:
-        return _compute_stream_times(config, batch, seq, device, precision, budget_s, repeats)
-    times: list[float] = []
-    for layers in (1, 2):
-        shape = replace(config, num_layers=layers)
-        layout = ModelLayout.build(shape)
-        params, grads = torch.empty(layout.numel), torch.zeros(layout.numel)
-        fill(params, grads)
-        executor = Executor(shape, layout, params, grads, device, precision)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
-        try:
-            t0 = time.perf_counter()
-            executor.run(ids)  # first touch, allocator warm-up
-            if time.perf_counter() - t0 > budget_s / 5:
-                return None
-            best = math.inf
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                executor.run(ids)
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        finally:
-            executor.close()
-    layer = max(times[1] - times[0], 0.0)
-    return layer, max(times[0] - layer, 0.0)
+    one = _timed_steps(config, 1, batch, seq, device, precision, budget_s, repeats)
+    if one is None:
+        return None
+    asynchronous, steps = one
+    if asynchronous:
+        return min(s.layers_s for s in steps), min(s.rest_s for s in steps)
+    two = _timed_steps(config, 2, batch, seq, device, precision, budget_s, repeats)
+    if two is None:
+        return None
+    one_s, two_s = min(s.wall_s for s in steps), min(s.wall_s for s in two[1])
+    layer = max(two_s - one_s, 0.0)
+    return layer, max(one_s - layer, 0.0)
 
 
-def _compute_stream_times(config: ModelConfig, batch: int, seq: int, device: str, precision: str, budget_s: float,
-                          repeats: int) -> tuple[float, float] | None:
-    """time_layers on asynchronous streams: a 2-layer model's compute spans, per decoder layer (their mean) and
-    for the other units (embedding, head), the best of `repeats` steps after an untimed one."""
+@dataclass
+class _TimedStep:
+    wall_s: float  # the host's clock around the step
+    layers_s: float  # the decoder layers' compute spans, added up
+    rest_s: float  # the other units' compute spans (embedding, head)
+
+
+def _timed_steps(config: ModelConfig, layers: int, batch: int, seq: int, device: str, precision: str,
+                 budget_s: float, repeats: int) -> tuple[bool, list[_TimedStep]] | None:
+    """(whether the executor's streams are asynchronous, `repeats` timed steps after an untimed one) of this
+    model's shape with `layers` decoder layers; None where the untimed one takes more than a fifth of `budget_s`."""
     from megatrain.engine.executor import Executor
     from megatrain.telemetry import Recorder
 
-    shape = replace(config, num_layers=2)
+    shape = replace(config, num_layers=layers)
     layout = ModelLayout.build(shape)
     pinned = device.startswith("cuda")  # the host never waits on a pageable copy between two kernels' launches
     params, grads = torch.empty(layout.numel, pin_memory=pinned), torch.zeros(layout.numel, pin_memory=pinned)
     fill(params, grads)
     rec = Recorder()
     executor = Executor(shape, layout, params, grads, device, precision, recorder=rec)
-    layers = {unit.index for unit in layout.layers}
+    layer_units = {unit.index for unit in layout.layers}
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    best_layer = best_rest = math.inf
+    steps = []
     try:
-        for step in range(repeats + 1):
+        for step in range(repeats + 1):  # the first: first touch, allocator warm-up, kernels' first launches
             t0 = time.perf_counter()
             rec.begin_step(step, executor.device)
             executor.run(ids)
             rec.end_step()
-            if step == 0 and time.perf_counter() - t0 > budget_s / 5:
-                return None
+            wall = time.perf_counter() - t0
+            if step == 0:
+                if wall > budget_s / 5:
+                    return None
+                continue
             compute = [s for s in rec.spans if s.step == step and s.lane == "compute"]
-            if step > 0:  # the first: allocator warm-up, kernels' first launches
-                best_layer = min(best_layer, sum(s.duration for s in compute if s.layer in layers) / len(layers))
-                best_rest = min(best_rest, sum(s.duration for s in compute if s.layer not in layers))
+            steps.append(_TimedStep(wall, sum(s.duration for s in compute if s.layer in layer_units),
+                                    sum(s.duration for s in compute if s.layer not in layer_units)))
     finally:
         executor.close()
-    return best_layer, best_rest
+    return executor.streams.asynchronous, steps

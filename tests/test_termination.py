@@ -14,6 +14,7 @@ import numpy as np
 import ray
 
 import megatrain
+from megatrain.memory.arena import proc_stat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +54,7 @@ def wait_exited(pids: list[int], timeout: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists()
-                 and Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"]
+        alive = [pid for pid in alive if (stat := proc_stat(pid)) is not None and stat[0] != "Z"]  # Z: exited
         time.sleep(0.05)
     return alive
 

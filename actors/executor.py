@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -17,15 +16,17 @@ import torch
 
 from actors.termination import exit_on_sigterm
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig
-from megatrain.engine.data_parallel import DataParallel
-from megatrain.engine.executor import Executor, GradsOut, token_ids
+from megatrain.distributed.data_parallel import DataParallel
+from megatrain.engine.batch_checks import token_ids
+from megatrain.engine.executor import Executor
+from megatrain.engine.grad_egress import GradsOut
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
+from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
 from megatrain.telemetry import Recorder, Span, executor_lanes
 
-POLL_SECONDS = 0.0005
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
 
 
@@ -80,7 +81,7 @@ class GPUExecutor:
         else:  # the CPU path computes here: use the cores Ray's num_cpus=0 did not grant us
             torch.set_num_threads(max(1, os.cpu_count() or 1))
         # per unit: each optimizer worker's update, and with several nodes a last column, the update every node has
-        self.versions = self.arena.versions.view(len(self.layout.units), -1)
+        self.versions = VersionTable(self.arena.versions.view(len(self.layout.units), -1))
         self.issued = self.arena.issued  # per unit, the update number handed to the workers
         self.workers = workers
         # updates are handed out as gradients land in the backward only when nothing must be known first (with
@@ -132,7 +133,7 @@ class GPUExecutor:
                 raise MegatrainError(f"a step's batch of {input_ids.shape[0]} rows does not split among "
                                      f"{self.dp.world} executors x {self.micro_batches} micro-batches; give a "
                                      f"multiple of {share} rows.")
-            loss_tokens = int((ops.shift_labels(input_ids, labels) != ops.IGNORE_INDEX).sum())
+            loss_tokens = ops.labelled_tokens(ops.shift_labels(input_ids, labels))
             mine = self.dp.rows(input_ids.shape[0])
             input_ids, labels, position_ids = (None if t is None else t[mine]
                                                for t in (input_ids, labels, position_ids))
@@ -193,16 +194,10 @@ class GPUExecutor:
                           record: bool = True) -> None:
         """Blocks until every worker's update of `unit` reaches `expected_version` (the shared version table),
         looking every 0.1 s whether one of the `pending` update calls failed instead."""
-        row = self.versions[unit.index]
-        if int(row.min()) >= expected_version:
+        if self.versions.version(unit.index) >= expected_version:
             return
         with self.executor.rec.wait("optimizer", unit.index) if record else contextlib.nullcontext():
-            last_check = time.monotonic()
-            while int(row.min()) < expected_version:
-                time.sleep(POLL_SECONDS)
-                if time.monotonic() - last_check > 0.1:
-                    _raise_failed(pending)
-                    last_check = time.monotonic()
+            self.versions.wait(unit.index, expected_version, check=lambda: _raise_failed(pending), check_seconds=0.1)
 
     def close(self) -> None:
         self._held.clear()

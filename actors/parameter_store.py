@@ -12,7 +12,7 @@ import ray
 from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, ModelConfig
 from megatrain.memory.arena import ArenaHandle
-from megatrain.memory.store import ParameterStore
+from megatrain.store import ParameterStore
 
 
 # Several nodes: the weight exchange runs on a thread of its own, so that the store still answers (a health check,

@@ -179,7 +179,7 @@ def gpu_names() -> list[str]:
 def machine_summary() -> str:
     import torch
 
-    from megatrain.doctor import cpu_model
+    from pipelines.doctor import cpu_model
 
     gpus = gpu_names()
     gpu = ", ".join(gpus) if gpus else "no GPU"

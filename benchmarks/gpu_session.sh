@@ -21,7 +21,7 @@
 # STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), COMPILE_7B (part
 # big: 0 runs the 7b bf16 step without torch.compile), BUDGET_S (seconds
 # the part's steps may take, default 520), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
-# (how to call megatrain, default `python3 -m megatrain.cli`: the project is not pip-installed there).
+# (how to call megatrain, default `python3 -m pipelines.cli`: the project is not pip-installed there).
 set -uo pipefail
 
 PART=${1:-}
@@ -41,7 +41,7 @@ else
 fi
 SITE=${SITE:-/tmp/site}
 WORK=/tmp/gpu-session/$PART  # peer logs and run directories; what is worth keeping is packed into $OUT
-read -ra MEGATRAIN <<<"${MEGATRAIN_CLI:-python3 -m megatrain.cli}"
+read -ra MEGATRAIN <<<"${MEGATRAIN_CLI:-python3 -m pipelines.cli}"
 STEP_NAMES=()
 STEP_RESULTS=()
 

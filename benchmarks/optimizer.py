@@ -7,7 +7,7 @@ same units and tensor groups it walks in training), N `actors.optimizer_worker.O
 and the wall-clock time of one `apply()` on all of them (every unit, forward order; the update of one
 training step). One untimed apply first (page faults on first touch), then --repeats timed ones; best and
 median are reported. Beside them, the single-process reference: torch.optim.AdamW(fused=True) over the
-same tensors with all cores' threads, in this process (megatrain/calibrate.py's timing, which `megatrain
+same tensors with all cores' threads, in this process (megatrain/perf/calibrate.py's timing, which `megatrain
 doctor` runs small).
 """
 
@@ -27,9 +27,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import GiB, fmt, format_table, machine_summary, pythonpath_with_repo
-from megatrain.calibrate import config_for_params, fill, fused_adamw_seconds
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.model.layout import ModelLayout
+from megatrain.perf.calibrate import config_for_params, fill, fused_adamw_seconds
 
 
 @dataclass

@@ -7,7 +7,7 @@ with cudaHostRegister (Arena.register_cuda) in the process that copies. Pageable
 pinned is torch.empty(pin_memory=True) (CUDA's caching host allocator). Each copy is timed on the host
 clock between two synchronisations; "both" runs an H2D and a D2H of the same size at once on two streams
 (what the executor's h2d and d2h streams do in backward) and counts the bytes of both. The timing is
-megatrain/calibrate.py's, which `megatrain doctor` runs on a small arena.
+megatrain/perf/calibrate.py's, which `megatrain doctor` runs on a small arena.
 Needs CUDA: without it the script says so and measures nothing.
 """
 
@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from benchmarks.common import fmt, format_table, machine_summary
-from megatrain.calibrate import CopyRates, arena_copy_rates, copy_rates
+from megatrain.perf.calibrate import CopyRates, arena_copy_rates, copy_rates
 
 
 def row(name: str, rates: CopyRates) -> list[str]:

@@ -318,10 +318,10 @@ def _executor_cuda(engine: Any, reset: bool) -> Any:
 
 
 def _host_checkpoints(engine: Any) -> int | None:
-    """Bytes of the host buffers the executor's checkpoint store offloaded layer inputs to (kept from step to
+    """Bytes of the host buffers the executor's activation checkpoints offloaded layer inputs to (kept from step to
     step): what the memory plan's host_checkpoints predicts."""
     def probe(actor: Any) -> int:
-        return actor.executor.checkpoints.host_bytes
+        return actor.executor.activation_checkpoints.host_bytes
 
     return _executor_call(engine, probe)
 
@@ -336,7 +336,7 @@ def mean_stats(stats: list[dict[str, Any]]) -> dict[str, float] | None:
 
 
 def run_resident(spec: BenchSpec) -> PeerResult:
-    from megatrain.engine.executor import set_matmul_precision
+    from megatrain.engine.torch_settings import set_matmul_precision
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -366,7 +366,7 @@ def _train_fsdp2(spec: BenchSpec, device: torch.device) -> PeerResult:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from megatrain.engine.executor import set_matmul_precision
+    from megatrain.engine.torch_settings import set_matmul_precision
 
     _init_single_rank()
     if device.type == "cuda":
@@ -426,7 +426,7 @@ def run_deepspeed(spec: BenchSpec) -> PeerResult:
 
 
 def _train_deepspeed(spec: BenchSpec, deepspeed: Any, device: torch.device) -> PeerResult:
-    from megatrain.engine.executor import set_matmul_precision
+    from megatrain.engine.torch_settings import set_matmul_precision
 
     if device.type == "cuda":
         torch.cuda.set_device(device)

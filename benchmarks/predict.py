@@ -2,7 +2,7 @@
 
     python3 benchmarks/predict.py --steps 6 --warmup 5 --out predict.json
 
-For each model: calibrate this machine for its layer shape (megatrain.memory.predict.calibrate, into a file of
+For each model: calibrate this machine for its layer shape (megatrain.perf.calibrate.calibrate, into a file of
 this run's own, not the user's cache), then for each K an Engine on the CPU (clipping on, grads in the arena,
 the default optimizer workers): --warmup untimed steps, then --steps timed ones (the median is the measured
 step; the driver's wall clock around Engine.step, as the train loop's progress bar times it). The prediction
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatrain.config import ModelConfig
     from megatrain.memory.plan import plan_run
-    from megatrain.memory.predict import Calibration, calibrate, predict
+    from megatrain.perf.calibrate import Calibration, calibrate
+    from megatrain.perf.predict import predict
     from pipelines.engine import Engine
 
     cache = Path(tempfile.mkdtemp(prefix="megatrain-predict-")) / "calibration.json"

@@ -1,9 +1,14 @@
-"""megatrain: train LLMs whose weights, gradients and AdamW states live in host memory."""
+"""megatrain: train LLMs whose weights, gradients and AdamW states live in host memory.
+
+The package's public names. Importing any part of megatrain runs this file first, so the model families register
+here (megatrain/model/catalogue.py) before any config is read.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import megatrain.model.catalogue  # noqa: F401  (registers the model families)
 from megatrain.api import Model, from_pretrained
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 
@@ -13,7 +18,8 @@ __all__ = ["ConfigError", "Engine", "EngineConfig", "MegatrainError", "Model", "
 
 
 def __getattr__(name: str) -> Any:
-    # The Ray engine lives with the other Ray-aware code in pipelines/; import it only when asked for.
+    # The Ray engine lives with the other Ray-aware code in pipelines/, above this library: the one name the package
+    # hands out from there, imported only when asked for (tests/test_imports.py allows exactly this import).
     if name == "Engine":
         from pipelines.engine import Engine
 

@@ -16,8 +16,8 @@ import torch
 from megatrain.config import MegatrainError
 from megatrain.engine.executor import Executor
 from megatrain.engine.streams import resolve_device
-from megatrain.memory.store import ParameterStore
 from megatrain.model.layout import ModelLayout
+from megatrain.store import ParameterStore
 
 
 class Model:

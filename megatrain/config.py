@@ -2,7 +2,8 @@
 
 Every config is a dataclass; `validate()` turns a bad value into one sentence (ConfigError) that says
 what is wrong and how to fix it. What a model family's HF config.json holds, and what its layers add, is its
-own file's business (megatrain/model/llama.py, qwen3.py; megatrain/model/families.py finds them by model_type).
+own file's business (megatrain/model/llama.py, qwen3.py, ...: each registers itself in megatrain/model/registry.py,
+which this module asks by model_type).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from megatrain.model.families import Family
+from megatrain.model import registry
+from megatrain.model.registry import Family
 
 
 class MegatrainError(Exception):
@@ -123,16 +124,16 @@ class ModelConfig:
             _check_positive_int("sliding_window", self.sliding_window, "or None")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
-        if not _families().is_supported(self.model_type):
-            raise ConfigError(f"model config: model_type must be {_one_of(_families().MODEL_TYPES)} (or a "
+        if not registry.is_supported(self.model_type):
+            raise ConfigError(f"model config: model_type must be {_one_of(registry.native_model_types())} (or a "
                               f"decoder-only model transformers implements, from its config.json), got "
                               f"{self.model_type!r}.")
         self.family.validate(self)
 
     @property
     def family(self) -> Family:
-        """The family of model_type: its HF config mapping and layer options (megatrain/model/families.py)."""
-        return _families().family_of(self.model_type)
+        """The family of model_type: its HF config mapping and layer options (megatrain/model/registry.py)."""
+        return registry.family_of(self.model_type)
 
     @property
     def qk_norm(self) -> bool:
@@ -193,7 +194,7 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ConfigError(f"HF config's model_type must be a string, got {model_type!r}; fix config.json.")
         try:
-            return cls(**_families().family_of(model_type).from_hf(hf, model_type))
+            return cls(**registry.family_of(model_type).from_hf(hf, model_type))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
 
@@ -204,13 +205,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _families() -> Any:
-    """megatrain.model.families, imported when first needed: the families import this module's ModelConfig."""
-    from megatrain.model import families
-
-    return families
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -403,7 +397,7 @@ class EngineConfig:
 
     device: str = "auto"  # auto | cpu | cpu-async (CPU with simulated asynchronous streams, for tests) | cuda | cuda:N
     precision: str = "tf32"  # fp32 (strict) | tf32 | bf16 (bf16 compute, fp32 masters)
-    optimizer_workers: int | str = 2  # "auto": from the node's free CPUs (megatrain.memory.predict)
+    optimizer_workers: int | str = 2  # "auto": from the node's free CPUs (megatrain.perf.predict)
     threads_per_worker: int | None = None  # None: cores / workers
     loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
     seed: int = 0

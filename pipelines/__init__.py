@@ -1,1 +1,2 @@
-"""Driver pipelines: the Ray engine and the training loops built on it."""
+"""Driver pipelines: the Ray engine (engine, its actors, their recovery, the cluster), the training loops built on it,
+and the command line that drives them (cli, doctor)."""

@@ -12,11 +12,13 @@ out by a quick TCP connect instead of Ray's minutes of retrying, and a dead *rec
 
 Where (`NodePlacement`): every actor of a run on one node, the driver's (several nodes: one placement per node,
 `run_nodes`, each holding that node's store, workers and executors; what follows holds for each). The driver
-maps the arena from its own /dev/shm (Engine._arena), so the arena's node is the driver's. The optimizer workers'
+maps the arena from its own /dev/shm (RunActors.arena), so the arena's node is the driver's. The optimizer workers'
 CPUs and the executor's GPU are reserved at once in a placement group pinned to that node (Ray's node-id label),
 sized by the node's free CPUs (not the cluster's: a bundle larger than any node would wait forever), and waited
 for with a deadline; actors that reserve nothing (parameter store, a CPU executor, the data loader) go into the
 same group, which puts them on its node. A replaced worker or executor takes its predecessor's bundle.
+
+What a killed run's local Ray leaves behind (`reap_orphaned_ray_agents`): its agent processes, re-parented to init.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatrain.config import ConfigError, MegatrainError
+from megatrain.memory.arena import proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -260,3 +263,32 @@ def executor_device(device: str, on_gpu: bool) -> str:
     if on_gpu:
         return "cuda"
     return device if device.startswith("cpu-async") else "cpu"
+
+
+# ---- what a killed run left ----
+
+RAY_AGENTS = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
+
+
+def reap_orphaned_ray_agents() -> list[int]:
+    """Kills Ray agent processes left behind by a local Ray whose driver was SIGKILLed.
+
+    Their raylet is gone, so they were re-parented to init (ppid 1); a live cluster's agents are children
+    of its raylet and are never touched. Only this user's processes are considered.
+    """
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != os.getuid() or not (proc / "cmdline").read_bytes().startswith(RAY_AGENTS):
+                continue
+            stat = proc_stat(proc.name)
+            if stat is not None and int(stat[1]) == 1:  # ppid
+                os.kill(int(proc.name), 9)
+                killed.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    if killed:
+        log.info("removed %d orphaned Ray agent process(es) of a killed run", len(killed))
+    return killed

@@ -1,4 +1,4 @@
-"""megatrain.Engine: the driver-side handle on the actors of one training run.
+"""megatrain.Engine: the driver-side handle on the actors of one training run: start, step, save, stop.
 
     engine = megatrain.Engine("1b", lr=3e-4, optimizer_workers=8, precision="tf32")
     loss = engine.step(input_ids)             # one optimizer step on this batch
@@ -18,22 +18,14 @@ Ray carries only control messages and token batches; weights and gradients stay 
 Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
 at 12 B/param whenever it can (megatrain/memory/plan.py: plan_run).
 
-Faults. The driver keeps the refs of the batches since the last checkpoint. When an actor dies:
-  - only the executor, and the workers' version table shows every unit at the last issued update: a new
-    executor maps the same arena and redoes the interrupted step (gradients are recomputed; no update of
-    that step had started, because updates start only once a step's gradients are complete)
-  - an optimizer worker (an in-place update may be half applied), or an executor whose step had already
-    started updates (clipping off): new actors, the arena restored from the last checkpoint (or the
-    initial weights), and the steps since replayed from the kept batches. The result is bit-identical
-    to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the attention
-    backward use atomics, equal to fp32 rounding.
+The actors themselves (made, replaced, stopped): pipelines/run_actors.py. When one dies, pipelines/recovery.py
+replaces it and, where an update may be half applied, restores the last checkpoint and replays the steps since.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -43,34 +35,26 @@ from typing import Any
 import ray
 import torch
 
-from actors.executor import GPU_HOST_THREADS, GPUExecutor, gpu_free_memory
-from actors.optimizer_worker import OptimizerWorker
-from actors.parameter_store import ParameterStoreActor
-from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
-from megatrain.engine.data_parallel import free_port
-from megatrain.engine.executor import token_ids
+from actors.executor import GPU_HOST_THREADS, gpu_free_memory
+from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.optimizer import clip_coefficient
-from megatrain.memory.arena import Arena, ArenaHandle, proc_stat, remove_stale_segments
-from megatrain.memory.checkpoint import atomic_directory, check_save_target, checkpoint_target, write_manifest
+from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
+from megatrain.memory.arena import remove_stale_segments
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
-from megatrain.memory.predict import Calibration, auto_optimizer_workers
-from megatrain.memory.store import resolve_model
+from megatrain.perf.calibrate import Calibration
+from megatrain.perf.predict import auto_optimizer_workers
+from megatrain.store import resolve_model
 from megatrain.telemetry import StepStats
-from pipelines.cluster import NodePlacement, driver_node, executor_device, init_ray, node_resources, run_nodes
+from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
+from pipelines.recovery import Recovery, is_actor_death, is_cuda_error
+from pipelines.run_actors import RunActors, absolute, get, save_target
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteError(MegatrainError):
     pass
-
-
-ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError)
-
-
-def is_actor_death(e: BaseException) -> bool:
-    """An actor process died (possibly seen through another actor's task), as opposed to a user error."""
-    return any(isinstance(c, ACTOR_DEATH) for c in cause_chain(e))
 
 
 @dataclass
@@ -83,63 +67,6 @@ class StepResult:
     skipped: bool  # non-finite loss or gradient: no update applied
     stats: dict[str, Any] | None = None
     spans: list[Any] = field(default_factory=list)
-
-
-def get(refs: Any, timeout: float | None = None) -> Any:
-    """ray.get that raises a megatrain error from an actor as itself: one sentence, not Ray's traceback."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.RayTaskError as e:
-        cause = cause_chain(e)[-1]
-        if isinstance(cause, MegatrainError):
-            raise cause from None
-        raise
-
-
-def absolute(path: str | Path) -> str:
-    """Actors run in their own working directory: a path from the user is made absolute on the driver."""
-    return os.path.abspath(Path(path).expanduser())
-
-
-def save_target(path: str | Path) -> str:
-    """absolute(path), refused here if the driver could not have it replaced (see check_save_target)."""
-    path = absolute(path)
-    check_save_target(Path(path))
-    return path
-
-
-def is_cuda_error(e: BaseException) -> bool:
-    """A CUDA error inside an actor: its context is unusable afterwards, so the actor must be replaced."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return any(isinstance(c, accelerator_error) or (isinstance(c, RuntimeError) and "CUDA error" in str(c))
-               for c in cause_chain(e))
-
-
-RAY_AGENTS = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
-
-
-def reap_orphaned_ray_agents() -> list[int]:
-    """Kills Ray agent processes left behind by a local Ray whose driver was SIGKILLed.
-
-    Their raylet is gone, so they were re-parented to init (ppid 1); a live cluster's agents are children
-    of its raylet and are never touched. Only this user's processes are considered.
-    """
-    killed = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if proc.stat().st_uid != os.getuid() or not (proc / "cmdline").read_bytes().startswith(RAY_AGENTS):
-                continue
-            stat = proc_stat(proc.name)
-            if stat is not None and int(stat[1]) == 1:  # ppid
-                os.kill(int(proc.name), 9)
-                killed.append(int(proc.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    if killed:
-        log.info("removed %d orphaned Ray agent process(es) of a killed run", len(killed))
-    return killed
 
 
 class Engine:
@@ -172,8 +99,8 @@ class Engine:
         one on the CPU path). nodes: the run spans that many Ray nodes (the driver's first), each with a parameter
         store holding the whole weights and 1/nodes of the Adam moments, its optimizer workers and `executors`
         executors; the step's rows split over all nodes' executors, each node updates its part of every unit and
-        the stores exchange the updated weights (megatrain/memory/nodes.py). A Ray node is a host, or in a test,
-        a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR."""
+        the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
+        in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
@@ -188,25 +115,12 @@ class Engine:
                         self.config.max_position_embeddings, self.model_name)
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
-        self.max_nonfinite_steps, self.max_restarts, self.trace = max_nonfinite_steps, max_restarts, trace
+        self.max_nonfinite_steps, self.trace = max_nonfinite_steps, trace
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
-        self.restarts = 0  # actor deaths survived
-        self._faults_in_row = 0  # deaths since the last completed step: max_restarts bounds these
-        self.replayed_steps = 0  # steps recomputed from a checkpoint to recover (work lost to faults)
-        self._pending: list[ray.ObjectRef] = []  # the last step's updates
-        self._replay: list[ray.ObjectRef] = []  # batches since the last checkpoint, for exact recovery
-        self.max_replay_steps = max_replay_steps
-        self._replay_complete = True  # False once batches were dropped: no exact replay until the next checkpoint
-        self._last_checkpoint: Path | None = None
-        self._arena: Arena | None = None
-        self.stores: list[Any] = []  # one per node, the driver's first
-        self.handles: list[ArenaHandle] = []  # their arenas
-        self.executors: list[Any] = []  # rank order: the first also evaluates and holds gradients on the device
-        self.workers: list[Any] = []
-        self.placements: list[NodePlacement] = []  # one per node, the driver's first
+        self.pending: list[ray.ObjectRef] = []  # the last step's updates
         self.resource_timeout = resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
         reap_orphaned_ray_agents()  # ... and its local Ray's agents
@@ -217,6 +131,8 @@ class Engine:
             from actors.metrics import EngineMetrics
 
             self.metrics = EngineMetrics(run=self.run_id)
+        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
+        self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
         try:
             self._start(model_arg, seed, batch_size, seq_len)
         except BaseException:
@@ -225,7 +141,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.record_arena(self.handle.nbytes())
 
-    # ---- actors ----
+    # ---- start ----
     def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
         on_gpu = self.on_gpu = self._on_gpu(node)
@@ -248,8 +164,9 @@ class Engine:
             log.info("optimizer_workers auto: %d per node", n)
             self.engine_config = replace(self.engine_config, optimizer_workers=n)
         for m, node_id in enumerate(nodes):  # one at a time into the list: a failed one's are released by shutdown
-            self.placements.append(NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
-                                                         f"megatrain/{self.run_id}/node{m}", executors=executors))
+            placement = NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
+                                              f"megatrain/{self.run_id}/node{m}", executors=executors)
+            self.actors.placements.append(placement)
         plan = self._plan(batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if self.engine_config.micro_batches == "auto":
@@ -270,41 +187,10 @@ class Engine:
         if len(nodes) > 1:
             log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",
                      len(nodes), ", ".join(n[:8] for n in nodes), n, executors)
-        # what the parameter stores are made from (again, by a recovery that replaces every actor)
-        self._store_args = (model_arg, n, seed, plan.batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0,
-                            on_gpu, plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches)
-        self._start_actors()
+        store_args = (model_arg, n, seed, plan.batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu,
+                      plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches)
+        self.actors.start(self.engine_config, on_gpu, store_args)
         self.device = get(self.executor.device.remote())
-
-    def _start_actors(self) -> None:
-        """The parameter store, optimizer workers and executors of every node, in the placements reserved."""
-        nodes = len(self.placements)
-        self.stores = [ParameterStoreActor.options(name=self._name("parameter-store" if nodes == 1 else
-                                                                   f"parameter-store/{m}"), **p.pinned()
-                                                   ).remote(*self._store_args, node=m, nodes=nodes)
-                       for m, p in enumerate(self.placements)]
-        self.handles = get([s.handle.remote() for s in self.stores])
-        if nodes > 1:  # the stores' own group, to keep the nodes' weights equal (megatrain/memory/nodes.py)
-            address = f"tcp://{get(self.store.node_ip.remote())}:{free_port()}"
-            get([s.join_nodes.remote(address) for s in self.stores])
-        self._arena = Arena.open(self.handle)  # the driver reads the version table and, on request, weights
-        self.versions = self._arena.versions.view(-1, self.placement.workers + (nodes > 1))
-        self.workers = [self._new_worker(w) for w in range(nodes * self.placement.workers)]
-        self.executors = self._new_executors()
-        get([w.numel.remote() for w in self.workers])  # all up before the first step
-
-    @property
-    def store(self) -> Any:
-        """The parameter store of the driver's node (the only one, unless `nodes` > 1)."""
-        return self.stores[0] if self.stores else None
-
-    @property
-    def placement(self) -> NodePlacement | None:
-        return self.placements[0] if self.placements else None
-
-    @property
-    def handle(self) -> ArenaHandle:
-        return self.handles[0]
 
     @property
     def grads(self) -> str:
@@ -312,7 +198,7 @@ class Engine:
         return self.engine_config.grads
 
     @property
-    def _updates_after_step(self) -> bool:
+    def updates_after_step(self) -> bool:
         """The driver starts a step's update once the step is done (it needs the global norm, or the gradients
         wait on the GPU); otherwise the executor handed each unit to the workers as its gradients landed."""
         return self.optim.clipping or self.grads == "device" or len(self.executors) > 1
@@ -343,7 +229,7 @@ class Engine:
         budget = e.checkpoint_budget_gib
         settings = dict(grads=e.grads, clipping=self.optim.clipping, name=self.model_name, precision=e.precision,
                         optimizer_workers=e.optimizer_workers, on_gpu=on_gpu, loss_chunk_tokens=e.loss_chunk_tokens,
-                        tile_tokens=e.tile_tokens, schedule=e.schedule, nodes=len(self.placements),
+                        tile_tokens=e.tile_tokens, schedule=e.schedule, nodes=len(self.actors.placements),
                         executors=e.executors,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
@@ -360,51 +246,20 @@ class Engine:
                         "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
         return plan
 
-    def _new_worker(self, index: int) -> Any:
-        """Optimizer worker `index` of the run: worker index % n of node index // n."""
-        node, worker = divmod(index, self.placement.workers)
-        p = self.placements[node]
-        name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
-        return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
-            self.handles[node], self.config, self.optim, worker, p.workers, p.worker_threads, self.grads, self.metrics,
-            node, len(self.placements))
+    # ---- the run's actors (pipelines/run_actors.py) and the faults they survived (pipelines/recovery.py) ----
+    stores = property(lambda self: self.actors.stores)  # one parameter store per node, the driver's first
+    store = property(lambda self: self.stores[0] if self.stores else None)  # the driver node's (the only one, mostly)
+    workers = property(lambda self: self.actors.workers)
+    executors = property(lambda self: self.actors.executors)  # rank order: the first also evaluates, holds gradients
+    executor = property(lambda self: self.executors[0] if self.executors else None)
+    placements = property(lambda self: self.actors.placements)  # one per node, the driver's first
+    placement = property(lambda self: self.placements[0] if self.placements else None)
+    handles = property(lambda self: self.actors.handles)  # the nodes' arenas
+    handle = property(lambda self: self.handles[0])
+    restarts = property(lambda self: self.actors.restarts)  # actor deaths survived
+    replayed_steps = property(lambda self: self.recovery.replayed_steps)  # steps recomputed from a checkpoint
 
-    def _new_executors(self) -> list[Any]:
-        """The run's executors, joined into one process group when there are several (a new one each time: a
-        replacement never joins a group whose member died)."""
-        engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
-        per_node, nodes = engine.executors, len(self.placements)
-        assert isinstance(per_node, int)
-        world = per_node * nodes  # rank r: executor r % per_node of node r // per_node
-        # rank 0, which hosts the rendezvous, runs on the driver's node: its loopback unless other hosts must reach it
-        host = "127.0.0.1" if nodes == 1 else ray.util.get_node_ip_address()
-        rendezvous = f"tcp://{host}:{free_port()}" if world > 1 else None
-        executors = []
-        for rank in range(world):
-            node, local = divmod(rank, per_node)
-            name = "executor" if world == 1 else f"executor/{rank}"
-            workers = self.workers[node * self.placement.workers : (node + 1) * self.placement.workers]
-            executors.append(GPUExecutor.options(name=self._name(name), **self.placements[node].executor(local)).remote(
-                self.handles[node], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
-                rendezvous))
-        return executors
-
-    @property
-    def executor(self) -> Any:
-        """The first executor (the only one, unless `executors` > 1)."""
-        return self.executors[0] if self.executors else None
-
-    def _name(self, role: str) -> str:
-        """Readable in the dashboard and `ray timeline`; the restart count keeps a replacement's name free."""
-        return f"megatrain/{self.run_id}/{role}#{self.restarts}"
-
-    def executor_pid(self) -> int:
-        return ray.get(self.executor.pid.remote())
-
-    def worker_pids(self) -> list[int]:
-        return ray.get([w.pid.remote() for w in self.workers])
-
-    # ---- training ----
+    # ---- step ----
     def step(self, input_ids: Any, labels: Any = None, position_ids: Any = None) -> float:
         """One optimizer step on this batch (tensors or numpy [batch, seq]); returns the loss. position_ids: each
         packed document's positions from 0 (a document attends within itself only), as transformers takes them."""
@@ -418,47 +273,42 @@ class Engine:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""
         self._check_running()
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        if len(self._replay) >= self.max_replay_steps:
-            if self._replay_complete:
-                log.warning("%d steps without a checkpoint: the batches kept to replay them after a fault are "
-                            "dropped; save checkpoints more often to keep faults recoverable", len(self._replay))
-            self._replay, self._replay_complete = [], False
-        self._replay.append(ref)
+        self.recovery.replay.add(ref)
         steps_before = self.steps_done
         while True:
             try:
-                result = self._step_once(ref)
-                self._faults_in_row = 0
+                result = self.step_once(ref)
+                self.recovery.step_completed()
                 return result
             except Exception as e:
                 if isinstance(e, ray.exceptions.RayError) and (is_actor_death(e) or is_cuda_error(e)):
-                    self._recover(e)
+                    self.recovery.recover(e)
                     continue
                 if self.steps_done == steps_before:  # refused (e.g. a bad token id): nothing to replay after a fault
-                    self._replay.pop()
+                    self.recovery.replay.drop_last()
                 raise
 
-    def _step_once(self, batch: ray.ObjectRef) -> StepResult:
+    def step_once(self, batch: ray.ObjectRef) -> StepResult:
+        """One step, no recovery: a fault raises (step_batch recovers; a recovery replays the steps with this)."""
         step = self.steps_done
         t0 = time.monotonic()
-        out = _merged(get([e.train_step.remote(batch, self.updates_applied, self.updates_applied, self._pending)
-                           for e in self.executors]))
-        update_spans = [span for spans in get(self._pending) for span in spans]  # done: the step waited on them
+        out = self.actors.train_step(batch, self.updates_applied, self.pending)
+        update_spans = [span for spans in get(self.pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
-        if self._updates_after_step:
-            self._pending = []
+        if self.updates_after_step:
+            self.pending = []
             if finite:
                 coef = clip_coefficient(grad_norm, self.optim.max_grad_norm)
                 if self.grads == "device":
-                    self._pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
+                    self.pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
                 else:
-                    self._pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
+                    self.pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
                     if len(self.stores) > 1:  # each node updated its part: the nodes exchange them
-                        self._pending += [s.sync_weights.remote(self.updates_applied) for s in self.stores]
+                        self.pending += [s.sync_weights.remote(self.updates_applied) for s in self.stores]
         else:
-            self._pending = out["updates"]
+            self.pending = out["updates"]
         # clipping off: units updated before a non-finite one was found keep their update (see README)
         if finite or (not self.optim.clipping and out["updates"]):
             self.updates_applied += 1
@@ -482,7 +332,7 @@ class Engine:
     def evaluate(self, batch: Any) -> tuple[float, int]:
         """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""
         self._check_running()
-        out = get(self.executor.evaluate.remote(batch, self.updates_applied, self._pending))
+        out = get(self.executor.evaluate.remote(batch, self.updates_applied, self.pending))
         return out["loss"], out["tokens"]
 
     def _count_nonfinite(self, finite: bool, loss: float, grad_norm: float) -> None:
@@ -497,123 +347,12 @@ class Engine:
             raise NonFiniteError(f"{self.nonfinite_in_row} steps in a row had a non-finite loss or gradient; lower "
                                  "the learning rate, check the data, or resume from an earlier checkpoint.")
 
-    # ---- recovery ----
-    def _recover(self, error: BaseException) -> None:
-        while True:
-            self.restarts += 1
-            self._faults_in_row += 1
-            if self._faults_in_row > self.max_restarts:
-                raise MegatrainError(f"actors died {self.max_restarts} times without a step completing in between "
-                                     f"(last: {str(error).splitlines()[0]}); giving up, "
-                                     "check the Ray logs (/tmp/ray/session_latest/logs) for the cause.") from None
-            try:
-                self._recover_once(error)
-                return
-            except ray.exceptions.RayError as e:
-                if not is_actor_death(e):
-                    raise
-                error = e
-
-    def _recover_once(self, error: BaseException) -> None:
-        self._check_stores()
-        dead_workers = [i for i, w in enumerate(self.workers) if not _alive(w)]
-        if not dead_workers and all(_alive(e) for e in self.executors) and not is_cuda_error(error):
-            raise error  # nothing of the engine died: the fault is upstream (e.g. the batch's producer)
-        if dead_workers and len(self.stores) > 1:
-            # the dead worker's node cannot finish its part of the update, and the other nodes' stores may be waiting
-            # for it inside the weight exchange: every actor is replaced (new arenas), then restored and replayed
-            self._stop_actors(close=False)
-            self._pending = []
-            self._start_actors()
-            self._restore_and_replay("an optimizer worker")
-            return
-        for i in dead_workers:
-            self.workers[i] = self._new_worker(i)
-        for executor in self.executors:  # dead already, holding handles of dead workers, or in a broken group
-            ray.kill(executor)
-        if self._updates_after_step and not dead_workers:
-            try:
-                # the previous step's updates, issued by the driver, run to completion (with grads = "device"
-                # only if they were all issued before the executor died: its gradients died with it)
-                ray.get(self._pending)
-            except ray.exceptions.RayError as e:
-                if not is_actor_death(e):
-                    raise
-                dead_workers = [-1]
-        self._pending = []
-        versions = self._settled_versions()
-        consistent = not dead_workers and versions == (self.updates_applied, self.updates_applied)
-        self.executors = self._new_executors()
-        ray.get([e.device.remote() for e in self.executors] + [w.numel.remote() for w in self.workers])
-        if consistent:
-            log.warning("the GPU executor died; a new one mapped the same arena and redoes step %d", self.steps_done)
-            return
-        self._restore_and_replay("an optimizer worker" if dead_workers else "the GPU executor")
-
-    def _restore_and_replay(self, who: str) -> None:
-        """The arenas back to the last checkpoint (or the initial weights), and the steps since run again."""
-        if not self._replay_complete:
-            raise MegatrainError(f"an actor died during an update and the steps since the last checkpoint "
-                                 f"(more than max_replay_steps={self.max_replay_steps}) cannot be replayed; resume "
-                                 "from the last checkpoint, and save checkpoints more often.")
-        replay = self._replay[:-1]
-        source = self._last_checkpoint or "the initial weights"
-        log.warning("%s died during an update; restoring %s and replaying %d step(s)", who, source, len(replay))
-        self._restore_last_checkpoint()
-        self.replayed_steps += len(replay)
-        for ref in replay:
-            self._step_once(ref)
-
-    def _settled_versions(self, quiet: float = 0.3, timeout: float = 30.0) -> tuple[int, int]:
-        """(min, max) of the version table once updates already queued at the workers have finished."""
-        deadline = time.monotonic() + timeout
-        last, since = None, time.monotonic()
-        while time.monotonic() < deadline:
-            now = self._version_range()
-            if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since >= quiet:
-                break
-            time.sleep(0.02)
-        return last  # type: ignore[return-value]
-
-    def _version_range(self) -> tuple[int, int]:
-        """(min, max) of every node's version table."""
-        if len(self.stores) == 1:
-            return int(self.versions.min()), int(self.versions.max())
-        ranges = get([s.version_range.remote() for s in self.stores])
-        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
-
-    def _check_stores(self) -> None:
-        """A dead parameter store took its arena with it: the run stops, saying which node and how to go on."""
-        for m, store in enumerate(self.stores):
-            if _alive(store):
-                continue
-            if len(self.stores) == 1:
-                raise MegatrainError("the parameter store died, and the arena with it; restart the run with --resume "
-                                     "to continue from the last checkpoint.")
-            node = self.placements[m].node_id
-            ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), "address unknown")
-            raise MegatrainError(f"node {m} of the run ({ip}, Ray node {node[:8]}) was lost: its parameter store "
-                                 f"died with its arena; restart the run with --resume to continue from the last "
-                                 f"checkpoint, on {len(self.stores)} nodes once it is back or on fewer (--nodes "
-                                 f"{len(self.stores) - 1}: checkpoints reshard).")
-
-    def _restore_last_checkpoint(self) -> None:
-        if self._last_checkpoint is not None:
-            state = get([s.load_checkpoint.remote(str(self._last_checkpoint)) for s in self.stores])[0]
-            self._set_state(state)
-        else:
-            get([s.reinitialize.remote() for s in self.stores])
-            self._set_state({"steps_done": 0, "updates_applied": 0, "skipped_steps": 0})
-        self.nonfinite_in_row = 0
-
-    # ---- state ----
+    # ---- save ----
     def state(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "updates_applied": self.updates_applied,
                 "skipped_steps": self.skipped_steps, "optim": {**self.optim.__dict__, "betas": list(self.optim.betas)}}
 
-    def _set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self.steps_done = int(state["steps_done"])
         self.updates_applied = int(state["updates_applied"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -627,15 +366,13 @@ class Engine:
         self._check_running()
         while True:
             try:
-                ray.get(self._pending)
-                self._pending = []
+                ray.get(self.pending)
+                self.pending = []
                 return
             except ray.exceptions.RayError as e:
                 if not is_actor_death(e):
                     raise
-                self._replay.append(None)  # nothing to redo after the replay  # type: ignore[arg-type]
-                self._recover(e)
-                self._replay.pop()
+                self.recovery.recover(e, step_in_flight=False)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
         """One checkpoint of the whole run, written atomically: every node's store writes its files (the first
@@ -648,7 +385,7 @@ class Engine:
             get([s.write_checkpoint_part.remote(str(tmp), state if m == 0 else None)
                  for m, s in enumerate(self.stores)])
             write_manifest(tmp)
-        self._last_checkpoint, self._replay, self._replay_complete = path, [], True
+        self.recovery.replay.restart_at(path)
         return path
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
@@ -656,8 +393,8 @@ class Engine:
         self.wait_for_updates()
         directory = absolute(directory)
         state = get([s.load_checkpoint.remote(directory) for s in self.stores])[0]
-        self._set_state(state)
-        self._last_checkpoint, self._replay, self._replay_complete = Path(directory), [], True
+        self.set_state(state)
+        self.recovery.replay.restart_at(Path(directory))
         return state
 
     def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:
@@ -670,69 +407,18 @@ class Engine:
         from megatrain.model.layout import ModelLayout
 
         self.wait_for_updates()
-        return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self._arena.params).items()}
+        return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self.actors.arena.params).items()}
 
+    # ---- stop ----
     def shutdown(self) -> None:
         """Stops the actors; the stores unlink the arenas first. What a store killed on the way left in /dev/shm
         is removed here, on every node of the run."""
-        self._stop_actors()
-        try:  # the other nodes' /dev/shm (a store that died there, or one a recovery replaced)
-            ray.get([remove_dead_segments.options(**p.pinned()).remote() for p in self.placements[1:]], timeout=30)
-        except Exception as e:  # noqa: BLE001 - a lost node: its next run there removes them
-            log.warning("could not remove dead arena segments on every node (%s)", e)
-        for placement in self.placements:
-            placement.release()
-        self.placements = []
+        self.actors.stop()
+        self.actors.release()
         remove_stale_segments()
-
-    def _stop_actors(self, close: bool = True) -> None:
-        """The stores unlink their arenas (close=False: only that, in a recovery, where a store may be stuck in the
-        weight exchange waiting for a dead peer); then every actor is killed."""
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-        try:
-            ray.get([s.close.remote() if close else s.unlink.remote() for s in self.stores], timeout=60)
-        except Exception as e:  # a store died: its node's next start removes its segments (this node's: below)
-            log.warning("a parameter store did not close cleanly (%s)", e)
-        for actor in [*self.executors, *self.workers, *self.stores]:
-            ray.kill(actor)
-        # the arenas' handles stay: they name the segment files, which a caller may check are gone
-        self.stores, self.executors, self.workers = [], [], []
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One step's result from its executors' (data parallel): losses, tokens and each unit's squared norm (of
-    each one's slice of the summed gradient) added up; the first's stall accounting."""
-    if len(outs) == 1:
-        return outs[0]
-    merged = dict(outs[0])
-    for key in ("loss", "tokens"):
-        merged[key] = sum(out[key] for out in outs)
-    norms = [out["unit_norms_sq"] for out in outs]
-    merged["unit_norms_sq"] = [sum(unit) for unit in zip(*norms, strict=True)] if all(norms) else []
-    merged["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
-    merged["spans"] = [span for out in outs for span in out["spans"]]
-    return merged
-
-
-@ray.remote(num_cpus=0)
-def remove_dead_segments() -> int:
-    """remove_stale_segments on the node this runs on (its MEGATRAIN_SHM_DIR): the arena files of dead owners."""
-    return len(remove_stale_segments())
-
-
-def _alive(actor: Any, timeout: float = 60.0) -> bool:
-    """Whether `actor` answers within `timeout`: one that does not (stuck in a collective with a dead peer) is as
-    good as dead to a recovery, which replaces it."""
-    try:
-        ray.get(actor.pid.remote(), timeout=timeout)
-        return True
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return False

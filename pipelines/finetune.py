@@ -29,7 +29,7 @@ import tomllib
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.data import BatchLoader, ByteTokenizer, DataError
-from megatrain.memory.checkpoint import weight_files
+from megatrain.io.checkpoint import weight_files
 from pipelines.train import TrainConfig, run
 
 log = logging.getLogger("megatrain")

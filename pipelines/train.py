@@ -30,7 +30,7 @@ import tomllib
 from actors.data_loader import DataLoaderActor
 from megatrain.config import ConfigError, MegatrainError, Terminated, check_tiling, dataclass_from_dict
 from megatrain.data import DataConfig, find_data_files
-from megatrain.memory.checkpoint import CheckpointError
+from megatrain.io.checkpoint import CheckpointError
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
 
@@ -271,12 +271,13 @@ def sigterm_stops_the_run() -> Iterator[None]:
 
 
 def record_prediction(cfg: TrainConfig, engine: Engine, out_dir: Path) -> float | None:
-    """The predicted step time of this run (megatrain/memory/predict.py) from the cached calibration of its device,
+    """The predicted step time of this run (megatrain/perf/predict.py) from the cached calibration of its device,
     written to out_dir/prediction.json for `megatrain report`; None (and nothing written) where this machine was not
     calibrated (`megatrain calibrate`): a run does not spend its time measuring the machine."""
     from megatrain.memory.plan import plan_run
-    from megatrain.memory.predict import Calibration, device_name, predict
-    from megatrain.report import PREDICTION_FILE
+    from megatrain.perf.calibrate import Calibration, device_name
+    from megatrain.perf.predict import predict
+    from megatrain.telemetry.report import PREDICTION_FILE
 
     (out_dir / PREDICTION_FILE).unlink(missing_ok=True)  # an earlier run's, in this directory
     try:

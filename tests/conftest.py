@@ -1,5 +1,19 @@
+"""Fixtures several test modules use: the session's Ray, a Ray of a test's own, a private /dev/shm directory, and
+the models and batches that tests in more than one module train on. Plain helpers are in helpers.py."""
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import ray
+import torch
+from helpers import STEPS, build_hf_model, micro_llama_config, stop_ray
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +32,44 @@ def no_cached_calibration(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MEGATRAIN_CALIBRATION", str(tmp_path_factory.mktemp("calibration") / "none.json"))
         yield
+
+
+@pytest.fixture
+def ray_env() -> Iterator[dict[str, str]]:
+    """The environment of one test's Ray: its own RAY_TMPDIR, short because Ray's unix sockets live under it
+    (at most ~107 characters), no RAY_ADDRESS from outside."""
+    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
+    try:
+        yield env
+    finally:
+        stop_ray(tmp)  # after a failure too
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private arena directory on tmpfs (MEGATRAIN_SHM_DIR for a command under test): what is left there is the
+    test's alone, whatever other tests on the machine do in /dev/shm at the same time."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    path = base / f"mt-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fault_batches() -> list[torch.Tensor]:
+    """The 20 batches of helpers.train_with_faults (the tiny preset's vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (4, 64), generator=gen) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
+    """A 2-layer Llama for helpers.rows (HF's model, and the directory it is saved in)."""
+    hf = build_hf_model(micro_llama_config())
+    directory = tmp_path_factory.mktemp("micro")
+    hf.save_pretrained(directory)
+    yield hf, directory

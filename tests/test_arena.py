@@ -32,7 +32,7 @@ from megatrain.memory.arena import (
     segment_owner_alive,
 )
 from megatrain.memory.plan import GiB, plan_memory, resolve_grads
-from megatrain.memory.store import ParameterStore
+from megatrain.store import ParameterStore
 
 REPO = Path(__file__).resolve().parents[1]
 NUMEL = 4096
@@ -340,8 +340,8 @@ def test_store_refuses_70b_before_allocating() -> None:
 def test_cleanup_command_says_each_thing_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
                                               ) -> None:
-    from megatrain.cli import main
     from megatrain.memory import arena as arena_module
+    from pipelines.cli import main
 
     monkeypatch.setattr(arena_module, "SHM_DIR", tmp_path)
     doomed = spawn("""

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -21,17 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # benchmarks/ is no installed package (`python3 -m pytest` finds it anyway)
     sys.path.insert(0, str(REPO))
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def shm_dir() -> Path:
-    """A private arena directory on tmpfs: what the benchmarks leave there is theirs alone, whatever other
-    tests on the machine do in /dev/shm at the same time."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    path = base / f"mtbench-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_script(script: str, args: list[str], shm_dir: Path) -> subprocess.CompletedProcess:
@@ -207,7 +194,7 @@ def test_long_context_seq_rounding() -> None:
 
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
-    "tests": [WHEELS, "== doctor (timeout 90s): python3 -m megatrain.cli doctor",
+    "tests": [WHEELS, "== doctor (timeout 90s): python3 -m pipelines.cli doctor",
               "python3 -m pytest tests/test_gpu.py -m gpu -q -s"],
     "host": [WHEELS, "python3 benchmarks/pcie.py --size-mb 1024 --repeats 10",
              "python3 benchmarks/optimizer.py --params 1e9 --workers 8,16,4,2,1 --repeats 2 --out OUT/optimizer.json"],
@@ -217,9 +204,9 @@ GPU_SESSION_COMMANDS = {
     "big": [WHEELS,
             "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision bf16 --peers megatrain ",
             " --compile --out OUT/tp-7b-bf16.json",
-            "python3 -m megatrain.cli train --model 1b --steps 6 --trace ",
+            "python3 -m pipelines.cli train --model 1b --steps 6 --trace ",
             "--checkpoint-every 0 --no-save-final ",
-            "python3 -m megatrain.cli report ",
+            "python3 -m pipelines.cli report ",
             "cp /tmp/gpu-session/big/run-1b/timeline.png OUT/timeline-1b.png",
             "python3 benchmarks/throughput.py --model 9b --batch 8 --seq 2048 --precision tf32 --peers megatrain ",
             "python3 benchmarks/throughput.py --model 7b --batch 8 --seq 2048 --precision tf32 --peers megatrain "],
@@ -232,7 +219,7 @@ GPU_SESSION_COMMANDS = {
     "long-1b": [WHEELS,
                 "python3 benchmarks/long_context.py --model 1b --precision bf16 --seq auto --max-seq 524288 "
                 "--peers megatrain ", " --out OUT/long-1b.json"],
-    "predict": [WHEELS, "python3 -m megatrain.cli calibrate --model 7b --batch 1 --seq 2048 --precision tf32 ",
+    "predict": [WHEELS, "python3 -m pipelines.cli calibrate --model 7b --batch 1 --seq 2048 --precision tf32 ",
                 *(f"--model 7b --precision tf32 --batch-size 1 --seq-len 2048 --micro-batches {k} "
                   for k in (16, 1, 4))],
     "multi": [WHEELS, "python3 -m pytest tests/test_gpu.py -m gpu -q -s -k two_gpu_executors",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,29 +12,18 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_one_sentence, my_segments
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
-from megatrain.memory import checkpoint as ckpt
-from megatrain.memory.arena import list_segments
-from megatrain.memory.checkpoint import CheckpointError, atomic_directory
-from megatrain.memory.store import ParameterStore
+from megatrain.io import checkpoint as ckpt
+from megatrain.io.checkpoint import CheckpointError, atomic_directory
+from megatrain.store import ParameterStore
 
 HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2)
-
-
-def assert_one_sentence(message: str) -> None:
-    assert message.endswith("."), message
-    assert "\n" not in message, message
-    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
-
-
-def my_segments() -> set[Path]:
-    """Arena files owned by this process (other runs may use /dev/shm at the same time)."""
-    return {p for p in list_segments() if f"-{os.getpid()}-" in p.name}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +36,7 @@ def hf_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def hf_dir(hf_source: Path, tmp_path: Path) -> Path:
+def hf_copy(hf_source: Path, tmp_path: Path) -> Path:
     """A fresh copy of a valid HF directory that a test may break."""
     return Path(shutil.copytree(hf_source, tmp_path / "model"))
 
@@ -147,10 +135,10 @@ BROKEN: list[tuple[Callable[[Path], None], type[MegatrainError], str]] = [
 
 @pytest.mark.parametrize("breakage, error, expected", BROKEN,
                          ids=[b.__name__.strip("_") for b, _, _ in BROKEN])
-def test_broken_hf_directory_is_refused(hf_dir: Path, breakage: Callable[[Path], None],
+def test_broken_hf_directory_is_refused(hf_copy: Path, breakage: Callable[[Path], None],
                                         error: type[MegatrainError], expected: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    breakage(hf_dir)
+    breakage(hf_copy)
 
     def no_pickles(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("megatrain called torch.load")
@@ -158,7 +146,7 @@ def test_broken_hf_directory_is_refused(hf_dir: Path, breakage: Callable[[Path],
     monkeypatch.setattr(torch, "load", no_pickles)
     before = my_segments()
     with pytest.raises(error, match=expected) as info:
-        megatrain.from_pretrained(hf_dir)
+        megatrain.from_pretrained(hf_copy)
     assert isinstance(info.value, MegatrainError)
     assert_one_sentence(str(info.value))
     # the arena of a store that failed to load is gone at once, not when the traceback is collected
@@ -172,21 +160,21 @@ def test_neither_directory_nor_preset(tmp_path: Path, path: str) -> None:
     assert_one_sentence(str(info.value))
 
 
-def test_harmless_extras_load(hf_dir: Path) -> None:
+def test_harmless_extras_load(hf_copy: Path) -> None:
     """Exporters' rotary inv_freq buffers are skipped; a tied checkpoint may carry lm_head (the embedding)."""
     inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
-    rewrite_weights(hf_dir, lambda t: t.update({inv_freq: torch.ones(4)}))
-    with megatrain.from_pretrained(hf_dir) as model:
-        expected = load_file(hf_dir / "model.safetensors")
+    rewrite_weights(hf_copy, lambda t: t.update({inv_freq: torch.ones(4)}))
+    with megatrain.from_pretrained(hf_copy) as model:
+        expected = load_file(hf_copy / "model.safetensors")
         for name, p in model.parameters().items():
             assert torch.equal(p, expected[name]), name
-    config = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    config = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     embed = "model.embed_tokens.weight"
     with pytest.raises(MegatrainError, match="lm_head.weight differs from model.embed_tokens.weight"):
-        megatrain.from_pretrained(hf_dir)  # a separately trained head must not be dropped silently
-    rewrite_weights(hf_dir, lambda t: t.update({"lm_head.weight": t[embed].clone()}))
-    with megatrain.from_pretrained(hf_dir) as model:
+        megatrain.from_pretrained(hf_copy)  # a separately trained head must not be dropped silently
+    rewrite_weights(hf_copy, lambda t: t.update({"lm_head.weight": t[embed].clone()}))
+    with megatrain.from_pretrained(hf_copy) as model:
         assert "lm_head.weight" not in model.parameters()
         assert torch.equal(model.parameters()[embed], expected[embed])
 

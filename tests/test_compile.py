@@ -1,19 +1,37 @@
 """torch.compile of the decoder layer template (EngineConfig.compile): the same loss and gradients as the
-eager template, through the executor's forward and its recompute-and-autograd.grad backward."""
+eager template, through the executor's forward and its recompute-and-autograd.grad backward.
+
+What these tests check of torch.compile is dynamo's part (fullgraph capture, one compilation per batch shape
+and grad mode, the recompile limit), so they compile with the "eager" backend: the captured graphs run as
+traced. Inductor's C++ code generation (minutes on 2 cores) is checked once, by the slow case.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import pytest
 import torch
 
 from megatrain.config import ModelConfig
-from megatrain.engine.executor import Executor, set_matmul_precision
-from megatrain.memory.store import init_weights
+from megatrain.engine.executor import Executor
+from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.model.layout import ModelLayout
+from megatrain.store import init_weights
 
 
-def test_compiled_layers_match_eager() -> None:
+@pytest.fixture
+def compile_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The executor's torch.compile calls get `backend` (the parameter; "eager" unless given)."""
+    backend = getattr(request, "param", "eager")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    return backend
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_compiled_layers_match_eager(compile_backend: str) -> None:
     config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=3)
     layout = ModelLayout.build(config)
     params = torch.zeros(layout.numel)
@@ -46,7 +64,7 @@ def test_matmul_precision_leaves_every_torch_flag_readable() -> None:
         torch.set_float32_matmul_precision("highest")  # torch's default
 
 
-def test_compiled_layers_take_more_batch_shapes_than_torchs_default_limit() -> None:
+def test_compiled_layers_take_more_batch_shapes_than_torchs_default_limit(compile_backend: str) -> None:
     """Each batch shape compiles the layer twice (forward without grad, recompute with it); torch's default
     recompile limit of 8 would make the fifth shape a hard error under fullgraph=True."""
     config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=1)

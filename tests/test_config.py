@@ -4,7 +4,6 @@ messages, and the LR schedule against transformers' schedulers."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from helpers import assert_one_sentence
 from transformers import AutoConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
-from megatrain.cli import main
 from megatrain.config import (
     PRESETS,
     ConfigError,
@@ -24,14 +23,8 @@ from megatrain.config import (
     OptimConfig,
     dataclass_from_dict,
 )
-from megatrain.memory.store import resolve_model
-
-
-def assert_one_sentence(message: str) -> None:
-    assert message.endswith("."), message
-    assert "\n" not in message, message
-    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
-
+from megatrain.store import resolve_model
+from pipelines.cli import main
 
 # ---- presets ----
 

@@ -10,8 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import CHATML, error
 
-from megatrain.config import ConfigError, MegatrainError
+from megatrain.config import ConfigError
 from megatrain.data import (
     IGNORE,
     BatchLoader,
@@ -24,10 +25,6 @@ from megatrain.data import (
 )
 
 BOS, EOS, PAD = 256, 257, 258
-CHATML = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Say hello."},
@@ -76,17 +73,8 @@ def same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool
     )
 
 
-def error(fn, *args, **kw) -> str:
-    """The message of the MegatrainError fn raises: checked to be one sentence."""
-    with pytest.raises(MegatrainError) as info:
-        fn(*args, **kw)
-    message = str(info.value)
-    assert "\n" not in message and message.endswith("."), message
-    return message
-
-
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
+def tokenizer_dir(tmp_path_factory) -> Path:
     """A real byte-level BPE tokenizer.json plus a tokenizer_config.json with a ChatML Jinja template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -141,10 +129,10 @@ def test_chat_template_errors_are_one_sentence():
     assert "renders a conversation's prefix differently" in message
 
 
-def test_hf_tokenizer_ids_and_template(hf_dir):
+def test_hf_tokenizer_ids_and_template(tokenizer_dir):
     from transformers import PreTrainedTokenizerFast
 
-    tok = load_tokenizer(str(hf_dir))
+    tok = load_tokenizer(str(tokenizer_dir))
     assert isinstance(tok, HFTokenizer)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)
     assert 260 < tok.vocab_size <= 300  # 256 byte symbols + 6 specials + the merges the corpus allowed
@@ -152,7 +140,7 @@ def test_hf_tokenizer_ids_and_template(hf_dir):
     assert tok.encode("<s>hi")[0] == 1 and 1 not in tok.encode("hi")  # encode adds no special tokens itself
 
     ids, mask = tok.apply_chat(CHAT)
-    reference = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"), bos_token="<s>",
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token="<s>",
                                         eos_token="</s>", pad_token="<pad>")
     reference.chat_template = CHATML
     assert ids == list(reference.apply_chat_template(CHAT, tokenize=True)["input_ids"])
@@ -169,8 +157,8 @@ def test_hf_tokenizer_ids_and_template(hf_dir):
     assert not mask[0] and ids[0] == tok.bos_id
 
 
-def test_hf_tokenizer_from_file_with_config_json_ids(hf_dir, tmp_path):
-    (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+def test_hf_tokenizer_from_file_with_config_json_ids(tokenizer_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 5]}))
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)  # pad falls back to eos
@@ -190,9 +178,9 @@ def test_hf_tokenizer_from_file_with_config_json_ids(hf_dir, tmp_path):
     assert ids[: len(tok.encode("hello")) + 1].tolist() == tok.encode("hello") + [2]
 
 
-def test_hf_sft_sample_keeps_template_bos_and_trains_closing_eos(hf_dir, tmp_path):
+def test_hf_sft_sample_keeps_template_bos_and_trains_closing_eos(tokenizer_dir, tmp_path):
     src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    ld = loader(source=str(src), tokenizer=str(hf_dir), seq_len=128, pack=False)
+    ld = loader(source=str(src), tokenizer=str(tokenizer_dir), seq_len=128, pack=False)
     assert ld.sft
     batch = ld.next_batch()
     tok = ld.tokenizer
@@ -448,11 +436,11 @@ def test_unknown_column_and_field(tmp_path):
     assert "line 1 has no 'messages' or 'text' field (its fields are: prompt, completion)" in message
 
 
-def test_tokenizer_larger_than_the_model(hf_dir):
-    message = error(loader, tokenizer=str(hf_dir), vocab_size=260)
-    n = load_tokenizer(str(hf_dir)).vocab_size
+def test_tokenizer_larger_than_the_model(tokenizer_dir):
+    message = error(loader, tokenizer=str(tokenizer_dir), vocab_size=260)
+    n = load_tokenizer(str(tokenizer_dir)).vocab_size
     assert f"has {n} tokens but the model's embedding has 260 rows" in message
-    assert "no tokenizer at" in error(load_tokenizer, str(hf_dir / "missing"))
+    assert "no tokenizer at" in error(load_tokenizer, str(tokenizer_dir / "missing"))
 
 
 def test_token_ids_out_of_range(tmp_path):
@@ -512,9 +500,9 @@ def test_config_accepts_paths_and_plain_numbers(tmp_path):
     json.dumps(cfg.to_dict())  # paths came in, strings are stored: the config stays JSON-able
 
 
-def test_missing_tokenizers_package(hf_dir, monkeypatch):
+def test_missing_tokenizers_package(tokenizer_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
-    assert "needs the `tokenizers` package" in error(load_tokenizer, str(hf_dir))
+    assert "needs the `tokenizers` package" in error(load_tokenizer, str(tokenizer_dir))
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
     with pytest.raises(DataError):
-        HFTokenizer(hf_dir)
+        HFTokenizer(tokenizer_dir)

@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_data import CHATML, error  # a ChatML template with BOS; a one-sentence MegatrainError's message
+from helpers import CHATML, error  # a ChatML template with BOS; a one-sentence MegatrainError's message
 
-import megatrain.data.sources as sources
+import megatrain.data.json_array as json_array
 from megatrain.config import ConfigError
 from megatrain.data import IGNORE, BatchLoader, DataConfig
 
@@ -248,13 +248,13 @@ def test_json_array_reader_matches_json_load(tmp_path, monkeypatch):
     rng = random.Random(0)
     path = tmp_path / "a.json"
     for trial in range(150):
-        monkeypatch.setattr(sources, "_READ_BYTES", rng.choice([1, 2, 3, 7, 64, 1 << 20]))
+        monkeypatch.setattr(json_array, "_READ_BYTES", rng.choice([1, 2, 3, 7, 64, 1 << 20]))
         records = [{"text": f"doc {i}", "x": random_value(rng)} for i in range(rng.randint(0, 9))]
         text = json.dumps(records, indent=rng.choice([None, 1, "\t"]), ensure_ascii=rng.random() < 0.5)
         path.write_text(("\ufeff \n" if trial % 3 == 0 else "") + text + "\n", encoding="utf-8")
         shard_bytes = rng.choice([1, 50, 1 << 20])
-        shards, first = sources._array_shards(path, shard_bytes)
-        read = [r for shard in shards for r in sources._array_records(path, *shard)]
+        shards, first = json_array.array_shards(path, shard_bytes)
+        read = [r for shard in shards for r in json_array.array_records(path, *shard)]
         assert [value for value, _ in read] == json.loads(path.read_text(encoding="utf-8-sig")), trial
         assert first == (read[0] if read else None)
         if shard_bytes == 1:
@@ -277,7 +277,7 @@ def test_broken_json_arrays(tmp_path, monkeypatch, text, what):
     path = tmp_path / "b.json"
     path.write_text(text)
     for read_bytes in (1, 1 << 20):
-        monkeypatch.setattr(sources, "_READ_BYTES", read_bytes)
+        monkeypatch.setattr(json_array, "_READ_BYTES", read_bytes)
         assert f"{path} is not a valid JSON array ({what}); fix the file, or write one JSON object per line" in \
             first_error(path)
     path.write_text(json.dumps({"data": [{"text": "a"}]}, indent=2))  # one object over many lines

@@ -12,12 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import OPTIM, hf_reference
-from test_faults import assert_same_model
-from test_faults import batches as fault_batches  # noqa: F401 - a fixture, used by name
-from test_faults import train as train_with_faults
-from test_micro_batches import llama, rows  # noqa: F401 - llama is a fixture, used by name
-from test_qwen3 import max_rel
+from helpers import OPTIM, assert_same_model, hf_reference, max_rel, rows, train_with_faults
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig
@@ -35,9 +30,9 @@ def train(directory: Path, batches: list, executors: int, micro_batches: int, ma
 
 @pytest.mark.parametrize(("micro_batches", "max_grad_norm"), [(1, 1.0), (2, None)],
                          ids=["clipped", "unclipped-2-micro-batches-each"])
-def test_two_executors_train_as_one(ray_session: None, llama: tuple[torch.nn.Module, Path],  # noqa: F811
+def test_two_executors_train_as_one(ray_session: None, micro_llama: tuple[torch.nn.Module, Path],
                                     micro_batches: int, max_grad_norm: float | None) -> None:
-    _, directory = llama
+    _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
     runs = {"two executors": train(directory, batches, 2, micro_batches, max_grad_norm)}
     if max_grad_norm:  # one executor on the same rows, once (other tests hold it to transformers too)
@@ -53,7 +48,7 @@ def test_two_executors_train_as_one(ray_session: None, llama: tuple[torch.nn.Mod
         assert not too_far, f"{name}: (megatrain, transformers fp32) relative errors against fp64: {too_far}"
 
 
-def test_killed_executor_of_two_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path  # noqa: F811
+def test_killed_executor_of_two_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path
                                                  ) -> None:
     """The first of two executors SIGKILLed at a random moment of step 4 of 6 (after a checkpoint): both are replaced
     (their process group died with it) and the run ends bit-identical to an uninterrupted one with two."""
@@ -68,8 +63,8 @@ def test_killed_executor_of_two_recovers_exactly(ray_session: None, fault_batche
     assert not any(p.exists() for p in segments)
 
 
-def test_bad_settings_are_one_sentence(ray_session: None, llama: tuple[torch.nn.Module, Path]) -> None:  # noqa: F811
-    _, directory = llama
+def test_bad_settings_are_one_sentence(ray_session: None, micro_llama: tuple[torch.nn.Module, Path]) -> None:
+    _, directory = micro_llama
     with pytest.raises(ConfigError, match="executors must be 'auto' or a positive integer"):
         EngineConfig(executors=0)
     with pytest.raises(ConfigError, match="grads must be 'arena'"):

@@ -6,19 +6,17 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatrain import doctor
-from megatrain.calibrate import ArenaCopyRates, CopyRates
-from megatrain.doctor import FAIL, OK, SKIPPED, WARN, Check
 from megatrain.memory.arena import list_segments
+from megatrain.perf.calibrate import ArenaCopyRates, CopyRates
+from pipelines import doctor
+from pipelines.doctor import FAIL, OK, SKIPPED, WARN, Check
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -26,19 +24,9 @@ NAMES = ["versions", "gpu", "host", "shm", "memlock", "host_register", "optimize
 GPU_CHECKS = ("gpu", "host_register", "gpu_step")
 
 
-@pytest.fixture
-def shm_dir() -> Path:
-    """A private arena directory on tmpfs: what the doctor leaves there is its own alone."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    path = base / f"mtdoctor-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_cli_reports_every_check(shm_dir: Path) -> None:
     env = {**os.environ, "MEGATRAIN_SHM_DIR": str(shm_dir), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "doctor"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "doctor"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

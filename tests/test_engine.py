@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
+from helpers import OPTIM, hf_reference, train_engine
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
+from megatrain.io.checkpoint import CheckpointError
 from megatrain.memory.arena import list_segments
-from megatrain.memory.checkpoint import CheckpointError
 
-OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=2, total_steps=5)
 VOCAB = 97
 
 
@@ -45,51 +43,6 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim: dict = OPTIM,
-                 dtype: torch.dtype = torch.float32, no_decay: Callable[[str], Any] | None = None,
-                 attention: str = "eager") -> tuple[list[float], dict]:
-    """transformers' model trained by torch.optim.AdamW (norms and biases not decayed, or the parameters whose
-    names `no_decay` accepts) on HF's cosine schedule; `dtype` float64 gives the exact result that fp32 runs are
-    judged against (parameters returned in fp32). A batch is (ids, labels) or (ids, labels, position_ids)."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=attention, dtype=dtype)
-    named = list(model.named_parameters())
-    if dtype == torch.float64 and any(".experts." in n for n, _ in named):
-        model.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
-    if no_decay is None:
-        no_decay = lambda n: n.endswith("norm.weight") or n.endswith(".bias")  # noqa: E731
-    decay = [p for n, p in named if not no_decay(n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
-                             {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}],
-                            lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
-    sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
-    losses = []
-    for ids, labels, *positions in batches:
-        # use_cache=False: how transformers reads packed position_ids in training (see test_long_context.py)
-        loss = model(input_ids=ids, labels=labels, position_ids=positions[0] if positions else None,
-                     use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().float().clone() for n, p in named}
-
-
-def train(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto",
-          device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
-    with megatrain.Engine(hf_dir, optimizer_workers=workers, precision="fp32", device=device,
-                          max_grad_norm=max_grad_norm, grads=grads, **OPTIM) as engine:
-        if grads != "auto":
-            assert engine.grads == grads
-        losses = [engine.step(ids, labels) for ids, labels in batches]
-        params = engine.parameters()
-    segments = [engine.handle.path(name) for name, _, _ in engine.handle.segments]
-    assert not any(p.exists() for p in segments), "the engine left shared memory behind"
-    return losses, params
-
-
 def assert_close_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
     assert ours.keys() == ref.keys()
     for name, want in ref.items():
@@ -100,7 +53,7 @@ def assert_close_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
 @pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
 def test_engine_matches_hf_adamw(ray_session, hf_dir, batches, max_grad_norm) -> None:
     ref_losses, ref_params = hf_reference(hf_dir, batches, max_grad_norm)
-    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
+    losses, params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_close_rel(params, ref_params)
 
@@ -111,8 +64,8 @@ def test_gradients_streamed_through_host_slots_give_the_same_training(ray_sessio
                                                                       grads) -> None:
     """12 B/param placements: a ring of host gradient slots (with the optimizer freeing them) instead of every
     gradient in the arena. Same kernels on the same values: bit-identical to grads = "arena"."""
-    losses, params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads=grads)
-    arena_losses, arena_params = train(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
+    losses, params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads=grads)
+    arena_losses, arena_params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
     assert losses == arena_losses
     for name in arena_params:
         assert torch.equal(params[name], arena_params[name]), name
@@ -129,9 +82,9 @@ def cpu_runs() -> dict:
 
 def _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed) -> None:
     if (grads, max_grad_norm) not in cpu_runs:
-        cpu_runs[grads, max_grad_norm] = train(hf_dir, batches, 2, max_grad_norm, grads)
+        cpu_runs[grads, max_grad_norm] = train_engine(hf_dir, batches, 2, max_grad_norm, grads)
     want_losses, want_params = cpu_runs[grads, max_grad_norm]
-    losses, params = train(hf_dir, batches, 2, max_grad_norm, grads, device=f"cpu-async:{seed}")
+    losses, params = train_engine(hf_dir, batches, 2, max_grad_norm, grads, device=f"cpu-async:{seed}")
     assert losses == want_losses
     for name, want in want_params.items():
         assert torch.equal(params[name], want), name
@@ -164,8 +117,8 @@ def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:
 
 
 def test_results_do_not_depend_on_worker_count(ray_session, hf_dir, batches) -> None:
-    losses1, params1 = train(hf_dir, batches, workers=1)
-    losses3, params3 = train(hf_dir, batches, workers=3)
+    losses1, params1 = train_engine(hf_dir, batches, workers=1)
+    losses3, params3 = train_engine(hf_dir, batches, workers=3)
     assert losses1 == losses3
     for name in params1:
         assert torch.equal(params1[name], params3[name]), name

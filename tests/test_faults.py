@@ -3,147 +3,104 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENGINE, KILL_STEPS, assert_same_model, run_cli, train_with_faults, worker_pids
 from safetensors.torch import load_file
 
 import megatrain
 from megatrain.memory.arena import list_segments, segment_owner_alive
 
-STEPS = 20
-KILL_STEPS = {3, 7, 11, 14, 18}  # 5 different steps; a checkpoint at step 10 sits between them
-ENGINE = dict(lr=3e-3, warmup_steps=3, total_steps=STEPS, optimizer_workers=2, precision="fp32", device="cpu",
-              seed=0)
-
 
 @pytest.fixture(scope="module")
-def batches() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 256, (4, 64), generator=gen) for _ in range(STEPS)]
-
-
-def train(batches: list[torch.Tensor], tmp: Path, victim: str | None = None, max_grad_norm: float | None = 1.0,
-          seed: int = 0, grads: str = "auto", device: str = "cpu", micro_batches: int = 1, executors: int = 1,
-          kill_steps: set[int] = KILL_STEPS, checkpoint_after: int = 9
-          ) -> tuple[list[float], dict[str, torch.Tensor], int, list[Path]]:
-    """20 steps with a checkpoint after step 10; with a victim, SIGKILLs it at a random moment of 5 steps (or of
-    `kill_steps` of as many steps as `batches` has, the checkpoint after `checkpoint_after`)."""
-    rng = random.Random(seed)
-    losses = []
-    with megatrain.Engine("tiny", max_grad_norm=max_grad_norm, grads=grads, micro_batches=micro_batches,
-                          executors=executors, **{**ENGINE, "device": device}) as engine:
-        for i, ids in enumerate(batches):
-            killer = None
-            if victim is not None and i in kill_steps:
-                pid = engine.executor_pid() if victim == "executor" else rng.choice(engine.worker_pids())
-                killer = threading.Timer(rng.uniform(0.0, 0.15), os.kill, (pid, signal.SIGKILL))
-                killer.start()
-            losses.append(engine.step(ids))
-            if killer is not None:
-                killer.join()
-            if i == checkpoint_after:
-                engine.save_checkpoint(tmp / f"step-{i + 1}")
-        params = engine.parameters()
-        restarts = engine.restarts
-        segments = [engine.handle.path(name) for name, _, _ in engine.handle.segments]
-    return losses, params, restarts, segments
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(ray_session, batches, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, params, restarts, _ = train(batches, tmp_path_factory.mktemp("clean"))
+def uninterrupted(ray_session, fault_batches, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, params, restarts, _ = train_with_faults(fault_batches, tmp_path_factory.mktemp("clean"))
     assert restarts == 0
     return losses, params
 
 
-def assert_same_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    for name, value in want.items():
-        assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
-
-
 @pytest.mark.parametrize("victim", ["executor", "optimizer-worker"])
-def test_killed_actor_recovers_exactly(ray_session, batches, uninterrupted, tmp_path, victim) -> None:
-    losses, params, restarts, segments = train(batches, tmp_path, victim=victim)
+def test_killed_actor_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path, victim) -> None:
+    losses, params, restarts, segments = train_with_faults(fault_batches, tmp_path, victim=victim)
     assert restarts >= len(KILL_STEPS), f"only {restarts} faults were survived; the kills did not land"
     assert losses == uninterrupted[0]
     assert_same_model(params, uninterrupted[1])
     assert not any(p.exists() for p in segments)
 
 
-def test_killed_executor_with_clipping_off_recovers_exactly(ray_session, batches, tmp_path) -> None:
+def test_killed_executor_with_clipping_off_recovers_exactly(ray_session, fault_batches, tmp_path) -> None:
     """Clipping off updates layers during the backward: a kill then needs the checkpoint-and-replay path."""
-    losses0, params0, _, _ = train(batches, tmp_path / "a", max_grad_norm=None)
-    losses, params, restarts, _ = train(batches, tmp_path / "b", victim="executor", max_grad_norm=None, seed=1)
+    losses0, params0, _, _ = train_with_faults(fault_batches, tmp_path / "a", max_grad_norm=None)
+    losses, params, restarts, _ = train_with_faults(fault_batches, tmp_path / "b", victim="executor",
+                                                    max_grad_norm=None, seed=1)
     assert restarts >= len(KILL_STEPS)
     assert losses == losses0
     assert_same_model(params, params0)
 
 
-def test_killed_executor_holding_the_gradients_recovers_exactly(ray_session, batches, uninterrupted, tmp_path
+def test_killed_executor_holding_the_gradients_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path
                                                                 ) -> None:
     """grads = "device": the step's gradients die with the executor, and it may die while sending them out,
     with some units updated and others not; recovery replays from the checkpoint."""
-    losses, params, restarts, _ = train(batches, tmp_path, victim="executor", grads="device", seed=2)
+    losses, params, restarts, _ = train_with_faults(fault_batches, tmp_path, victim="executor", grads="device", seed=2)
     assert restarts >= len(KILL_STEPS)
     assert losses == uninterrupted[0], "grads = device trains exactly as grads = arena"
     assert_same_model(params, uninterrupted[1])
 
 
 @pytest.mark.parametrize("grads", ["arena", "device"])
-def test_killed_executor_under_simulated_streams_recovers_exactly(ray_session, batches, uninterrupted, tmp_path,
+def test_killed_executor_under_simulated_streams_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path,
                                                                   grads) -> None:
     """The GPU's schedule on the CPU (device cpu-async): an executor killed while copies are in flight on its
     simulated streams, once before the checkpoint and once after; recovery gives the synchronous path's model."""
     kills = {7, 14}
-    losses, params, restarts, _ = train(batches, tmp_path, victim="executor", grads=grads, seed=3,
+    losses, params, restarts, _ = train_with_faults(fault_batches, tmp_path, victim="executor", grads=grads, seed=3,
                                         device="cpu-async:3", kill_steps=kills)
     assert restarts >= len(kills)
     assert losses == uninterrupted[0]
     assert_same_model(params, uninterrupted[1])
 
 
-def test_fault_past_the_replay_window_is_one_sentence(ray_session, batches) -> None:
+def test_fault_past_the_replay_window_is_one_sentence(ray_session, fault_batches) -> None:
     with megatrain.Engine("tiny", max_replay_steps=2, **ENGINE) as engine:
-        for ids in batches[:3]:
+        for ids in fault_batches[:3]:
             engine.step(ids)
-        os.kill(engine.worker_pids()[0], signal.SIGKILL)
+        os.kill(worker_pids(engine)[0], signal.SIGKILL)
         with pytest.raises(megatrain.MegatrainError, match="cannot be replayed; resume from the last checkpoint"):
-            for ids in batches[3:6]:
+            for ids in fault_batches[3:6]:
                 engine.step(ids)
 
 
-def test_a_refused_batch_is_not_replayed(ray_session, batches, uninterrupted) -> None:
+def test_a_refused_batch_is_not_replayed(ray_session, fault_batches, uninterrupted) -> None:
     """A batch the executor refused trained nothing: recovering from a later fault replays the steps without it."""
     with megatrain.Engine("tiny", **ENGINE) as engine:
-        losses = [engine.step(batches[0])]
+        losses = [engine.step(fault_batches[0])]
         with pytest.raises(megatrain.MegatrainError, match="outside the model's vocabulary"):
             engine.step(torch.full((4, 64), -1))
-        losses.append(engine.step(batches[1]))
-        os.kill(engine.worker_pids()[0], signal.SIGKILL)
-        losses += [engine.step(ids) for ids in batches[2:4]]
+        losses.append(engine.step(fault_batches[1]))
+        os.kill(worker_pids(engine)[0], signal.SIGKILL)
+        losses += [engine.step(ids) for ids in fault_batches[2:4]]
         assert engine.restarts == 1  # and the replay, had it kept the refused batch, would have raised
     assert losses == uninterrupted[0][:4]
 
 
 def megatrain_cli(*args: str) -> subprocess.Popen:
-    code = "import sys; from megatrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from pipelines.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=Path(__file__).parent.parent)
 
 
-def test_sigkilled_driver_resumes_to_the_same_model(tmp_path) -> None:
+def test_sigkilled_driver_resumes_to_the_same_model(ray_session, tmp_path) -> None:
     common = ["train", "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--checkpoint-every", "10",
               "--device", "cpu", "--precision", "fp32", "--log-every", "5"]
-    clean = megatrain_cli(*common, "--out", str(tmp_path / "clean"))
-    assert clean.wait(timeout=300) == 0, clean.stdout.read()
+    clean = run_cli(*common, "--out", str(tmp_path / "clean"))  # the reference: no driver of its own to kill
+    assert clean.returncode == 0, clean.output
 
     run = tmp_path / "killed"
     driver = megatrain_cli(*common, "--out", str(run))
@@ -178,7 +135,7 @@ def _megatrain_actor_processes() -> list[int]:
 
 
 def test_cuda_errors_count_as_executor_faults() -> None:
-    from pipelines.engine import is_actor_death, is_cuda_error
+    from pipelines.recovery import is_actor_death, is_cuda_error
 
     class Wrapped(Exception):  # the shape of Ray's RayTaskError: the original error under .cause
         def __init__(self, cause: BaseException):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.cli import main as cli
 from megatrain.config import MegatrainError
 from megatrain.data import DataError, load_tokenizer
+from pipelines.cli import main as cli
 from pipelines.finetune import FINETUNE_DEFAULTS, finetune_config
 
 CHATML = (

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from helpers import my_segments
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -43,8 +44,7 @@ from megatrain.config import (
     dataclass_from_dict,
 )
 from megatrain.data import DataConfig
-from megatrain.memory.arena import list_segments
-from megatrain.memory.store import ParameterStore, resolve_model
+from megatrain.store import ParameterStore, resolve_model
 from pipelines.train import TrainConfig, engine_kwargs
 
 T = TypeVar("T")
@@ -79,11 +79,6 @@ def attempt(build: Callable[[], T]) -> tuple[T | None, MegatrainError | None]:
         return None, e
     event("accepted")
     return result, None
-
-
-def my_segments() -> set[Path]:
-    """Arena files owned by this process (other runs may use /dev/shm at the same time)."""
-    return {p for p in list_segments() if f"-{os.getpid()}-" in p.name}
 
 
 @contextmanager

@@ -15,17 +15,28 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    REAL,
+    VOCAB,
+    assert_engine_matches_transformers,
+    assert_matches,
+    assert_one_sentence,
+    batch,
+    build_hf_model,
+    fp64_grads,
+    gemma2_config,
+    gemma3_config,
+    hf_loss_and_grads,
+    make_labels,
+)
 from safetensors import safe_open
-from test_hf_generic import MODELS, REAL, assert_matches, fp64_grads
-from test_parity import VOCAB, assert_one_sentence, batch, build_hf_model, hf_loss_and_grads, make_labels
-from test_qwen3 import assert_engine_matches_transformers
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, PretrainedConfig
 
 import megatrain
 from megatrain import ConfigError
-from megatrain.cli import main
 from megatrain.model import ops
 from megatrain.model.layout import ModelLayout
+from pipelines.cli import main
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -34,8 +45,8 @@ def tiny(name: str) -> PretrainedConfig:
     """gemma2: test_hf_generic's (tied, both soft-caps, window 8 < the tests' 16 tokens, alternating layers);
     gemma3: test_hf_generic's with an untied head and attention biases (q/k norms, a linear-scaled global rotary)."""
     if name == "gemma2":
-        return MODELS["gemma2"](False)
-    config = MODELS["gemma3"](False)
+        return gemma2_config()
+    config = gemma3_config()
     config.tie_word_embeddings, config.attention_bias = False, True
     return Gemma3TextConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"})
 
@@ -99,7 +110,7 @@ def test_layout_is_transformers_and_decay_skips_norms() -> None:
 def test_loss_and_grads_match_transformers(gemma: tuple[torch.nn.Module, Path], device: str, labels_kind: str
                                            ) -> None:
     """Within 1e-5 of transformers in fp32 (or, where transformers' fp32 is further than that from its fp64 run,
-    within twice its distance): test_hf_generic.assert_matches."""
+    within twice its distance): helpers.assert_matches."""
     hf, directory = gemma
     input_ids = batch()
     labels = make_labels(labels_kind, input_ids)

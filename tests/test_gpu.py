@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import ray
 import torch
+from helpers import hf_loss_and_grads
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import megatrain
-from megatrain.engine.executor import Executor, set_matmul_precision
+from megatrain.engine.executor import Executor
+from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.memory.arena import Arena
 from megatrain.memory.plan import CUDA_CONTEXT, plan_run
 
@@ -79,21 +81,13 @@ def parity_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def hf_loss_and_grads(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
-                      ) -> tuple[float, dict[str, torch.Tensor]]:
-    """HF's fp32 loss and gradients on the CPU, the reference the CUDA paths are held to."""
-    hf.zero_grad(set_to_none=True)
-    loss = hf(input_ids=ids, labels=labels).loss
-    loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in hf.named_parameters()}
-
-
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-tied"])
 def test_cuda_parity_with_transformers_strict_fp32(tmp_path: Path, name: str) -> None:
     hf = hf_models()[name]
     hf.save_pretrained(tmp_path)
     ids, labels = parity_batch()
-    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)  # on the CPU: the reference of the CUDA paths
+    hf_loss = hf_loss.item()
     with megatrain.from_pretrained(tmp_path, device="cuda", precision="fp32") as m:
         loss, grads = m.loss_and_grads(ids, labels)
         assert abs(loss.item() - hf_loss) <= 1e-5 * abs(hf_loss), (loss.item(), hf_loss)
@@ -131,7 +125,8 @@ def test_fast_precisions_match_fp32(tmp_path: Path, name: str, precision: str, c
     hf.save_pretrained(tmp_path)
     ids, labels = parity_batch()
     # the reference first: this process's CPU matmuls follow the global precision the executor below changes
-    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)  # on the CPU: the reference of the CUDA paths
+    hf_loss = hf_loss.item()
     with megatrain.from_pretrained(tmp_path, device="cuda", precision=precision) as m:
         if compile:
             m.executor.close()
@@ -296,7 +291,7 @@ def test_long_sequence_tiled_and_offloaded_matches_cpu(tmp_path: Path, precision
     with megatrain.from_pretrained(tmp_path, device="cuda", precision=precision, tile_tokens=4096,
                                    checkpoint_budget=0) as gpu:
         loss, grads = gpu.loss_and_grads(ids)
-        assert gpu.executor.checkpoints.offloaded == 4
+        assert gpu.executor.activation_checkpoints.offloaded == 4
         tol = 1e-3 if precision == "fp32" else 3e-2  # tf32-free strict fp32 is not set here: kernels differ
         assert abs(loss.item() - cpu_loss.item()) <= tol * abs(cpu_loss.item())
         for n, g in cpu_grads.items():
@@ -311,7 +306,8 @@ def test_cuda_micro_batches_match_transformers_strict_fp32(tmp_path: Path, sched
     hf = hf_models()["llama-gqa"]
     hf.save_pretrained(tmp_path)
     ids, labels = parity_batch()
-    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)  # on the CPU: the reference of the CUDA paths
+    hf_loss = hf_loss.item()
     with megatrain.from_pretrained(tmp_path, device="cuda", precision="fp32") as m:
         loss, grads = m.loss_and_grads(ids, labels, micro_batches=2, schedule=schedule)
         assert abs(loss.item() - hf_loss) <= 1e-5 * abs(hf_loss), (loss.item(), hf_loss)

@@ -12,8 +12,8 @@ import torch
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.executor import Executor, StepOutput
 from megatrain.engine.optimizer import AdamWShard
-from megatrain.memory.store import init_weights
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.store import init_weights
 
 CONFIG = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=6)
 SLOTS = 2

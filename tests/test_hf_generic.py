@@ -8,7 +8,6 @@ one-sentence refusals of what it cannot train."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -17,13 +16,27 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine import hf_reference, train
-from test_parity import VOCAB, assert_one_sentence, batch, build_hf_model, hf_loss_and_grads, make_labels, rel_err
-from test_qwen3 import max_rel
+from helpers import (
+    REAL,
+    REL_TOL,
+    SHAPE,
+    VOCAB,
+    assert_matches,
+    assert_one_sentence,
+    batch,
+    build_hf_model,
+    fp64_grads,
+    gemma2_config,
+    gemma3_config,
+    hf_loss_and_grads,
+    hf_reference,
+    make_labels,
+    max_rel,
+    rel_err,
+    train_engine,
+)
 from transformers import (
     AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
     GptOssConfig,
     MixtralConfig,
     Olmo2Config,
@@ -35,27 +48,18 @@ from transformers import (
 
 import megatrain
 from megatrain import ConfigError
-from megatrain.cli import main
-from megatrain.model import families
+from megatrain.model import registry
 from megatrain.model.hf_generic import NO_DECAY
+from pipelines.cli import main
 
-REL_TOL = 1e-5
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
              num_hidden_layers=2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
 MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05)
 
 # name -> factory(aux): tiny random configs of the architectures the generic path is for
 MODELS: dict[str, Callable[[bool], PretrainedConfig]] = {
-    # Gemma 2: attention-logit and final-logit soft-capping, sliding window 8 < 16 tokens, scaled tied embeddings
-    "gemma2": lambda aux: Gemma2Config(**SHAPE, intermediate_size=96, num_hidden_layers=2, sliding_window=8,
-                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                       query_pre_attn_scalar=16, pad_token_id=0),
-    # Gemma 3 text: q/k norms, local and global rotary tables (the global one scaled), sliding / full layers
-    "gemma3": lambda aux: Gemma3TextConfig(**SHAPE, intermediate_size=96, num_hidden_layers=3, sliding_window=8,
-                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                           query_pre_attn_scalar=16, pad_token_id=0,
-                                           rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma2": lambda aux: gemma2_config(),  # soft-capping, a sliding window, scaled tied embeddings
+    "gemma3": lambda aux: gemma3_config(),  # q/k norms, local and global rotary tables, sliding / full layers
     "phi3": lambda aux: Phi3Config(**DENSE),
     "olmo2": lambda aux: Olmo2Config(**DENSE),
     "mixtral": lambda aux: MixtralConfig(**SHAPE, **MOE, intermediate_size=48, num_hidden_layers=2,
@@ -92,8 +96,8 @@ def on_the_generic_path(case: str) -> Iterator[None]:
     their model types are taken off the native list so that these tests keep running them on the generic path."""
     model_type = config_of(case).model_type
     with pytest.MonkeyPatch.context() as patch:
-        if model_type in families.FAMILIES:
-            patch.delitem(families.FAMILIES, model_type)
+        if model_type in registry.FAMILIES:
+            patch.delitem(registry.FAMILIES, model_type)
         yield
 
 
@@ -104,32 +108,6 @@ def model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     hf.save_pretrained(directory)  # in the hub's layout (Mixtral's experts one by one, say)
     with on_the_generic_path(request.param):
         yield request.param, hf, directory
-
-
-def fp64_grads(hf: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    exact = copy.deepcopy(hf).double()
-    if any(".experts." in n for n, _ in exact.named_parameters()):
-        exact.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
-    return hf_loss_and_grads(exact, input_ids, labels)
-
-
-def assert_matches(ours: tuple[torch.Tensor, dict[str, torch.Tensor]], hf: tuple[torch.Tensor, dict[str, torch.Tensor]],
-                   exact: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
-    """Within 1e-5 of transformers in fp32; where transformers' own fp32 result is further than that from the exact
-    (fp64) one, within twice transformers' distance of the exact result instead (rounding, not a wrong formula)."""
-    (loss, grads), (hf_loss, hf_grads), (_, exact_grads) = ours, hf, exact
-    assert rel_err(loss, hf_loss) <= REL_TOL, (loss.item(), hf_loss.item())
-    assert set(grads) == set(hf_grads)
-    bad = {}
-    for name, g in hf_grads.items():
-        assert g.abs().max() > 0, f"transformers' gradient of {name} is zero: the test would not see a wrong value"
-        if rel_err(grads[name], g) <= REL_TOL:
-            continue
-        exact_g = exact_grads[name].float()
-        if rel_err(grads[name], exact_g) > 2 * max(rel_err(g, exact_g), REL_TOL / 2):
-            bad[name] = (rel_err(grads[name], g), rel_err(grads[name], exact_g), rel_err(g, exact_g))
-    assert not bad, f"gradients differ from transformers (ours vs fp32, ours vs fp64, fp32 vs fp64): {bad}"
 
 
 @pytest.mark.parametrize("labels_kind", ["full", "masked"])
@@ -213,7 +191,7 @@ def test_engine_three_steps_match_transformers_adamw(case: str, tmp_path: Path, 
     no_decay = NO_DECAY.search
     exact_losses, exact = hf_reference(tmp_path, batches, 1.0, no_decay=no_decay, dtype=torch.float64)
     hf_losses, ref = hf_reference(tmp_path, batches, 1.0, no_decay=no_decay)
-    losses, ours = train(tmp_path, batches, workers=2)
+    losses, ours = train_engine(tmp_path, batches, workers=2)
     assert losses == pytest.approx(exact_losses, rel=1e-5)
     assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
     # per parameter, as tests/test_qwen3.py judges: as close to the exact result as transformers' own fp32 run
@@ -223,9 +201,6 @@ def test_engine_three_steps_match_transformers_adamw(case: str, tmp_path: Path, 
 
 
 # ---- the plan for real configs ----
-
-REAL = Path(__file__).parent / "data" / "hf_configs"
-
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b"])
 def test_plan_of_real_moe_configs(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

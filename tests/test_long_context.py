@@ -1,5 +1,5 @@
 """Long context on the CPU, exact: a small model at 4096 tokens with 512-token tiles and every layer input kept in
-host memory (the checkpoint store's budget 0) against transformers in fp32, with and without packed documents
+host memory (the activation checkpoints' budget 0) against transformers in fp32, with and without packed documents
 (per-document position_ids), under simulated asynchronous streams; three Engine steps so against transformers +
 AdamW; the store's own accounting (kept checkpoints within the budget however many layers, transfers never more
 than two); packing with per-document positions; and the memory plan at long sequences (7B at 128k and 1B at 512k
@@ -13,18 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_engine import OPTIM, hf_reference
-from test_parity import build_hf_model, rel_err
-from test_qwen3 import max_rel
+from helpers import OPTIM, build_hf_model, hf_reference, max_rel, rel_err
 from transformers import LlamaConfig
 
 import megatrain
-from megatrain.cli import main
 from megatrain.config import ModelConfig
 from megatrain.data.packing import IGNORE, RowPacker, Sample
-from megatrain.engine.checkpoints import CheckpointStore
+from megatrain.engine.activation_checkpoints import ActivationCheckpoints
 from megatrain.engine.streams import make_streams
 from megatrain.memory.plan import plan_run
+from pipelines.cli import main
 
 SEQ, TILE = 4096, 512
 VOCAB = 128
@@ -67,7 +65,7 @@ def test_tiled_and_offloaded_matches_transformers(llama: tuple[torch.nn.Module, 
     hf_loss, hf_grads = hf_result(hf, ids, position_ids)
     with megatrain.from_pretrained(directory, device="cpu-async:3", tile_tokens=TILE, checkpoint_budget=0) as model:
         loss, grads = model.loss_and_grads(ids, position_ids=position_ids) if packed else model.loss_and_grads(ids)
-        store = model.executor.checkpoints
+        store = model.executor.activation_checkpoints
         assert store.offloaded == 2 and store.peak_kept_bytes == 0  # every layer input went to the host
         assert rel_err(loss, hf_loss) <= 1e-5, (loss.item(), hf_loss.item())
         errors = {n: rel_err(grads[n], g) for n, g in hf_grads.items()}
@@ -90,7 +88,7 @@ def test_checkpoints_on_the_device_stay_within_the_budget() -> None:
     try:
         for layers in (1, 4, 16):
             for budget in (0, size, 3 * size + 7, None):
-                store = CheckpointStore(streams, budget)
+                store = ActivationCheckpoints(streams, budget)
                 store.begin(layers)
                 inputs = [torch.full((4, 64, 16), float(i)) for i in range(layers)]
                 for i, x in enumerate(inputs):
@@ -115,7 +113,7 @@ def test_checkpoints_on_the_device_stay_within_the_budget() -> None:
 
 def test_negative_budget_is_refused() -> None:
     with pytest.raises(megatrain.MegatrainError, match="non-negative"):
-        CheckpointStore(make_streams("cpu"), -1)
+        ActivationCheckpoints(make_streams("cpu"), -1)
 
 
 def test_engine_tiled_and_offloaded_matches_transformers_and_adamw(ray_session: None,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import ray
+from helpers import free_port
 
 from actors.metrics import EngineMetrics
 from megatrain.telemetry import StepStats
@@ -40,12 +40,6 @@ def test_engine_metrics_travel_to_a_task(ray_session):
         return metrics.run, metrics.executor
 
     assert ray.get(use.remote(EngineMetrics(run="t2", executor=3), stats())) == ("t2", 3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Runs in its own process with its own Ray: the export port is a property of the Ray instance, and the

@@ -13,18 +13,22 @@ settings are one sentence.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from test_engine import OPTIM, hf_reference
-from test_faults import assert_same_model
-from test_faults import batches as fault_batches  # noqa: F401 - a fixture, used by name
-from test_faults import train as train_with_faults
-from test_parity import build_hf_model, hf_loss_and_grads, rel_err
-from test_qwen3 import max_rel
-from transformers import LlamaConfig
+from helpers import (
+    OPTIM,
+    ROWS,
+    ROWS_SEQ,
+    assert_same_model,
+    hf_loss_and_grads,
+    hf_reference,
+    max_rel,
+    rel_err,
+    rows,
+    train_with_faults,
+)
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
@@ -32,33 +36,14 @@ from megatrain.data import DataConfig
 from megatrain.data.loader import BatchLoader
 from megatrain.memory.plan import pick_micro_batches, plan_run
 
-VOCAB, ROWS, SEQ, K = 128, 8, 24, 4
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
-    hf = build_hf_model(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    directory = tmp_path_factory.mktemp("micro")
-    hf.save_pretrained(directory)
-    yield hf, directory
-
-
-def rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """8 rows of ids and labels, some -100, unevenly spread over the micro-batches (the last has fewest): a mean of
-    per-micro-batch means would differ from the batch's mean."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-    labels = ids.clone()
-    labels[6:, : SEQ - 3] = -100
-    labels[1, :5] = -100
-    return ids, labels
+K = 4
 
 
 @pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
 @pytest.mark.parametrize("variant", ["plain", "tiled-offloaded-async"])
-def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], variant: str, schedule: str) -> None:
-    hf, directory = llama
+def test_micro_batches_are_the_whole_batch(micro_llama: tuple[torch.nn.Module, Path], variant: str,
+                                           schedule: str) -> None:
+    hf, directory = micro_llama
     ids, labels = rows(0)
     hf_loss, hf_grads = hf_loss_and_grads(hf, ids, labels)
     options = dict(device="cpu-async:4", tile_tokens=8, checkpoint_budget=0) if variant != "plain" else {}
@@ -67,7 +52,7 @@ def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], 
         whole = {n: g.clone() for n, g in grads.items()}
         loss, grads = model.loss_and_grads(ids, labels, micro_batches=K, schedule=schedule)
         if variant != "plain":  # every micro-batch's checkpoint of every layer went to the host
-            store = model.executor.checkpoints
+            store = model.executor.activation_checkpoints
             assert store.offloaded == 2 * (1 + K) and store.peak_kept_bytes == 0  # this call K x 2, the first 2
     assert rel_err(loss, whole_loss) <= 1e-6 and rel_err(loss, hf_loss) <= 1e-5
     for name, g in hf_grads.items():
@@ -75,8 +60,8 @@ def test_micro_batches_are_the_whole_batch(llama: tuple[torch.nn.Module, Path], 
         assert rel_err(grads[name], g) <= 1e-5, name
 
 
-def test_rows_that_do_not_split_are_one_sentence(llama: tuple[torch.nn.Module, Path]) -> None:
-    _, directory = llama
+def test_rows_that_do_not_split_are_one_sentence(micro_llama: tuple[torch.nn.Module, Path]) -> None:
+    _, directory = micro_llama
     with megatrain.from_pretrained(directory) as model:
         with pytest.raises(megatrain.MegatrainError, match="does not split into 3 equal micro-batches"):
             model.loss_and_grads(rows(0)[0], micro_batches=3)
@@ -91,12 +76,12 @@ def test_rows_that_do_not_split_are_one_sentence(llama: tuple[torch.nn.Module, P
 @pytest.mark.parametrize(("schedule", "max_grad_norm"), [("layer-major", 1.0), ("layer-major", None),
                                                        ("per-micro-batch", 1.0), ("per-micro-batch", None)])
 def test_engine_with_micro_batches_matches_transformers_and_adamw(ray_session: None,
-                                                                  llama: tuple[torch.nn.Module, Path],
+                                                                  micro_llama: tuple[torch.nn.Module, Path],
                                                                   schedule: str, max_grad_norm: float | None) -> None:
-    _, directory = llama
+    _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
     with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu-async:1",
-                          max_grad_norm=max_grad_norm, batch_size=ROWS // K, seq_len=SEQ, micro_batches=K,
+                          max_grad_norm=max_grad_norm, batch_size=ROWS // K, seq_len=ROWS_SEQ, micro_batches=K,
                           schedule=schedule, **OPTIM) as engine:
         assert engine.engine_config.schedule == schedule
         losses = [engine.step(ids, labels) for ids, labels in batches]
@@ -110,7 +95,7 @@ def test_engine_with_micro_batches_matches_transformers_and_adamw(ray_session: N
     assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
 
 
-def test_executor_killed_among_micro_batches_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path  # noqa: F811
+def test_executor_killed_among_micro_batches_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path
                                                               ) -> None:
     """Steps of 2 micro-batches of 2 rows; the executor SIGKILLed at random moments of 2 of 8 steps (within their
     micro-batches' forward or backward), a checkpoint between them: the same losses and bit-identical parameters

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TIMEOUT, assert_nothing_left, dead_segments
 from safetensors.torch import load_file
-from test_ray_cluster import TIMEOUT, assert_nothing_left, dead_segments, ray_env  # noqa: F401, F811 - a fixture
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
-from megatrain.memory import checkpoint as ckpt
-from megatrain.memory.store import ParameterStore
+from megatrain.io import checkpoint as ckpt
 from megatrain.model.layout import ALIGN, ModelLayout, NodeShard, aligned_split
+from megatrain.store import ParameterStore
 
 # ---- plain classes ----
 
@@ -221,7 +221,7 @@ finally:
 """
 
 
-def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path) -> None:
     shm = [tmp_path / "shm0", tmp_path / "shm1"]
     for d in shm:
         d.mkdir()
@@ -260,7 +260,8 @@ def test_the_plan_counts_each_nodes_bytes_and_the_network() -> None:
     """Host bytes per parameter per node: 4 + 8/M (+ gradients, + the bf16 copy in bf16 runs); between the nodes,
     per step, each sends 3 (M-1)/M of the weights' bytes (gloo's all-reduce of the gradients, the weights' parts)."""
     from megatrain.memory.plan import plan_memory
-    from megatrain.memory.predict import Calibration, predict
+    from megatrain.perf.calibrate import Calibration
+    from megatrain.perf.predict import predict
 
     config = ModelConfig.from_name("1b")
     one, two, four = (plan_memory(config, 1, 512, nodes=m, host_free=2**40) for m in (1, 2, 4))

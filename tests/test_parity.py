@@ -1,113 +1,40 @@
 """Parity with HF transformers: loss and every gradient of the streamed executor match `loss.backward()` of
 the HF model (fp32, CPU), and checkpoints written by megatrain load in transformers with identical logits.
 
-Each model family is a random tiny HF model (every parameter perturbed so biases and norms are not at
+Each model family (helpers.FAMILIES) is a random tiny HF model (every parameter perturbed so biases and norms are not at
 their init values) saved with `save_pretrained` and loaded with `megatrain.from_pretrained`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from helpers import (
+    BATCH,
+    FAMILIES,
+    REL_TOL,
+    SEQ,
+    VOCAB,
+    assert_matches_hf,
+    assert_one_sentence,
+    batch,
+    build_hf_model,
+    hf_loss_and_grads,
+    make_labels,
+    rel_err,
+)
+from transformers import AutoModelForCausalLM
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
+from megatrain.io.checkpoint import save_hf
 from megatrain.memory.arena import list_segments
-from megatrain.memory.checkpoint import save_hf
 
-REL_TOL = 1e-5
 Family = tuple[str, torch.nn.Module, Path]  # (name, the HF model, the directory it was saved to)
-VOCAB = 128
-BATCH, SEQ = 3, 16
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8}
-
-# name -> HF config factory; each one exercises a different part of the layout or the rope
-FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama-gqa": lambda: LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2),
-    # Llama 3.1 rope scaling, a non-default theta, and attention_bias (q/k/v and o_proj biases)
-    "llama3-rope": lambda: LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), attention_bias=True),
-    "llama-linear-rope": lambda: LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    # explicit head_dim: q/o projections are 4 * 24 = 96 wide while hidden is 64
-    "mistral-head-dim": lambda: MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24),
-    # q/k/v biases and tied embeddings
-    "qwen2-tied": lambda: Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True),
-    # per-head q/k norms, and an explicit head_dim as every Qwen3 has (more tests in test_qwen3.py)
-    "qwen3-head-dim": lambda: Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, rope_theta=1e6),
-}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected| (the absolute difference where expected is all zero)."""
-    scale = expected.abs().max().item()
-    diff = (actual - expected).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
-
-def build_hf_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # move every parameter off its init value: biases and norms get real gradients
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
-
-
-def hf_loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=input_ids, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-def assert_matches_hf(loss: torch.Tensor, grads: dict[str, torch.Tensor], hf_loss: torch.Tensor,
-                      hf_grads: dict[str, torch.Tensor], all_nonzero: bool = True) -> None:
-    assert rel_err(loss, hf_loss) <= REL_TOL, (loss.item(), hf_loss.item())
-    assert set(grads) == set(hf_grads)
-    errors = {name: rel_err(grads[name], g) for name, g in hf_grads.items()}
-    bad = {name: e for name, e in errors.items() if not e <= REL_TOL}
-    assert not bad, f"gradients differ from HF: {bad}"
-    if all_nonzero:
-        for name, g in hf_grads.items():
-            assert g.abs().max() > 0, f"HF gradient of {name} is zero: the test would not see a wrong value"
-
-
-def batch(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def make_labels(kind: str, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """None; labels = input_ids; or random targets with -100 in places (row 0's prefix, scattered positions
-    in row 1, the whole of row 2)."""
-    if kind == "none":
-        return None
-    if kind == "full":
-        return input_ids.clone()
-    gen = torch.Generator().manual_seed(7)
-    labels = torch.randint(0, VOCAB, input_ids.shape, generator=gen)
-    labels[0, :6] = -100
-    labels[1, torch.randperm(SEQ, generator=gen)[: SEQ // 3]] = -100
-    labels[2, :] = -100
-    return labels
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -219,12 +146,6 @@ def test_sharded_save_loads_in_transformers_and_megatrain(name: str, tmp_path: P
 
 
 # ---- bad input: one clear sentence, and the model is still usable afterwards ----
-
-def assert_one_sentence(message: str) -> None:
-    assert message.endswith("."), message
-    assert "\n" not in message, message
-    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
-
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, megatrain.Model]]:

@@ -11,35 +11,31 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import dead_segments, my_segments, run_cli
 
-from megatrain.cli import main
 from megatrain.data import DataError
-from megatrain.memory.arena import list_segments, segment_owner_alive
+from pipelines.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dead_segments() -> set[Path]:
-    return {p for p in list_segments() if not segment_owner_alive(p)}
-
-
 def megatrain(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_default_train_learns_and_leaves_nothing(tmp_path) -> None:
-    before = dead_segments()
-    proc = megatrain("train", cwd=tmp_path)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out
+def test_default_train_learns_and_leaves_nothing(ray_session, tmp_path) -> None:
+    before, mine = dead_segments(), my_segments()
+    run = run_cli("train", cwd=tmp_path)  # the driver is this process: what it left would not show as dead
+    out = run.output
+    assert run.returncode == 0, out
     summary = next(line for line in out.splitlines() if line.startswith("trained 300 steps"))
     first, last = (float(x) for x in summary.split("loss ")[1].split(" -> "))
     assert last < first - 1.5, summary  # visibly learning the synthetic data
     assert (tmp_path / "runs/tiny/final/model.safetensors").exists()
     assert len(list((tmp_path / "runs/tiny/checkpoints").iterdir())) == 3
-    assert dead_segments() <= before, "the run left shared memory behind"
+    assert dead_segments() <= before and my_segments() <= mine, "the run left shared memory behind"
 
 
 @pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
@@ -70,9 +66,9 @@ def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message) -> None:
     before = dead_segments()
-    proc = megatrain("train", "--steps", "2", *args, cwd=tmp_path)
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 2, out
+    run = run_cli("train", "--steps", "2", *args, cwd=tmp_path)
+    out = run.output
+    assert run.returncode == 2, out
     errors = [line for line in out.splitlines() if line.startswith("megatrain: error:")]
     assert len(errors) == 1 and message in errors[0], out
     assert "Traceback" not in out

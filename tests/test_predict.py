@@ -10,19 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.cli import main
 from megatrain.config import ModelConfig
 from megatrain.memory.plan import plan_run
-from megatrain.memory.predict import (
-    CACHE_ENV,
-    Calibration,
-    LayerTiming,
-    auto_optimizer_workers,
-    calibrate,
-    choose,
-    layer_key,
-    predict,
-)
+from megatrain.perf.calibrate import CACHE_ENV, Calibration, LayerTiming, calibrate, layer_key
+from megatrain.perf.predict import auto_optimizer_workers, choose, predict
+from pipelines.cli import main
 
 GiB = 2**30
 
@@ -77,7 +69,7 @@ def test_layers_timed_on_simulated_streams_from_compute_spans() -> None:
     """Where copies run on streams of their own (a GPU; here the CPU's simulation of one) the layers' times are the
     compute stream's spans, so that the weights' round trip through unregistered memory is not counted as compute
     (on the H100 it made a 7B layer read 10x its compute)."""
-    from megatrain.calibrate import time_layers
+    from megatrain.perf.calibrate import time_layers
 
     tiny = ModelConfig.from_name("tiny")
     layer, rest = time_layers(tiny, 1, 32, device="cpu-async:3", budget_s=30)
@@ -167,8 +159,8 @@ def test_plan_json_and_calibrate_command(cache: Path, capsys: pytest.CaptureFixt
 
 
 def test_predicted_beside_measured(tmp_path: Path) -> None:
-    from megatrain.report import PREDICTION_FILE, report
     from megatrain.telemetry import STEPS_FILE, StepStats, append_step
+    from megatrain.telemetry.report import PREDICTION_FILE, report
     from pipelines.engine import StepResult
     from pipelines.train import _progress_fields
 

@@ -11,18 +11,25 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    VOCAB,
+    assert_engine_matches_transformers,
+    assert_matches_hf,
+    assert_one_sentence,
+    batch,
+    build_hf_model,
+    hf_loss_and_grads,
+    make_labels,
+)
 from safetensors import safe_open
-from test_engine import hf_reference
-from test_parity import assert_matches_hf, assert_one_sentence, batch, build_hf_model, hf_loss_and_grads, make_labels
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 import megatrain
 from megatrain import ConfigError
-from megatrain.cli import main
-from megatrain.memory.checkpoint import CheckpointError
+from megatrain.io.checkpoint import CheckpointError
 from megatrain.model.layout import ModelLayout
+from pipelines.cli import main
 
-VOCAB = 128  # test_parity's batches draw token ids below it
 GiB = 2**30
 
 
@@ -177,43 +184,10 @@ def test_a_qwen3_checkpoint_called_llama_is_refused(tmp_path: Path) -> None:
 
 # ---- three Engine steps against transformers + AdamW ----
 
-OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, total_steps=4)
-
-
-def max_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {n: ((ours[n] - want).abs().max() / want.abs().max()).item() for n, want in ref.items()}
-
-
 def test_engine_matches_transformers_and_adamw(ray_session: None, tmp_path: Path) -> None:
     directory = tmp_path / "qwen3"
     build_hf_model(tiny()).save_pretrained(directory)
     assert_engine_matches_transformers(directory)
-
-
-def assert_engine_matches_transformers(directory: Path) -> None:
-    """Three Engine steps (clipping on, labels masked in places) on the HF directory's model, against transformers +
-    torch.optim.AdamW, both judged against an fp64 run of the reference (tests/test_gemma.py runs it too)."""
-    gen = torch.Generator().manual_seed(5)
-    batches = []
-    for _ in range(3):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
-        labels = ids.clone()
-        labels[0, :5] = -100
-        batches.append((ids, labels))
-    with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu", max_grad_norm=1.0,
-                          **OPTIM) as engine:
-        losses = [engine.step(ids, labels) for ids, labels in batches]
-        params = engine.parameters()
-    exact_losses, exact = hf_reference(directory, batches, 1.0, OPTIM, torch.float64)
-    hf_losses, hf_params = hf_reference(directory, batches, 1.0, OPTIM)
-    assert losses == pytest.approx(exact_losses, rel=1e-5)
-    assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
-    assert params.keys() == exact.keys()
-    ours, theirs = max_rel(params, exact), max_rel(hf_params, exact)
-    # fp32 rounding, amplified by Adam where a gradient is near zero, moves both fp32 runs off the exact
-    # result: megatrain must be as close to it as transformers' own fp32 run is (or within 1e-5)
-    too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(1e-5, 2 * theirs[n])}
-    assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
 
 
 # ---- the plan of the real Qwen3-8B ----

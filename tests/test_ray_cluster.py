@@ -11,87 +11,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from helpers import TIMEOUT, assert_nothing_left, dead_segments, free_port, ray_processes
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
-from megatrain.memory.arena import list_segments, segment_owner_alive
 from pipelines import cluster
 from pipelines.cluster import executor_device, resolve_address
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ("train", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
          "--checkpoint-every", "0", "--no-save-final", "--log-every", "1")
-TIMEOUT = 240  # seconds for one subprocess; a hang fails the test instead of the CI job
-
-
-def dead_segments() -> set[Path]:
-    return {p for p in list_segments() if not segment_owner_alive(p)}
-
-
-def ray_processes(tmp: str) -> list[int]:
-    """Live processes started under RAY_TMPDIR=tmp (a Ray's daemons and workers, the drivers of this test)."""
-    mark = f"RAY_TMPDIR={tmp}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
-
-
-def stop_ray(tmp: str, timeout: float = 30.0) -> list[int]:
-    """Kills every process of this RAY_TMPDIR (only those: they are this test's); returns any that survive."""
-    deadline = time.monotonic() + timeout
-    while (pids := ray_processes(tmp)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    return ray_processes(tmp)
-
-
-@pytest.fixture
-def ray_env() -> Iterator[dict[str, str]]:
-    """The environment of one test's Ray: its own RAY_TMPDIR, short because Ray's unix sockets live under it
-    (at most ~107 characters), no RAY_ADDRESS from outside."""
-    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
-    try:
-        yield env
-    finally:
-        stop_ray(tmp)  # after a failure too
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def assert_nothing_left(env: dict[str, str], dead_before: set[Path]) -> None:
-    assert not stop_ray(env["RAY_TMPDIR"]), "Ray processes of this test survive a SIGKILL"
-    assert dead_segments() <= dead_before, "the run left shared memory in /dev/shm"
-
-
-def free_port() -> int:
-    """A port nothing listens on (the kernel's pick, released at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_start_head(env: dict[str, str]) -> str:
@@ -108,7 +45,7 @@ def ray_start_head(env: dict[str, str]) -> str:
 
 
 def megatrain_cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT, start_new_session=True)
 
 
@@ -311,10 +248,10 @@ def test_the_driver_decides_the_executors_device() -> None:
 
 @pytest.mark.parametrize(("device", "given"), [("auto", "cpu"), ("cpu-async:3", "cpu-async:3")])
 def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch, device, given) -> None:
-    from pipelines import engine as engine_module
+    from pipelines import run_actors
 
     received = []
-    options = engine_module.GPUExecutor.options
+    options = run_actors.GPUExecutor.options
 
     class Recording:
         def options(self, **kw):
@@ -327,7 +264,7 @@ def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch
 
             return Remote()
 
-    monkeypatch.setattr(engine_module, "GPUExecutor", Recording())
+    monkeypatch.setattr(run_actors, "GPUExecutor", Recording())
     with megatrain.Engine("tiny", optimizer_workers=1, device=device, batch_size=2, seq_len=16) as engine:
         assert engine.device == "cpu" and not engine.on_gpu
     assert received == [given]

@@ -11,8 +11,8 @@ from megatrain.config import ModelConfig, OptimConfig
 from megatrain.engine.executor import Executor
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena
-from megatrain.memory.store import ParameterStore, init_weights
 from megatrain.model.layout import ModelLayout
+from megatrain.store import ParameterStore, init_weights
 
 CONFIG = ModelConfig.from_name("tiny")
 

@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parity import FAMILIES, assert_matches_hf, batch, build_hf_model, hf_loss_and_grads, make_labels
+from helpers import FAMILIES, assert_matches_hf, batch, build_hf_model, hf_loss_and_grads, make_labels
 
 import megatrain
 from megatrain.config import ModelConfig
 from megatrain.engine import executor as executor_module
-from megatrain.engine.executor import GRAD_SETS_IN_FLIGHT, Executor, WeightSlots
+from megatrain.engine import grad_egress
+from megatrain.engine.executor import Executor
+from megatrain.engine.grad_egress import GradEgress, Landing
 from megatrain.engine.streams import SimulatedStreams, StreamOrderError, make_streams
-from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.engine.weight_slots import WeightSlots
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout, Unit
 from megatrain.model.templates import recompute_grads
 
 SEEDS = [0, 1, 2]  # CI; the slow marker runs SLOW_SEEDS
@@ -109,7 +112,7 @@ def test_device_strings() -> None:
 # ---- the executor under the simulator ----
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("gqa")
     build_hf_model(FAMILIES["llama-gqa"]()).save_pretrained(directory)
     return directory
@@ -131,8 +134,8 @@ def _loss_and_grads(directory: Path, device: str, precision: str = "fp32") -> tu
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2-tied"])
-def test_parity_with_transformers_under_simulated_streams(hf_dir, tied_dir, model, seed) -> None:
-    directory = hf_dir if model == "llama-gqa" else tied_dir
+def test_parity_with_transformers_under_simulated_streams(gqa_dir, tied_dir, model, seed) -> None:
+    directory = gqa_dir if model == "llama-gqa" else tied_dir
     hf = build_hf_model(FAMILIES[model]())
     input_ids = batch()
     labels = make_labels("masked", input_ids)
@@ -144,10 +147,10 @@ def test_parity_with_transformers_under_simulated_streams(hf_dir, tied_dir, mode
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_bf16_under_simulated_streams_equals_the_cpu_path(hf_dir, seed) -> None:
+def test_bf16_under_simulated_streams_equals_the_cpu_path(gqa_dir, seed) -> None:
     """bf16 compute from fp32 weights: the staging buffer and the cast on the copy stream."""
-    loss, grads = _loss_and_grads(hf_dir, f"cpu-async:{seed}", "bf16")
-    sync_loss, sync_grads = _loss_and_grads(hf_dir, "cpu", "bf16")
+    loss, grads = _loss_and_grads(gqa_dir, f"cpu-async:{seed}", "bf16")
+    sync_loss, sync_grads = _loss_and_grads(gqa_dir, "cpu", "bf16")
     assert torch.equal(loss, sync_loss) and all(torch.equal(grads[k], sync_grads[k]) for k in grads)
 
 
@@ -171,39 +174,39 @@ def _fetch_without_waiting_for_compute(self: WeightSlots, unit: Unit, keep: Unit
 original_fetch = WeightSlots.fetch
 
 
-def _finish_without_waiting(self: Executor, landing: executor_module.Landing) -> None:
+def _finish_without_waiting(self: GradEgress, landing: Landing) -> None:
     landing.event = None  # the host reads the gradient before its copy out has landed
     original_finish(self, landing)
 
 
-original_finish = Executor._finish
+original_finish = GradEgress._finish
 
 
 @pytest.mark.parametrize(("target", "replacement", "failure"), [
     (WeightSlots, ("acquire", _acquire_without_waiting), "nan"),
     (WeightSlots, ("fetch", _fetch_without_waiting_for_compute), StreamOrderError),
-    (Executor, ("_finish", _finish_without_waiting), "nan"),
+    (GradEgress, ("_finish", _finish_without_waiting), "nan"),
 ], ids=["compute-reads-weights-early", "h2d-overwrites-a-buffer-in-use", "host-reads-gradients-early"])
-def test_a_removed_wait_fails_the_parity_test(hf_dir, monkeypatch, target, replacement, failure) -> None:
+def test_a_removed_wait_fails_the_parity_test(gqa_dir, monkeypatch, target, replacement, failure) -> None:
     monkeypatch.setattr(target, *replacement)
     if failure is StreamOrderError:
         with pytest.raises(StreamOrderError):
-            _loss_and_grads(hf_dir, "cpu-async:0")
+            _loss_and_grads(gqa_dir, "cpu-async:0")
         return
     try:
-        loss, grads = _loss_and_grads(hf_dir, "cpu-async:0")
+        loss, grads = _loss_and_grads(gqa_dir, "cpu-async:0")
     except RuntimeError as e:  # the late copy landed inside a recompute: autograd saw its weights change
         assert "modified by an inplace operation" in str(e)
     else:
         assert not (loss.isfinite() and all(g.isfinite().all() for g in grads.values())), \
             "the poisoned buffer was read: NaN somewhere in the loss or the gradients"
-    _loss_and_grads(hf_dir, "cpu")  # the same variant passes on the synchronous path: only asynchrony shows it
+    _loss_and_grads(gqa_dir, "cpu")  # the same variant passes on the synchronous path: only asynchrony shows it
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_parity_under_many_seeds_of_delays(hf_dir, tied_dir, seed) -> None:
-    for directory in (hf_dir, tied_dir):
+def test_parity_under_many_seeds_of_delays(gqa_dir, tied_dir, seed) -> None:
+    for directory in (gqa_dir, tied_dir):
         loss, grads = _loss_and_grads(directory, f"cpu-async:{seed}")
         sync_loss, sync_grads = _loss_and_grads(directory, "cpu")
         assert torch.equal(loss, sync_loss) and all(torch.equal(grads[k], sync_grads[k]) for k in grads)
@@ -273,7 +276,7 @@ def test_gradient_sets_on_the_device_never_exceed_the_plan(small, seed, monkeypa
 def test_without_the_bound_the_host_runs_ahead(small, monkeypatch) -> None:
     """The check above can fail: with no bound, gradients pile up behind the slow optimizer."""
     layout, params, batch_ = small
-    monkeypatch.setattr(executor_module, "GRAD_SETS_IN_FLIGHT", 100)
+    monkeypatch.setattr(grad_egress, "GRAD_SETS_IN_FLIGHT", 100)
     peak, _ = _run_with_a_slow_optimizer(layout, params, batch_, 0, monkeypatch)
     assert peak > GRAD_SETS_IN_FLIGHT
 

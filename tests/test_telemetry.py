@@ -12,9 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain import telemetry
-from megatrain.cli import main
-from megatrain.report import COLORS, ReportError, main_report, render_timeline, report
 from megatrain.telemetry import (
     STEPS_FILE,
     TRACE_FILE,
@@ -31,6 +28,8 @@ from megatrain.telemetry import (
     write_chrome_trace,
     write_png,
 )
+from megatrain.telemetry.report import COLORS, ReportError, main_report, render_timeline, report
+from pipelines.cli import main
 
 LAYERS = 3
 STAGES = [("h2d", "load"), ("compute", "forward"), ("compute", "recompute+backward"), ("d2h", "grads")]
@@ -440,7 +439,7 @@ def test_report_errors_are_one_sentence(tmp_path, capsys):
     assert "Step 9 is not in" in reason(step=9)
     assert main_report(str(tmp_path), 1) == 0
     assert "timeline of step 1" in capsys.readouterr().out
-    assert telemetry.main_report(str(tmp_path), None) == 0  # the name the CLI calls
+    assert main_report(str(tmp_path), None) == 0  # the CLI's call without --step: the last traced step
     assert "timeline of step 1" in capsys.readouterr().out
 
 

@@ -5,19 +5,15 @@
     batch = loader.next_batch()  # {"input_ids": int64 [8, 256], "labels": int64 [8, 256]}, labels unshifted
 """
 
+from megatrain.data.config import DataConfig
+from megatrain.data.documents import Doc, Document, Source
 from megatrain.data.formats import RECORD_FORMATS
-from megatrain.data.loader import BatchLoader, DataConfig
+from megatrain.data.loader import BatchLoader
 from megatrain.data.packing import IGNORE, RowPacker, Sample, make_sample
-from megatrain.data.sources import (
-    Doc,
-    Document,
-    DocumentStream,
-    EvalSplit,
-    Source,
-    find_data_files,
-    open_source,
-    synthetic_document,
-)
+from megatrain.data.sources import find_data_files, open_source
+from megatrain.data.split import EvalSplit
+from megatrain.data.stream import DocumentStream
+from megatrain.data.synthetic import synthetic_document
 from megatrain.data.tokenizers import ByteTokenizer, DataError, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatrain.data.sources import Doc
+from megatrain.data.documents import Doc
 from megatrain.data.tokenizers import DataError, Tokenizer
 
 IGNORE = -100  # HF / torch cross-entropy ignore_index

@@ -21,14 +21,13 @@ the orderings a real GPU allows into failures:
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import random
 import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,11 +102,6 @@ class Streams:
         """A host tensor a copy stream may read or write asynchronously (page-locked on a GPU)."""
         return torch.empty(shape, dtype=dtype)
 
-    @contextlib.contextmanager
-    def on(self, stream: Any) -> Iterator[None]:
-        """Kernels launched inside go to `stream` (CUDA only; elsewhere work runs where it is called)."""
-        yield
-
     def synchronize(self) -> None:
         """Waits until every stream has run everything queued on it."""
 
@@ -155,11 +149,6 @@ class CudaStreams(Streams):
 
     def pinned(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-    @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream) -> Iterator[None]:
-        with torch.cuda.stream(stream):
-            yield
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -237,8 +237,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         grads_numel = arena_numel
     else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
         grads_numel = GradLayout.ring_numel(layout, config.num_layers)
-    # the layer inputs the backward recomputes from (megatrain/engine/checkpoints.py): the top ones kept on the
-    # device within the budget, the rest in page-locked host buffers, crossing in two device buffers
+    # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py): the top ones kept
+    # on the device within the budget, the rest in page-locked host buffers, crossing in two device buffers
     checkpoint = tokens * h * act_bytes
     entries = config.num_layers * together  # one per layer and micro-batch
     kept_layers = entries if checkpoint_budget is None else min(entries, checkpoint_budget // max(checkpoint, 1))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model import ops
 from megatrain.model.llama import REQUIRED_KEYS, attention_tensors, hf_flag, hf_number, hf_shape
+from megatrain.model.registry import register
 from megatrain.model.templates import Spans, Weights, project_qkv, recompute_grads
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -318,8 +319,8 @@ class GemmaFamily:
         return hf
 
 
-GEMMA2 = GemmaFamily("gemma2", "Gemma2ForCausalLM")
-GEMMA3 = GemmaFamily("gemma3_text", "Gemma3ForCausalLM")
+GEMMA2 = register(GemmaFamily("gemma2", "Gemma2ForCausalLM"))
+GEMMA3 = register(GemmaFamily("gemma3_text", "Gemma3ForCausalLM"))
 
 
 class GemmaLayer:

@@ -29,74 +29,21 @@ import functools
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.hf_config import causal_lm_types, check_generic, hf_config_object, transformers_module
+from megatrain.model.registry import register_fallback
 from megatrain.model.templates import Weights
 
 LAYERS_PREFIX = "model.layers."
 # what transformers' Trainer leaves out of weight decay, by name: biases and norms
 NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.", "lm_head.weight"
-
-
-def transformers_module() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("this model runs on megatrain's generic path, which needs transformers; install it with "
-                          "pip install -e '.[hf]'.") from None
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise ConfigError(f"megatrain's generic path needs transformers 5 or later (its weight conversion mapping), "
-                          f"found {transformers.__version__}; upgrade it with pip install -e '.[hf]'.")
-    return transformers
-
-
-def causal_lm_types() -> dict[str, str]:
-    """model_type -> class name of every causal LM transformers knows."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def check_generic(hf: dict[str, Any]) -> None:
-    """ConfigError, in one sentence, for a config.json the generic path cannot train."""
-    model_type = hf.get("model_type")
-    transformers_module()
-    if hf.get("auto_map") and model_type not in causal_lm_types():
-        raise ConfigError(f"model_type {model_type!r} needs trust_remote_code (its code ships with the checkpoint), "
-                          "which megatrain never runs; use a model transformers implements.")
-    if hf.get("is_encoder_decoder"):
-        raise ConfigError(f"model_type {model_type!r} is an encoder-decoder model; megatrain trains decoder-only "
-                          "causal language models.")
-    if model_type not in causal_lm_types():
-        raise ConfigError(f"model_type {model_type!r} is no decoder-only causal language model transformers "
-                          "knows; megatrain cannot train it.")
-
-
-def check_not_quantized(hf: dict[str, Any], directory: Any) -> None:
-    """ConfigError for a checkpoint whose weights are stored quantized: megatrain trains fp32 master weights and
-    reads the stored tensors as they are, so they must be dequantized (and saved) first."""
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise ConfigError(f"{directory} holds {method}-quantized weights, which megatrain cannot train from; "
-                          "dequantize them first (transformers: from_pretrained with the quantization config's "
-                          "dequantize=True, then save_pretrained) and drop quantization_config from config.json.")
-
-
-def hf_config_object(hf: dict[str, Any]) -> Any:
-    """transformers' config object for a parsed config.json."""
-    transformers = transformers_module()
-    fields = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
-    try:
-        return transformers.AutoConfig.for_model(hf["model_type"], **fields)
-    except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"transformers refuses this {hf['model_type']} config.json ({e}); fix config.json.") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,17 +90,42 @@ def check_layout(model: nn.Module, tied: bool) -> None:
         raise ConfigError(f"{type(model).__name__} has parameters outside megatrain's decoder layout "
                           f"({', '.join(others[:4])}); its generic path cannot train this model.")
     for i, layer in enumerate(_base(model).layers):
-        if any(True for _ in layer.buffers()):
-            raise ConfigError(f"{type(model).__name__}'s layer {i} keeps buffers (state across calls); megatrain's "
-                              "generic path runs layers statelessly and cannot train this model.")
+        made_at_init = sorted(set(dict(layer.named_buffers())) - set(layer_buffers(layer)))
+        if made_at_init:
+            raise ConfigError(f"{type(model).__name__}'s layer {i} keeps buffers that its checkpoint does not hold "
+                              f"({', '.join(made_at_init[:3])}); megatrain's generic path runs layers statelessly "
+                              "from streamed tensors and cannot train this model.")
+
+
+def layer_buffers(layer: nn.Module) -> list[str]:
+    """A layer's persistent buffers (a router's correction bias, say): constants its checkpoint holds, which stream
+    with the layer's weights as frozen tensors. The non-persistent ones are made at init, not loaded."""
+    saved = set(layer.state_dict(keep_vars=True))
+    return [name for name, _ in layer.named_buffers() if name in saved]
+
+
+# attributes that only say where a layer sits (a KV cache's index): layers differing in these alone are interchangeable
+INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def layer_structure(model: nn.Module, index: int) -> tuple[Any, ...]:
-    """What makes two layers interchangeable: class, parameter names and shapes, layer type."""
+    """What makes two layers interchangeable: class, parameter and buffer names and shapes, layer type, and every
+    plain attribute of every module inside (a no-rope flag, a per-layer constant such as DiffLlama's lambda_init)."""
     layer = _base(model).layers[index]
     types = getattr(model.config, "layer_types", None)
     kind = types[index] if isinstance(types, (list, tuple)) and index < len(types) else None
-    return (type(layer).__name__, kind, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    attributes = tuple((name, type(m).__name__, tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                                                             if not k.startswith("_") and k != "training"
+                                                             and k not in INDEX_ATTRIBUTES and _plain(v))))
+                       for name, m in layer.named_modules())
+    tensors = tuple((n, tuple(t.shape)) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+    return (type(layer).__name__, kind, tensors, attributes)
 
 
 class GenericFamily:
@@ -165,7 +137,7 @@ class GenericFamily:
 
     @property
     def model_types(self) -> tuple[str, ...]:
-        return ()  # any: families.family_of asks `supports`
+        return ()  # any: registry.family_of asks `supports`
 
     def supports(self, model_type: str) -> bool:
         try:
@@ -215,17 +187,22 @@ class GenericFamily:
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
         assert c.hf_config is not None
         layer = _base(meta_model(c.hf_config)).layers[index]
-        return [(name, tuple(p.shape), not NO_DECAY.search(name)) for name, p in layer.named_parameters()]
+        buffers = dict(layer.named_buffers())
+        return [(name, tuple(p.shape), not NO_DECAY.search(name)) for name, p in layer.named_parameters()] + [
+            (name, tuple(buffers[name].shape), False) for name in layer_buffers(layer)]  # frozen: never a gradient
 
     def num_params(self, c: ModelConfig) -> int:
         assert c.hf_config is not None
-        return sum(p.numel() for p in meta_model(c.hf_config).parameters())
+        model = meta_model(c.hf_config)
+        frozen = sum(dict(layer.named_buffers())[name].numel() for layer in _base(model).layers
+                     for name in layer_buffers(layer))
+        return sum(p.numel() for p in model.parameters()) + frozen  # what the arena holds
 
     def architecture(self, c: ModelConfig) -> GenericArchitecture:
         return GenericArchitecture(c)
 
 
-GENERIC = GenericFamily()
+GENERIC = register_fallback(GenericFamily())
 
 
 class _InjectGrad(torch.autograd.Function):
@@ -305,12 +282,15 @@ class GenericLayer:
 
     def __init__(self, module: nn.Module, arch: GenericArchitecture):
         self.module, self.arch = module, arch
+        self.frozen = tuple(layer_buffers(module))  # constants from the checkpoint: no gradient, so never updated
         aux = arch.aux
         self.routers = [] if aux is None else [m for m in module.modules() if isinstance(m, aux.router_class)]
         self.dropout = arch.dropout or any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
     def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
         recorded: list[torch.Tensor] = []
+        if self.frozen:
+            w = {**w, **{name: w[name].detach() for name in self.frozen}}
         with self._rng(call, x.device), self._routers(recorded):
             out = torch.func.functional_call(self.module, w, (x,), call.kwargs, strict=True)
         y = out[0] if isinstance(out, tuple) else out
@@ -466,34 +446,3 @@ class GenericArchitecture:
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
         params = {name[len("norm."):]: w for name, w in weights.items()}
         return torch.func.functional_call(self.norm, params, (x,), strict=True)
-
-
-def checkpoint_tensors(hf: dict[str, Any], stored: Iterable[tuple[str, Callable[[], torch.Tensor]]]
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's own (name, tensor) pairs from a checkpoint's (name, read) pairs, converted as transformers converts
-    them on loading (Mixtral's per-expert w1/w2/w3 into fused expert tensors, say): its own conversion mapping, run
-    on one target tensor at a time, so a checkpoint is never held in memory whole. Names the mapping does not know
-    pass through unchanged (for the loader to refuse)."""
-    import copy
-
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    model = meta_model(hf)
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    own = model.state_dict()
-    pending: dict[str, Any] = {}  # target name -> its converter, collecting its sources' readers
-    for name, read in stored:
-        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, own)
-        if target not in own and name in own:
-            target, pattern = name, None
-        if pattern is None:
-            yield target, read()
-        else:
-            pending.setdefault(target, copy.deepcopy(by_pattern[pattern])).add_tensor(target, name, pattern, read)
-    for target, converter in pending.items():
-        yield from converter.convert(target, model=model, config=model.config).items()
-        converter.collected_tensors.clear()

@@ -158,7 +158,7 @@ class NodeShard:
 GRAD_RING_SLOTS = 4  # decoder-layer gradient slots on the host when gradients stream (see GradLayout)
 # Decoder-layer gradient sets alive on the device at once, the one being computed included (the memory plan
 # counts this many): outside grads = "device" the backward waits before computing a layer's gradients until
-# fewer are still on their way to the host (megatrain/engine/executor.py).
+# fewer are still on their way to the host (megatrain/engine/grad_egress.py).
 GRAD_SETS_IN_FLIGHT = 2
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model.architecture import LlamaArchitecture
+from megatrain.model.registry import register
 
 # HF config.json keys every family here needs: the shape of the model
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -228,4 +229,4 @@ class LlamaFamily:
         return hf
 
 
-LLAMA = LlamaFamily()
+LLAMA = register(LlamaFamily())

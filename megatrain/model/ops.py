@@ -209,6 +209,11 @@ def shift_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.
     return shifted
 
 
+def labelled_tokens(targets: torch.Tensor) -> int:
+    """How many of `targets` carry a label (are not IGNORE_INDEX): the tokens a mean loss is over."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
 def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, scale: float,
                                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token cross-entropy of one chunk (hidden [n, h], targets [n], IGNORE_INDEX skipped) and the

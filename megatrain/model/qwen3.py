@@ -14,6 +14,7 @@ from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model.llama import LlamaFamily, hf_flag
+from megatrain.model.registry import register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -68,4 +69,4 @@ class Qwen3Family(LlamaFamily):
                 "max_window_layers": c.num_layers}
 
 
-QWEN3 = Qwen3Family()
+QWEN3 = register(Qwen3Family())

@@ -195,12 +195,14 @@ def embed_backward(grad_x: torch.Tensor, row_index: torch.Tensor, num_rows: int)
 
 def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Weights, grad_out: torch.Tensor,
                     *args: object) -> tuple[torch.Tensor, Weights]:
-    """Reruns fn(x, weights, *args) with grad and returns (dL/dx, {name: dL/dw})."""
+    """Reruns fn(x, weights, *args) with grad and returns (dL/dx, {name: dL/dw}). A weight the computation did not
+    use (an MoE expert no token of this batch was routed to) has a zero gradient."""
     x = x.detach().requires_grad_(True)
     leaves = {name: w.detach().requires_grad_(True) for name, w in weights.items()}
     with torch.enable_grad():
         y = fn(x, leaves, *args)
-    grads = torch.autograd.grad(y, [x, *leaves.values()], grad_out)
+    grads = torch.autograd.grad(y, [x, *leaves.values()], grad_out, allow_unused=True,
+                                materialize_grads=True)
     return grads[0], dict(zip(leaves, grads[1:], strict=True))
 
 
@@ -224,7 +226,7 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
     flat_t = targets.reshape(-1)
     host_t = flat_t if host_targets is None else host_targets.reshape(-1)
     if n_valid is None:
-        n_valid = int((host_t != ops.IGNORE_INDEX).sum())
+        n_valid = ops.labelled_tokens(host_t)
     if n_valid == 0:
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)

@@ -7,6 +7,8 @@
     with rec.span("compute", "forward", layer, stream=compute_stream): x = layer(x, buffer)
     stats = rec.end_step()               # compute + waits + other == step_time
     append_step(stats, run_dir / STEPS_FILE); write_chrome_trace(rec.spans, run_dir / TRACE_FILE)
+
+`megatrain report` reads what these write (megatrain/telemetry/report.py, imported by name: it is not re-exported).
 """
 
 from megatrain.telemetry.png import png_bytes, write_png
@@ -33,17 +35,9 @@ from megatrain.telemetry.trace import (
     write_chrome_trace,
 )
 
-
-def main_report(run_dir: str, step: int | None = None) -> int:
-    """`megatrain report RUN_DIR`: see megatrain.report (imported here lazily: it imports this package)."""
-    from megatrain.report import main_report as run
-
-    return run(run_dir, step)
-
-
 __all__ = [
     "DEVICE_LANES", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder", "Span",
-    "StepStats", "account", "append_step", "chrome_trace_to_spans", "main_report", "executor_lanes", "optimizer_lane",
+    "StepStats", "account", "append_step", "chrome_trace_to_spans", "executor_lanes", "optimizer_lane",
     "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
     "write_png",
 ]

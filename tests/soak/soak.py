@@ -39,7 +39,10 @@ def run(args: argparse.Namespace, batches: list[torch.Tensor], out: Path, inject
             killer = None
             if inject and step == next_kill:
                 victim = rng.choice(["executor", "worker"])
-                pid = engine.executor_pid() if victim == "executor" else rng.choice(engine.worker_pids())
+                if victim == "executor":  # each actor tells its own pid
+                    pid = ray.get(engine.executor.pid.remote())
+                else:
+                    pid = rng.choice(ray.get([w.pid.remote() for w in engine.workers]))
                 killer = threading.Timer(rng.uniform(0.0, 0.05), os.kill, (pid, signal.SIGKILL))
                 killer.start()
                 injected += 1

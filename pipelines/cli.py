@@ -130,8 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The plan of the run `megatrain train` would make with the same config file and flags."""
     from megatrain.config import ConfigError, EngineConfig, OptimConfig
     from megatrain.memory.plan import gpu_free_here, longest_seq, pick_micro_batches, plan_run
-    from megatrain.memory.predict import choose, predict
-    from megatrain.memory.store import resolve_model
+    from megatrain.perf.predict import choose, predict
+    from megatrain.store import resolve_model
     from pipelines.train import TrainConfig
 
     workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
@@ -217,7 +217,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _calibration(on_gpu: bool, config: Any, cfg: Any, fresh: bool) -> Any:
     """The cached calibration of the device the plan is for; with `fresh`, where none is cached (or it lacks this
     model's layers), a quick one (~20 s), cached. None on a GPU plan made without a GPU here."""
-    from megatrain.memory.predict import Calibration, calibrate, device_name, layer_key
+    from megatrain.perf.calibrate import Calibration, calibrate, device_name, layer_key
 
     if on_gpu and not _cuda():
         return None
@@ -252,9 +252,9 @@ def _plan_json(plan: Any, prediction: Any, cal: Any, longest: int, fits: bool, w
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Measures this machine for predicted step times and caches it (megatrain/memory/predict.py)."""
-    from megatrain.memory.predict import Calibration, calibrate, device_name
-    from megatrain.memory.store import resolve_model
+    """Measures this machine for predicted step times and caches it (megatrain/perf/calibrate.py)."""
+    from megatrain.perf.calibrate import Calibration, calibrate, device_name
+    from megatrain.store import resolve_model
 
     device = args.device or ("cuda" if _cuda() else "cpu")
     config = resolve_model(args.model)[0] if args.model else None
@@ -288,7 +288,7 @@ def _cuda() -> bool:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from megatrain.memory.arena import list_segments, remove_stale_segments
-    from pipelines.engine import reap_orphaned_ray_agents
+    from pipelines.cluster import reap_orphaned_ray_agents
 
     logging.disable(logging.INFO)  # what the cleanup functions log, this command prints itself
     try:
@@ -307,13 +307,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from megatrain.telemetry import main_report
+    from megatrain.telemetry.report import main_report
 
     return main_report(args.run_dir, args.step)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from megatrain.doctor import main as main_doctor
+    from pipelines.doctor import main as main_doctor
 
     return main_doctor(args.address, args.json)
 

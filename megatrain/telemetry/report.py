@@ -16,18 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from megatrain.config import MegatrainError
-from megatrain.telemetry import (
-    STEP_LANE,
-    STEPS_FILE,
-    TRACE_FILE,
-    WAIT_LANE,
-    Span,
-    StepStats,
-    read_chrome_trace,
-    read_steps,
-    write_png,
-)
-from megatrain.telemetry.png import GLYPH_H, draw_text, fill_rect, text_width
+from megatrain.telemetry.png import GLYPH_H, draw_text, fill_rect, text_width, write_png
+from megatrain.telemetry.recorder import STEP_LANE, WAIT_LANE, Span, StepStats
+from megatrain.telemetry.trace import STEPS_FILE, TRACE_FILE, read_chrome_trace, read_steps
 
 TIMELINE_FILE = "timeline.png"
 TABLE_ROWS = 50  # steps shown in the table; the mean row covers all of them

@@ -1,4 +1,5 @@
-"""The parameter store: owns the arena's lifetime, the layout, weight init, and checkpoints.
+"""The parameter store: owns the arena's lifetime, the layout, weight init, and checkpoints (their files:
+megatrain/io/checkpoint.py).
 
 Plain class; `actors/parameter_store.py` is its Ray shell. Checkpoints are HF-named safetensors (so
 `model.safetensors` of a training checkpoint is also a loadable HF model) plus the Adam moments, the
@@ -18,10 +19,11 @@ from typing import Any
 import torch
 
 from megatrain.config import PRESETS, ConfigError, ModelConfig
-from megatrain.memory import checkpoint as ckpt
+from megatrain.distributed.node_exchange import NodeGroup
+from megatrain.io import checkpoint as ckpt
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
-from megatrain.memory.nodes import NodeGroup
 from megatrain.memory.plan import plan_memory
+from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ class ParameterStore:
         `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory but
         the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
         executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
-        whole weights, 1/nodes of the Adam moments; megatrain/memory/nodes.py keeps the weights equal)."""
+        whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal)."""
         self.config, self.source_dir, self.name = resolve_model(model)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
@@ -151,7 +153,7 @@ class ParameterStore:
 
     def version_range(self) -> tuple[int, int]:
         """(min, max) of the version table: the update every unit has, and the newest any part of one has."""
-        return int(self.versions.min()), int(self.versions.max())
+        return VersionTable(self.versions).range()
 
     def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
         return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [])

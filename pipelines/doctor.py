@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from megatrain.calibrate import arena_copy_rates, config_for_params, fused_adamw_seconds
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHM_DIR, list_segments, segment_owner_alive
 from megatrain.memory.plan import GiB, host_available
 from megatrain.model.layout import ModelLayout
+from megatrain.perf.calibrate import arena_copy_rates, config_for_params, fused_adamw_seconds
 
 log = logging.getLogger(__name__)
 

@@ -17,17 +17,15 @@ memory over the executors' group, which today sends gradients only.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatrain.config import MegatrainError
+from megatrain.distributed.process_group import join_process_group, leave_process_group
+from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import ModelLayout, NodeShard, aligned_split
-
-POLL_SECONDS = 0.0005
 
 
 @dataclass
@@ -40,15 +38,10 @@ class NodeGroup:
     @classmethod
     def join(cls, shard: NodeShard, address: str, timeout_s: float = 600.0) -> NodeGroup:
         """Joins the stores' process group at `address` (tcp://host:port of node 0's store)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        try:
-            dist.init_process_group("gloo", init_method=address, rank=shard.node, world_size=shard.nodes,
-                                    timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # torch names the rendezvous, not what to do about it
-            raise MegatrainError(f"the parameter store of node {shard.node} of {shard.nodes} could not reach the "
-                                 f"others at {address} ({e}); check that the nodes reach each other over TCP "
-                                 "(firewall, the address Ray gave node 0).") from None
+        join_process_group("gloo", address, shard.node, shard.nodes, timeout_s,
+                           lambda e: f"the parameter store of node {shard.node} of {shard.nodes} could not reach the "
+                                     f"others at {address} ({e}); check that the nodes reach each other over TCP "
+                                     "(firewall, the address Ray gave node 0).")
         return cls(shard, timeout_s)
 
     def sync_weights(self, layout: ModelLayout, step: int, params: torch.Tensor, versions: torch.Tensor,
@@ -56,8 +49,9 @@ class NodeGroup:
         """After update `step` (0-based): every node's part of each unit broadcast to the others (see the module
         doc). versions: [units, workers + 1], the last column written here."""
         nodes, me = self.shard.nodes, self.shard.node
+        table = VersionTable(versions)
         for unit in layout.units:
-            self._wait_updated(versions[unit.index, :-1], step + 1, unit.index)
+            self._wait_updated(table, step + 1, unit.index)
             for owner in range(nodes):
                 lo, hi = aligned_split(unit.numel, owner, nodes)
                 part = params[unit.offset + lo : unit.offset + hi]
@@ -65,17 +59,14 @@ class NodeGroup:
                     dist.broadcast(part, src=owner)
                 if owner != me and shadow is not None:  # the owner's workers rounded their own part
                     shadow[unit.offset + lo : unit.offset + hi].copy_(part)
-            versions[unit.index, -1] = step + 1
+            table.set(unit.index, -1, step + 1)
 
-    def _wait_updated(self, row: torch.Tensor, version: int, unit: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while int(row.min()) < version:
-            if time.monotonic() > deadline:
-                raise MegatrainError(f"node {self.shard.node}'s optimizer workers did not apply update {version} "
-                                     f"to unit {unit} within {self.timeout_s:g} s; check the Ray dashboard for a "
-                                     "dead or stuck optimizer worker.")
-            time.sleep(POLL_SECONDS)
+    def _wait_updated(self, table: VersionTable, version: int, unit: int) -> None:
+        """Until this node's workers (every column but the last) applied update `version` to `unit`."""
+        if not table.wait(unit, version, columns=slice(None, -1), timeout=self.timeout_s):
+            raise MegatrainError(f"node {self.shard.node}'s optimizer workers did not apply update {version} "
+                                 f"to unit {unit} within {self.timeout_s:g} s; check the Ray dashboard for a "
+                                 "dead or stuck optimizer worker.")
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

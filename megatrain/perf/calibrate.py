@@ -1,22 +1,163 @@
-"""Measurements of this machine: host <-> GPU copy rates from the arena, and the fused AdamW kernel's speed.
+"""Measuring this machine: `calibrate` (the one entry point, which `megatrain calibrate` and `megatrain plan` call)
+times the copy rates, the matmul rate, fused AdamW and a model's layers, into a Calibration cached as JSON, from which
+megatrain/perf/predict.py predicts step times.
 
-`megatrain doctor` runs them small; benchmarks/pcie.py and benchmarks/optimizer.py run them at full size and
-print tables. `megatrain calibrate` (megatrain/memory/predict.py: calibrate) runs them beside the matmul rate,
-a host memcpy and a model's layers timed in an Executor, to predict step times.
+    cal = Calibration.load(device_name("cpu")) or calibrate("cpu", config, batch=2, seq=256)
+    cal.save()
+
+`megatrain doctor` runs the copy and AdamW timings small; benchmarks/pcie.py and benchmarks/optimizer.py run them at
+full size and print tables.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from megatrain.config import ModelConfig, OptimConfig
 from megatrain.memory.arena import Arena
 from megatrain.model.layout import ModelLayout
+
+CACHE_ENV = "MEGATRAIN_CALIBRATION"  # a file path: where the calibration is read and written (tests, benchmarks)
+MAX_CALIBRATED_WORKERS = 16
+
+# ---- the calibration: what was measured ----
+
+
+@dataclass
+class LayerTiming:
+    """One model shape's compute at one micro-batch, timed by an in-process Executor on this device."""
+
+    layer_s: float  # one decoder layer: forward + recompute + backward, its gradients' norm and copy out
+    rest_s: float  # the embedding, the head (forward and backward) and a pass's fixed cost
+
+
+@dataclass
+class Calibration:
+    device: str  # "cpu", or the GPU's name
+    host: str
+    created: float  # time.time() of the measurement
+    cores: int
+    compute_threads: int  # torch threads the executor computes with (the CPU path: every core)
+    h2d_gbps: float | None  # registered arena -> device, 10^9 B/s; None: no copies (the CPU path)
+    d2h_gbps: float | None
+    memcpy_gbps: float  # host memory to host memory (the CPU path's gradient copies into the arena)
+    matmul_tflops: dict[str, float] = field(default_factory=dict)  # precision -> TFLOP/s
+    adamw_gparams: dict[str, float] = field(default_factory=dict)  # optimizer workers (as text) -> G params/s
+    layers: dict[str, LayerTiming] = field(default_factory=dict)  # layer_key(...) -> timing
+    data_s_per_token: float = 0.0
+
+    # ---- cache ----
+    @staticmethod
+    def path(device: str) -> Path:
+        if os.environ.get(CACHE_ENV):
+            return Path(os.environ[CACHE_ENV])
+        slug = "".join(c if c.isalnum() else "-" for c in device.lower())
+        return Path.home() / ".cache" / "megatrain" / f"calibration-{socket.gethostname()}-{slug}.json"
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or self.path(self.device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)  # a reader never sees half a file
+        return path
+
+    @classmethod
+    def load(cls, device: str, path: Path | None = None) -> Calibration | None:
+        """The cached calibration of `device` on this host, or None (none yet, or unreadable)."""
+        path = path or cls.path(device)
+        try:
+            raw = json.loads(path.read_text())
+            raw["layers"] = {k: LayerTiming(**v) for k, v in raw.get("layers", {}).items()}
+            cal = cls(**raw)
+        except (OSError, ValueError, TypeError):
+            return None
+        return cal if cal.device == device else None
+
+    def adamw_rate(self, workers: int) -> float:
+        """G params/s of `workers` optimizer workers: the measured count, else the nearest one below (more
+        workers than measured gain nothing more)."""
+        counts = sorted(int(k) for k in self.adamw_gparams)
+        below = [c for c in counts if c <= workers] or counts[:1]
+        return self.adamw_gparams[str(below[-1])] if below else math.nan
+
+
+def device_name(device: str) -> str:
+    """The calibration's device: "cpu", or the CUDA device's name."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def layer_key(config: ModelConfig, batch: int, seq: int, precision: str) -> str:
+    """Names a model's layer shape (whatever its depth) at one micro-batch and precision."""
+    shape = {k: v for k, v in config.to_dict().items() if k != "num_layers"}
+    digest = hashlib.sha1(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"{config.model_type}-{config.hidden_size}-{digest}|{batch}x{seq}|{precision}"
+
+
+# ---- measuring: the entry point ----
+
+def calibrate(device: str = "cpu", config: ModelConfig | None = None, *, batch: int = 1, seq: int = 512,
+              precision: str = "tf32", max_seconds: float = 60.0, base: Calibration | None = None) -> Calibration:
+    """Measures this machine: copy rates (a registered arena on a GPU, a host memcpy on the CPU), the matmul rate
+    per precision, fused AdamW for 1..cores workers, and with `config` that model's layers at batch x seq tokens.
+    Sizes are scaled to finish in about max_seconds (a few seconds for tests). `base`: an earlier calibration
+    of the device whose layer timings are kept (the cache grows one entry per model shape)."""
+    start = time.monotonic()
+    on_gpu = device.startswith("cuda")
+    cores = os.cpu_count() or 1
+    threads = cores if not on_gpu else torch.get_num_threads()
+    scale = min(1.0, max_seconds / 60.0)  # the full-size run takes about a minute on the 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if on_gpu:
+            rates = arena_copy_rates(int(64 * 2**20 * max(scale, 0.1)) // 4, repeats=3)
+            pinned = rates.pinned
+            h2d, d2h = sorted(pinned.h2d)[len(pinned.h2d) // 2], sorted(pinned.d2h)[len(pinned.d2h) // 2]
+        else:
+            h2d = d2h = None
+        memcpy = memcpy_gbps(int(64 * 2**20 * max(scale, 0.05)))
+        matmul = {p: matmul_tflops(device, p, config, batch * seq, scale)
+                  for p in (("fp32", "tf32", "bf16") if on_gpu else ("fp32",))}
+        if not on_gpu:  # the CPU computes fp32 whatever the precision asked (tf32 is the GPU's)
+            matmul["tf32"] = matmul["fp32"]
+        adamw: dict[str, float] = {}
+        layout = ModelLayout.build(config_for_params(max(2e6, 3e7 * scale)))
+        for w in range(1, min(cores, MAX_CALIBRATED_WORKERS) + 1):
+            # w workers x (cores // w) threads each, approximated by one process with as many threads in all
+            # (the workers' processes share the memory bandwidth the same way)
+            seconds = fused_adamw_seconds(layout, OptimConfig(), repeats=2, threads=w * max(1, cores // w))
+            adamw[str(w)] = layout.numel / min(seconds) / 1e9
+        cal = Calibration(device=device_name(device), host=socket.gethostname(), created=time.time(), cores=cores,
+                          compute_threads=threads, h2d_gbps=h2d, d2h_gbps=d2h, memcpy_gbps=memcpy,
+                          matmul_tflops=matmul, adamw_gparams=adamw,
+                          layers=dict(base.layers) if base is not None else {})
+        if config is not None:
+            left = max_seconds - (time.monotonic() - start)
+            layer, head = forward_matmul_flops(config, batch, seq)
+            # a first run of the 2-layer model from the matmul rate: skipped where it alone would not fit (a 7B
+            # model's layers on a CPU); time_layers stops after that first run where the rest would not
+            guess = (8 * layer + 3 * head) / ((matmul.get(precision) or matmul["fp32"]) * 1e12)
+            left = max(left, 1.0)
+            timing = None if guess > left else time_layers(config, batch, seq, device, precision, budget_s=left)
+            if timing is not None:
+                cal.layers[layer_key(config, batch, seq, precision)] = LayerTiming(*timing)
+        return cal
+    finally:
+        torch.set_num_threads(before)
+
 
 # ---- host <-> GPU copies ----
 
@@ -152,10 +293,20 @@ def memcpy_gbps(nbytes: int) -> float:
     return 2 * nbytes / best / 1e9  # read and written
 
 
+def forward_matmul_flops(config: ModelConfig, batch: int, seq: int) -> tuple[float, float]:
+    """(one decoder layer's, the head's) forward FLOPs for batch x seq tokens: 2 per weight per token, plus
+    attention's scores and weighted sum (4 * seq * q per token, the causal half not subtracted, as SDPA computes)."""
+    tokens = batch * seq
+    q = config.num_heads * config.head_dim
+    layer = 2 * tokens * config.layer_params() + 4 * tokens * seq * q
+    head = 2 * tokens * config.hidden_size * config.vocab_size
+    return layer, head
+
+
 def matmul_tflops(device: str, precision: str, config: ModelConfig | None, tokens: int, scale: float) -> float:
     """TFLOP/s of [m, k] @ [k, n] in `precision`: the model's MLP up-projection shape (tokens x hidden x ffn)
     where given, else a square one sized for the device."""
-    from megatrain.engine.executor import set_matmul_precision
+    from megatrain.engine.torch_settings import set_matmul_precision
 
     if config is not None:
         m, k, n = tokens, config.hidden_size, config.intermediate_size

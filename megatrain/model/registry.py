@@ -1,19 +1,17 @@
-"""The model families megatrain trains natively, by HF `model_type`: what config loading and saving consult.
+"""The registry of model families by HF `model_type`: what ModelConfig consults to load, check and save a config.
 
-A family is one file of megatrain/model/ (its HF config.json mapping in and out, its checks, the template
-options it sets); adding one means adding its file, a line here, and its tests.
+Each family's own file registers it (`register(LLAMA)` beside its definition); `megatrain/model/catalogue.py`
+imports every family file, and the package's `__init__` imports the catalogue, so a family is registered before any
+config is read. This module imports nothing of megatrain at run time: config.py sits above it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from megatrain.config import ModelConfig
-from megatrain.model.architecture import Architecture
-from megatrain.model.gemma import GEMMA2, GEMMA3
-from megatrain.model.hf_generic import GENERIC
-from megatrain.model.llama import LLAMA
-from megatrain.model.qwen3 import QWEN3
+if TYPE_CHECKING:
+    from megatrain.config import ModelConfig
+    from megatrain.model.architecture import Architecture
 
 
 class Family(Protocol):
@@ -51,15 +49,38 @@ class Family(Protocol):
         ...
 
 
-FAMILIES: dict[str, Family] = {t: family for family in (LLAMA, QWEN3, GEMMA2, GEMMA3) for t in family.model_types}
-MODEL_TYPES = tuple(FAMILIES)  # the native ones
+class FallbackFamily(Family, Protocol):
+    """The family of every model_type no native family claims (the generic path: transformers' own layers)."""
+
+    def supports(self, model_type: str) -> bool: ...
+
+
+FAMILIES: dict[str, Family] = {}  # the native families, by model_type
+_fallback: list[FallbackFamily] = []
+
+
+def register(family: Family) -> Family:
+    """Makes `family` the one of each of its model_types."""
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family
+    return family
+
+
+def register_fallback(family: FallbackFamily) -> FallbackFamily:
+    """Makes `family` the one of every model_type no native family claims."""
+    _fallback[:] = [family]
+    return family
+
+
+def native_model_types() -> tuple[str, ...]:
+    return tuple(FAMILIES)
 
 
 def family_of(model_type: str) -> Family:
     """The native family of `model_type`, or else the generic path (transformers' own layers), which refuses in one
     sentence what it cannot train (and says to install transformers where it is missing)."""
-    return FAMILIES.get(model_type, GENERIC)
+    return FAMILIES.get(model_type) or _fallback[0]
 
 
 def is_supported(model_type: object) -> bool:
-    return isinstance(model_type, str) and (model_type in FAMILIES or GENERIC.supports(model_type))
+    return isinstance(model_type, str) and (model_type in FAMILIES or _fallback[0].supports(model_type))

@@ -13,21 +13,13 @@ unit's flat gradient to `reduce`.
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatrain.config import MegatrainError
+from megatrain.distributed.process_group import join_process_group, leave_process_group
 from megatrain.model.layout import ALIGN, aligned_split
-
-
-def free_port() -> int:
-    """A TCP port free on this host now, for the process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -40,17 +32,9 @@ class DataParallel:
     def join(cls, rank: int, world: int, address: str, device: torch.device, timeout_s: float = 120.0
              ) -> DataParallel:
         """Joins the process group of `world` executors at `address` (tcp://host:port) as `rank`."""
-        from datetime import timedelta
-
-        if dist.is_initialized():  # a replacement actor never reuses a process, but a test might
-            dist.destroy_process_group()
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # torch's own messages name the rendezvous, not what to do about it
-            raise MegatrainError(f"executor {rank} of {world} could not join the others at {address} ({e}); check "
-                                 "that every executor started (the Ray dashboard shows why one did not).") from None
+        join_process_group("nccl" if device.type == "cuda" else "gloo", address, rank, world, timeout_s,
+                           lambda e: f"executor {rank} of {world} could not join the others at {address} ({e}); "
+                                     "check that every executor started (the Ray dashboard shows why one did not).")
         return cls(rank, world, device)
 
     def rows(self, total: int) -> slice:
@@ -80,5 +64,4 @@ class DataParallel:
         return bool(bad.item() == 0.0)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

@@ -218,7 +218,8 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) 
     files = weight_files(directory, "model")
     tensors = None
     if layout.config.hf_config is not None:  # the generic path: names as the hub stores them, converted as
-        from megatrain.model.hf_generic import check_not_quantized, checkpoint_tensors  # transformers does
+        from megatrain.model.hf_config import check_not_quantized  # transformers does
+        from megatrain.model.hf_conversion import checkpoint_tensors
 
         check_not_quantized(layout.config.hf_config, directory)
 

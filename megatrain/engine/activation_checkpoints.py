@@ -1,4 +1,5 @@
-"""The layer inputs the backward recomputes from, kept on the device up to a byte budget, the rest in host memory.
+"""Activation checkpoints: the layer inputs the backward recomputes from, kept on the device up to a byte budget,
+the rest in host memory.
 
     forward   put(l, x): layer l's input. The top layers' (the first the backward needs) stay on the device as
               long as they fit the budget; the others are copied to a page-locked host buffer on the D2H stream
@@ -7,7 +8,7 @@
               starts bringing the one below too, so that it crosses while layer l computes (two transfer
               buffers, like the weights')
 
-Checkpoints are kept in the compute dtype (bf16 in bf16 runs). The store's accounting (`kept_bytes`,
+Checkpoints are kept in the compute dtype (bf16 in bf16 runs). The accounting (`kept_bytes`,
 `transfer_bytes` and their peaks) is what the memory plan's numbers are checked against: kept checkpoints never
 exceed the budget, transfers never more than two checkpoints. Host buffers are kept from step to step.
 """
@@ -22,7 +23,9 @@ from megatrain.config import MegatrainError
 from megatrain.engine.streams import Streams
 
 
-class CheckpointStore:
+class ActivationCheckpoints:
+    """One step's layer inputs, put by the forward and taken back, top first, by the backward."""
+
     def __init__(self, streams: Streams, budget: int | None = None):
         """budget: bytes of device memory for kept checkpoints (None: every checkpoint stays on the device; 0:
         every one goes to the host)."""

@@ -1,0 +1,66 @@
+"""The weights' way onto the device: two buffers that decoder layers rotate through, each filled on the H2D
+stream while compute runs the layer in the other (on the CPU path, where nothing needs copying, the arena's
+views themselves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatrain.engine.streams import Streams
+from megatrain.model.layout import Unit
+from megatrain.telemetry import Recorder
+
+
+class WeightSlots:
+    """Two device buffers that decoder layers rotate through; a unit stays resident until evicted, so the
+    top two layers of the forward are reused by the backward without a second copy."""
+
+    def __init__(self, numel: int, weights: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
+        self.weights, self.streams, self.dtype, self.rec = weights, streams, dtype, rec  # weights: host, flat
+        self.copy_needed = streams.asynchronous or dtype != weights.dtype
+        n = 2 if self.copy_needed else 0
+        dev = streams.device
+        # bf16 compute from fp32 weights on a GPU: they arrive in a staging buffer and are cast there
+        staged = streams.asynchronous and dtype != weights.dtype
+        self.staging = [torch.empty(numel, device=dev) for _ in range(n if staged else 0)]
+        self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
+        self.resident: list[int | None] = [None] * n
+        self.ready: list[Any] = [None] * n
+        self.free: list[Any] = [None] * n
+
+    def fetch(self, unit: Unit, keep: Unit | None) -> None:
+        """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
+        if not self.copy_needed or unit.index in self.resident:
+            return
+        slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
+        src = unit.range_of(self.weights)
+        s = self.streams
+        s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
+        with self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
+            if self.staging:
+                s.copy(self.staging[slot][: unit.numel], src, s.h2d)
+                s.copy(self.buffers[slot][: unit.numel], self.staging[slot][: unit.numel], s.h2d)
+            else:
+                s.copy(self.buffers[slot][: unit.numel], src, s.h2d)
+        self.ready[slot] = s.record(s.h2d)
+        self.resident[slot] = unit.index
+
+    def acquire(self, unit: Unit) -> tuple[int, dict[str, torch.Tensor]]:
+        """Makes the compute stream wait for `unit`'s weights and binds them."""
+        if not self.copy_needed:
+            return -1, unit.bind(unit.range_of(self.weights))
+        slot = self.resident.index(unit.index)
+        self.streams.wait(self.streams.compute, self.ready[slot])
+        self.streams.compute_uses(self.buffers[slot])
+        return slot, unit.bind(self.buffers[slot][: unit.numel])
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.free[slot] = self.streams.record(self.streams.compute)
+
+    def invalidate(self) -> None:
+        """Forgets what is resident: the optimizer may have rewritten the arena since."""
+        self.resident = [None] * len(self.resident)
+

@@ -1,0 +1,79 @@
+"""transformers' side of a config.json on the generic path: is it a decoder-only causal LM megatrain can follow,
+and transformers' config object for it. transformers is needed by the generic path only (pip install -e '.[hf]').
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatrain.config import ConfigError
+
+
+def transformers_module() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("this model runs on megatrain's generic path, which needs transformers; install it with "
+                          "pip install -e '.[hf]'.") from None
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ConfigError(f"megatrain's generic path needs transformers 5 or later (its weight conversion mapping), "
+                          f"found {transformers.__version__}; upgrade it with pip install -e '.[hf]'.")
+    return transformers
+
+
+def causal_lm_types() -> dict[str, str]:
+    """model_type -> class name of every causal LM transformers knows."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def check_generic(hf: dict[str, Any]) -> None:
+    """ConfigError, in one sentence, for a config.json the generic path cannot train."""
+    model_type = hf.get("model_type")
+    transformers_module()
+    if hf.get("auto_map") and model_type not in causal_lm_types():
+        raise ConfigError(f"model_type {model_type!r} needs trust_remote_code (its code ships with the checkpoint), "
+                          "which megatrain never runs; use a model transformers implements.")
+    if hf.get("is_encoder_decoder"):
+        raise ConfigError(f"model_type {model_type!r} is an encoder-decoder model; megatrain trains decoder-only "
+                          "causal language models.")
+    if model_type not in causal_lm_types():
+        raise ConfigError(f"model_type {model_type!r} is no decoder-only causal language model transformers "
+                          "knows; megatrain cannot train it.")
+
+
+def check_not_quantized(hf: dict[str, Any], directory: Any) -> None:
+    """ConfigError for a checkpoint whose weights are stored quantized: megatrain trains fp32 master weights and
+    reads the stored tensors as they are, so they must be dequantized (and saved) first."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ConfigError(f"{directory} holds {method}-quantized weights, which megatrain cannot train from; "
+                          "dequantize them first (transformers: from_pretrained with the quantization config's "
+                          "dequantize=True, then save_pretrained) and drop quantization_config from config.json.")
+
+
+SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(value: Any) -> Any:
+    """transformers writes the floats JSON has no word for as {"__float__": "Infinity"} (a mamba layer's
+    time_step_limit, say) and reads them back as floats: so does megatrain."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[value["__float__"]]
+        return {k: decode_special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_special_floats(v) for v in value]
+    return value
+
+
+def hf_config_object(hf: dict[str, Any]) -> Any:
+    """transformers' config object for a parsed config.json."""
+    transformers = transformers_module()
+    fields = {k: decode_special_floats(v) for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    try:
+        return transformers.AutoConfig.for_model(hf["model_type"], **fields)
+    except Exception as e:  # transformers' own refusal of a config, whatever its type (strict dataclass checks too)
+        raise ConfigError(f"transformers refuses this {hf['model_type']} config.json ({e}); fix config.json.") from None

@@ -1,0 +1,191 @@
+"""The actors of one run: every node's parameter store, optimizer workers and executors, made in the placements
+reserved for them (pipelines/cluster.py), replaced in a recovery, stopped; and how the driver calls them.
+
+Each actor is named megatrain/<run>/<role>#<restarts>: readable in the dashboard and `ray timeline`, and the restart
+count keeps a replacement's name free. A path from the user is made absolute before an actor sees it (actors run in
+their own working directory), and an actor's megatrain error reaches the caller as itself (`get`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.executor import GPUExecutor
+from actors.optimizer_worker import OptimizerWorker
+from actors.parameter_store import ParameterStoreActor
+from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
+from megatrain.distributed.process_group import free_port
+from megatrain.io.checkpoint import check_save_target
+from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
+from megatrain.memory.versions import VersionTable
+from pipelines.cluster import NodePlacement, executor_device
+
+log = logging.getLogger(__name__)
+
+
+def get(refs: Any, timeout: float | None = None) -> Any:
+    """ray.get that raises a megatrain error from an actor as itself: one sentence, not Ray's traceback."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        cause = cause_chain(e)[-1]
+        if isinstance(cause, MegatrainError):
+            raise cause from None
+        raise
+
+
+def absolute(path: str | Path) -> str:
+    """Actors run in their own working directory: a path from the user is made absolute on the driver."""
+    return os.path.abspath(Path(path).expanduser())
+
+
+def save_target(path: str | Path) -> str:
+    """absolute(path), refused here if the driver could not have it replaced (see check_save_target)."""
+    path = absolute(path)
+    check_save_target(Path(path))
+    return path
+
+
+class RunActors:
+    """The actors of one run, node by node: node m's parameter store, optimizer workers and executors live in
+    placement m (the driver's node first)."""
+
+    def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any) -> None:
+        self.run_id, self.config, self.optim, self.trace, self.metrics = run_id, config, optim, trace, metrics
+        self.placements: list[NodePlacement] = []  # one per node, the driver's first
+        self.stores: list[Any] = []  # one per node, the driver's first
+        self.handles: list[ArenaHandle] = []  # their arenas
+        self.executors: list[Any] = []  # rank order: the first also evaluates and holds gradients on the device
+        self.workers: list[Any] = []
+        self.arena: Arena | None = None  # the driver's map of its node's arena: the version table and the weights
+        self.versions: VersionTable | None = None
+        self.restarts = 0  # actor deaths survived
+        # set by start, from the run's memory plan
+        self.engine_config: EngineConfig | None = None
+        self.on_gpu = False
+        self.store_args: tuple[Any, ...] = ()
+
+    def start(self, engine_config: EngineConfig, on_gpu: bool, store_args: tuple[Any, ...]) -> None:
+        """Every node's actors, in the placements reserved. engine_config: as the memory plan resolved it; store_args:
+        what the parameter stores are made from (again, by a recovery that replaces every actor)."""
+        self.engine_config, self.on_gpu, self.store_args = engine_config, on_gpu, store_args
+        self._start()
+
+    def replace_all(self) -> None:
+        """Every actor killed and made again in its placement, with new arenas."""
+        self.stop(close=False)
+        self._start()
+
+    def _start(self) -> None:
+        nodes = len(self.placements)
+        self.stores = [ParameterStoreActor.options(name=self._name("parameter-store" if nodes == 1 else
+                                                                   f"parameter-store/{m}"), **p.pinned()
+                                                   ).remote(*self.store_args, node=m, nodes=nodes)
+                       for m, p in enumerate(self.placements)]
+        self.handles = get([s.handle.remote() for s in self.stores])
+        if nodes > 1:  # the stores' own group, to keep the nodes' weights equal (distributed/node_exchange.py)
+            address = f"tcp://{get(self.stores[0].node_ip.remote())}:{free_port()}"
+            get([s.join_nodes.remote(address) for s in self.stores])
+        self.arena = Arena.open(self.handles[0])  # the driver reads the version table and, on request, weights
+        self.versions = VersionTable(self.arena.versions.view(-1, self.placements[0].workers + (nodes > 1)))
+        self.workers = [self.new_worker(w) for w in range(nodes * self.placements[0].workers)]
+        self.executors = self.new_executors()
+        get([w.numel.remote() for w in self.workers])  # all up before the first step
+
+    def new_worker(self, index: int) -> Any:
+        """Optimizer worker `index` of the run: worker index % n of node index // n."""
+        node, worker = divmod(index, self.placements[0].workers)
+        p = self.placements[node]
+        name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
+        return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
+            self.handles[node], self.config, self.optim, worker, p.workers, p.worker_threads,
+            self.engine_config.grads, self.metrics, node, len(self.placements))
+
+    def new_executors(self) -> list[Any]:
+        """The run's executors, joined into one process group when there are several (a new one each time: a
+        replacement never joins a group whose member died)."""
+        engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
+        per_node, nodes = engine.executors, len(self.placements)
+        assert isinstance(per_node, int)
+        world = per_node * nodes  # rank r: executor r % per_node of node r // per_node
+        # rank 0, which hosts the rendezvous, runs on the driver's node: its loopback unless other hosts must reach it
+        host = "127.0.0.1" if nodes == 1 else ray.util.get_node_ip_address()
+        rendezvous = f"tcp://{host}:{free_port()}" if world > 1 else None
+        workers_per_node = self.placements[0].workers
+        executors = []
+        for rank in range(world):
+            node, local = divmod(rank, per_node)
+            name = "executor" if world == 1 else f"executor/{rank}"
+            workers = self.workers[node * workers_per_node : (node + 1) * workers_per_node]
+            executors.append(GPUExecutor.options(name=self._name(name), **self.placements[node].executor(local)).remote(
+                self.handles[node], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
+                rendezvous))
+        return executors
+
+    def _name(self, role: str) -> str:
+        return f"megatrain/{self.run_id}/{role}#{self.restarts}"
+
+    def train_step(self, batch: ray.ObjectRef, update: int, pending: list[ray.ObjectRef]) -> dict[str, Any]:
+        """Forward and backward of `batch` on every executor (each its rows) as update number `update`, on the
+        weights of the updates before it (`pending`: the last one's calls); their outputs as one (`merged`)."""
+        return merged(get([e.train_step.remote(batch, update, update, pending) for e in self.executors]))
+
+    def version_range(self) -> tuple[int, int]:
+        """(min, max) of every node's version table."""
+        if len(self.stores) == 1:
+            return self.versions.range()
+        ranges = get([s.version_range.remote() for s in self.stores])
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+
+    def stop(self, close: bool = True) -> None:
+        """The stores unlink their arenas (close=False: only that, in a recovery, where a store may be stuck in the
+        weight exchange waiting for a dead peer); then every actor is killed."""
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        try:
+            ray.get([s.close.remote() if close else s.unlink.remote() for s in self.stores], timeout=60)
+        except Exception as e:  # a store died: its node's next start removes its segments (this node's: shutdown)
+            log.warning("a parameter store did not close cleanly (%s)", e)
+        for actor in [*self.executors, *self.workers, *self.stores]:
+            ray.kill(actor)
+        # the arenas' handles stay: they name the segment files, which a caller may check are gone
+        self.stores, self.executors, self.workers = [], [], []
+
+    def release(self) -> None:
+        """What dead stores left in the other nodes' /dev/shm removed (a store that died there, or one a recovery
+        replaced), and the placements given back."""
+        try:
+            ray.get([remove_dead_segments.options(**p.pinned()).remote() for p in self.placements[1:]], timeout=30)
+        except Exception as e:  # noqa: BLE001 - a lost node: its next run there removes them
+            log.warning("could not remove dead arena segments on every node (%s)", e)
+        for placement in self.placements:
+            placement.release()
+        self.placements = []
+
+
+def merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's result from its executors' (data parallel): losses, tokens and each unit's squared norm (of
+    each one's slice of the summed gradient) added up; the first's stall accounting."""
+    if len(outs) == 1:
+        return outs[0]
+    result = dict(outs[0])
+    for key in ("loss", "tokens"):
+        result[key] = sum(out[key] for out in outs)
+    norms = [out["unit_norms_sq"] for out in outs]
+    result["unit_norms_sq"] = [sum(unit) for unit in zip(*norms, strict=True)] if all(norms) else []
+    result["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
+    result["spans"] = [span for out in outs for span in out["spans"]]
+    return result
+
+
+@ray.remote(num_cpus=0)
+def remove_dead_segments() -> int:
+    """remove_stale_segments on the node this runs on (its MEGATRAIN_SHM_DIR): the arena files of dead owners."""
+    return len(remove_stale_segments())

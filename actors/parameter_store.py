@@ -33,7 +33,8 @@ class ParameterStoreActor:
             self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
                                         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-                                        micro_batches=micro_batches, node=node, nodes=nodes)
+                                        micro_batches=micro_batches, node=node, nodes=nodes,
+                                        verify=False)  # the driver's resolve_model made the self-check
         except MegatrainError as e:
             self.init_error = e
             return

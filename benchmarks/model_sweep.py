@@ -2,9 +2,10 @@
 
 For each model type: transformers' default config, shrunk by megatrain.model.tiny_config (same options, tiny widths,
 at least one layer of every structure); the HF model built from it in fp32 with a fixed seed (eager attention where
-the model has it), every parameter moved off its init value, saved with save_pretrained; then loaded with
-megatrain.from_pretrained(dir, device="cpu") and the loss and every gradient of one random batch compared with
-transformers' own. Each type is classified:
+the model has it), every parameter moved off its init value, saved with save_pretrained; then loaded as
+megatrain.from_pretrained(dir, device="cpu") loads it, less the self-check (which would refuse what differs: the
+sweep classifies megatrain's path itself), and the loss and every gradient of one random batch compared with
+transformers' own (megatrain/self_check.py: the comparison the self-check makes). Each type is classified:
 
   exact        loss and every gradient within 1e-5 relative (max |ours - theirs| / max |theirs| per tensor)
   wrong        megatrain trains it and the numbers differ: the largest error and its tensor
@@ -23,7 +24,6 @@ docs/model_types.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import signal
@@ -40,10 +40,19 @@ if __package__ in (None, ""):  # run as a script: the repository's packages by n
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, pythonpath_with_repo
+from megatrain.self_check import (
+    REL_TOL,
+    WITHIN_ROUNDING,
+    NoReference,
+    Reference,
+    compare,
+    first_line,
+    fp64_verdict,
+    reference,
+    verify,
+)
 
 OUTCOMES = ("exact", "wrong", "crash", "refused", "unbuildable")
-REL_TOL = 1e-5
-BATCH, SEQ, SEED, DROPOUT_SEED = 3, 16, 0, 123
 # Qwen4-Exp's indexer sizes are all None (budget // ratio fails); its head must hold the rotary dimensions
 QWEN4_INDEXER = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 256, "indexer_budget": 64,
                  "indexer_compress_ratio": 4}
@@ -74,15 +83,6 @@ class Result:
     max_rel_err: float | None = None  # over the loss and every gradient, where both ran
 
 
-class Unbuildable(Exception):
-    """The tiny HF model, or transformers' own loss on it, cannot be had."""
-
-
-def first_line(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:limit]}" if text else type(e).__name__
-
-
 def where(e: BaseException) -> str:
     """Where the exception was raised, and the innermost frame of megatrain it passed through if that is another:
     file:line in function."""
@@ -101,121 +101,21 @@ def where(e: BaseException) -> str:
     return f"{shown(frames[-1])}, from {shown(ours[-1])}"
 
 
-def relative_error(actual: Any, expected: Any) -> float:
-    """max |actual - expected| / max |expected| (the absolute difference where expected is all zero)."""
-    scale = expected.abs().max().item()
-    diff = (actual.double() - expected.double()).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
-
-def build_hf(config: Any) -> Any:
-    """The tiny HF model in fp32 from a fixed seed, every parameter moved off its init value (biases and norms get
-    real gradients), in train mode; eager attention where the model has it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    for attention in ("eager", "sdpa", None):
-        torch.manual_seed(SEED)
-        try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
-            break
-        except (ValueError, ImportError, NotImplementedError) as e:
-            if attention is None:
-                raise Unbuildable(f"transformers cannot build it: {first_line(e)}") from None
-    languages = getattr(config, "languages", None)
-    if languages and hasattr(model, "set_default_language"):
-        model.set_default_language(languages[0])  # X-MOD: the adapter of which language
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.train()  # as megatrain trains: dropout where the config enables it (DROPOUT_SEED draws it)
-
-
-def hf_loss_and_grads(model: Any, input_ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
-    """transformers' own loss and gradients; a parameter the loss does not reach has a zero gradient."""
+def hf_side(tiny: Any, directory: Path) -> Reference:
+    """transformers' side of the comparison (megatrain/self_check.py: reference), the model saved to `directory` and
+    loaded back by transformers; NoReference where any of that fails."""
     import torch
 
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(DROPOUT_SEED)
-    loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss  # training: no cache
-    loss.backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for n, p in model.named_parameters()}
-    return loss.detach(), grads
-
-
-def text_batch(vocab: int, special: set[int]) -> Any:
-    """BATCH x SEQ random token ids of the vocabulary, none of them a special token (an image token would ask the
-    model for pixels)."""
-    import torch
-
-    allowed = torch.tensor([i for i in range(vocab) if i not in special])
-    picks = torch.randint(0, len(allowed), (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return allowed[picks]
-
-
-def compare(ours: tuple[Any, dict[str, Any]], theirs: tuple[Any, dict[str, Any]]) -> tuple[float, str]:
-    """(the largest relative error over the loss and every gradient, what it is: 'loss' or the worst tensor with
-    how many differ)."""
-    (loss, grads), (hf_loss, hf_grads) = ours, theirs
-    errors = {"loss": relative_error(loss, hf_loss)}
-    missing = sorted(n for n, g in hf_grads.items() if n not in grads and g.abs().max() > 0)
-    if missing:
-        return float("inf"), f"no gradient for {len(missing)} tensors transformers trains, e.g. {missing[0]}"
-    # a persistent buffer (a router's correction bias) streams as a frozen tensor: its gradient must be zero
-    extra = sorted(n for n in set(grads) - set(hf_grads) if grads[n].abs().max() > 0)
-    if extra:
-        return float("inf"), f"gradients for {len(extra)} tensors transformers does not train, e.g. {extra[0]}"
-    errors.update((name, relative_error(grads[name], g)) for name, g in hf_grads.items() if name in grads)
-    worst = max(errors, key=lambda n: errors[n])
-    bad = [n for n, e in errors.items() if not e <= REL_TOL]
-    what = f"{worst}" if worst == "loss" else f"grad {worst}"
-    return errors[worst], f"{what} (loss {errors['loss']:.1e}; {len(bad)} of {len(errors)} tensors over 1e-5)"
-
-
-def fp64_verdict(hf: Any, ours: dict[str, Any], input_ids: Any, labels: Any) -> str:
-    """Whether a difference is fp32 rounding, as tests/test_hf_generic.py judges it: megatrain within twice
-    transformers' own fp32 distance of an fp64 run (the tensor furthest from that, with both distances)."""
     try:
-        exact = copy.deepcopy(hf).double()
-        if hasattr(exact, "set_experts_implementation"):
-            exact.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
-        _, exact_grads = hf_loss_and_grads(exact, input_ids, labels)
-        _, fp32_grads = hf_loss_and_grads(hf, input_ids, labels)
-    except Exception as e:  # no fp64 kernel somewhere: no verdict
-        return f"no fp64 reference ({first_line(e, 80)})"
-    distances = {n: (relative_error(ours[n], g.float()), relative_error(fp32_grads[n], g.float()))
-                 for n, g in exact_grads.items() if n in ours}
-    over = {n: d for n, d in distances.items() if d[0] > 2 * max(d[1], REL_TOL / 2)}
-    if not over:
-        return "fp64: within fp32 rounding (transformers' own fp32 is as far from fp64)"
-    name = max(over, key=lambda n: over[n][0] / max(over[n][1], REL_TOL / 2))
-    return (f"fp64: {len(over)} tensors beyond fp32 rounding, most {name} (ours {over[name][0]:.1e}, "
-            f"transformers fp32 {over[name][1]:.1e} from fp64)")
-
-
-def hf_side(tiny: Any, directory: Path) -> tuple[Any, Any, Any, tuple[Any, dict[str, Any]]]:
-    """(the HF model, input ids, labels, transformers' loss and gradients), the model saved to `directory` and
-    loaded back by transformers; Unbuildable where any of that fails."""
-    import torch
-
-    from megatrain.model.tiny_config import special_token_ids, text_config
-
-    hf = build_hf(tiny)
-    input_ids = text_batch(text_config(tiny).vocab_size, special_token_ids(tiny))
-    labels = input_ids.clone()
+        ref = reference(tiny)
+    except NoReference as e:  # where its forward failed
+        raise NoReference(f"{e} ({where(e.__cause__)})" if e.__cause__ is not None else str(e)) from None
     try:
-        theirs = hf_loss_and_grads(hf, input_ids, labels)
+        ref.model.save_pretrained(directory)
+        type(ref.model).from_pretrained(directory, dtype=torch.float32)
     except Exception as e:
-        raise Unbuildable(f"transformers' own forward on a text batch fails: {first_line(e)} ({where(e)})") from None
-    if not torch.isfinite(theirs[0]) or not all(torch.isfinite(g).all() for g in theirs[1].values()):
-        raise Unbuildable("transformers' own loss or gradients are not finite")
-    try:
-        hf.save_pretrained(directory)
-        type(hf).from_pretrained(directory, dtype=torch.float32)
-    except Exception as e:
-        raise Unbuildable(f"transformers cannot load its own save_pretrained: {first_line(e)} ({where(e)})") from None
-    return hf, input_ids, labels, theirs
+        raise NoReference(f"transformers cannot load its own save_pretrained: {first_line(e)} ({where(e)})") from None
+    return ref
 
 
 def config_refusal(config: Any, directory: Path) -> str | None:
@@ -247,7 +147,10 @@ def _check(model_type: str, workdir: Path) -> Result:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import megatrain
+    from megatrain.api import Model
     from megatrain.model.tiny_config import text_config, tiny_config
+    from megatrain.self_check import DROPOUT_SEED
+    from megatrain.store import ParameterStore
 
     try:
         base = AutoConfig.for_model(model_type, **DEFAULT_FIXES.get(model_type, {}))
@@ -257,8 +160,8 @@ def _check(model_type: str, workdir: Path) -> Result:
     tiny, problem = None, None
     try:
         tiny = tiny_config(base)
-        hf, input_ids, labels, theirs = hf_side(tiny, directory)
-    except Unbuildable as e:
+        ref = hf_side(tiny, directory)
+    except NoReference as e:
         problem = str(e)
     except Exception as e:
         problem = f"{'tiny config' if tiny is None else 'tiny model'}: {first_line(e)} ({where(e)})"
@@ -271,22 +174,29 @@ def _check(model_type: str, workdir: Path) -> Result:
         refusal = config_refusal(tiny or base, directory / "config-only")
         return Result(model_type, "unbuildable", problem + (f" [megatrain: {refusal}]" if refusal else ""))
     layers = getattr(text_config(tiny), "num_hidden_layers", None)
-    shape = dict(layers=layers if isinstance(layers, int) else None, params=sum(p.numel() for p in hf.parameters()))
-    try:
-        with megatrain.from_pretrained(directory, device="cpu") as model:
+    shape = dict(layers=layers if isinstance(layers, int) else None,
+                 params=sum(p.numel() for p in ref.model.parameters()))
+    try:  # megatrain's path as it is, without the self-check (which would refuse what differs)
+        with Model(ParameterStore(directory, verify=False), device="cpu") as model:
             torch.manual_seed(DROPOUT_SEED)  # the same dropout masks as transformers' run
-            loss, grads = model.loss_and_grads(input_ids, labels)
+            loss, grads = model.loss_and_grads(ref.input_ids, ref.labels)
             ours = (loss, {n: g.clone() for n, g in grads.items()})
     except megatrain.MegatrainError as e:
         return Result(model_type, "refused", str(e).replace(str(directory), "<dir>"), **shape)
     except Exception as e:
         return Result(model_type, "crash", f"{first_line(e)} ({where(e)})", **shape)
-    error, worst = compare(ours, theirs)
+    error, worst = compare(ours, ref.result)
     if error <= REL_TOL:
         return Result(model_type, "exact", "", max_rel_err=error, **shape)
-    verdict = fp64_verdict(hf, ours[1], input_ids, labels) if error < float("inf") else ""
-    return Result(model_type, "wrong", f"max rel err {error:.2g} at {worst}" + (f"; {verdict}" if verdict else ""),
-                  max_rel_err=error, **shape)
+    verdict = fp64_verdict(ref, ours) if error < float("inf") else ""
+    measured = f"max rel err {error:.2g} at {worst}" + (f"; {verdict}" if verdict else "")
+    if verdict.startswith(WITHIN_ROUNDING):  # rule 3: judged against fp64, as transformers' own fp32 is
+        return Result(model_type, "exact", measured, max_rel_err=error, **shape)
+    try:  # what a user meets: the self-check refuses the model before anything is allocated
+        verify(megatrain.ModelConfig.from_hf(directory))
+    except megatrain.MegatrainError as e:
+        return Result(model_type, "refused", f"self-check: {first_line(e)} [{measured}]", max_rel_err=error, **shape)
+    return Result(model_type, "wrong", measured, max_rel_err=error, **shape)
 
 
 # ---- the worker: model types one after another, each result a JSON line ----

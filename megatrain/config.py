@@ -9,6 +9,7 @@ which this module asks by model_type).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, fields
@@ -33,6 +34,16 @@ def cause_chain(e: BaseException, depth: int = 8) -> list[BaseException]:
 
 class ConfigError(MegatrainError):
     pass
+
+
+class NotNative(ConfigError):
+    """An option its native family does not implement (an invalid config is a plain ConfigError): ModelConfig.from_hf
+    trains such a model on the generic path (transformers' own layers), and refuses it so only without transformers."""
+
+    def __init__(self, model_type: str, option: str, why: str):
+        super().__init__(f"megatrain's native {model_type} layer does not implement {option} ({why}), and the generic "
+                         "path that would train it needs transformers; install it with pip install -e '.[hf]'.")
+        self.option = option
 
 
 class Terminated(KeyboardInterrupt):
@@ -64,8 +75,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"  # the HF architecture, and so the family: llama | mistral | qwen2 | qwen3
     sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
-    # the model's config.json, for a model_type of the generic path (transformers' own layers,
-    # megatrain/model/hf_generic.py); None for the native families
+    # the model's config.json, for a model on the generic path (transformers' own layers, megatrain/model/hf_generic.py:
+    # a model_type without a native family, or one whose config.json sets what its family does not implement)
     hf_config: dict[str, Any] | None = None
     # what a native family's config.json sets beyond the fields above, checked by the family (Gemma: attention
     # scale, soft-caps, which layers slide, the local rotary base: megatrain/model/gemma.py); None: its defaults
@@ -133,7 +144,7 @@ class ModelConfig:
     @property
     def family(self) -> Family:
         """The family of model_type: its HF config mapping and layer options (megatrain/model/registry.py)."""
-        return registry.family_of(self.model_type)
+        return registry.generic() if self.hf_config is not None else registry.family_of(self.model_type)
 
     @property
     def qk_norm(self) -> bool:
@@ -194,7 +205,15 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ConfigError(f"HF config's model_type must be a string, got {model_type!r}; fix config.json.")
         try:
-            return cls(**registry.family_of(model_type).from_hf(hf, model_type))
+            try:
+                return cls(**registry.family_of(model_type).from_hf(hf, model_type))
+            except NotNative as e:
+                if not registry.generic().supports(model_type):
+                    raise  # no transformers: the refusal says to install it
+                config = cls(**registry.generic().from_hf({**hf, "model_type": model_type}, model_type))
+                logging.getLogger(__name__).info("%s with %s is not implemented natively; training it through "
+                                                 "transformers' own layers (the generic path)", model_type, e.option)
+                return config
         except (TypeError, ValueError) as e:
             raise ConfigError(f"HF config has a value of the wrong type ({e}); fix config.json.") from None
 
@@ -477,12 +496,5 @@ def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {e}.") from None
 
 
-__all__ = [
-    "ConfigError",
-    "EngineConfig",
-    "MegatrainError",
-    "ModelConfig",
-    "OptimConfig",
-    "PRESETS",
-    "dataclass_from_dict",
-]
+__all__ = ["ConfigError", "EngineConfig", "MegatrainError", "ModelConfig", "NotNative", "OptimConfig", "PRESETS",
+           "dataclass_from_dict"]

@@ -25,12 +25,22 @@ from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
+from megatrain.self_check import verify as self_check
 
 log = logging.getLogger(__name__)
 
 
-def resolve_model(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | None, str]:
-    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config."""
+def resolve_model(model: str | Path | ModelConfig, verify: bool = True) -> tuple[ModelConfig, Path | None, str]:
+    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config. verify: a model
+    of the generic path passes megatrain's self-check first (megatrain/self_check.py: refused in one sentence where
+    megatrain's path differs from transformers'), before anything is allocated; a plan, which runs nothing, skips it."""
+    config, directory, name = _resolved(model)
+    if verify:
+        self_check(config)
+    return config, directory, name
+
+
+def _resolved(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | None, str]:
     if isinstance(model, ModelConfig):
         return model, None, "model"
     path = Path(model)
@@ -75,15 +85,17 @@ class ParameterStore:
     def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
                  grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
-                 checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1):
+                 checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1,
+                 verify: bool = True):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
         `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory but
         the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
         executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
-        whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal)."""
-        self.config, self.source_dir, self.name = resolve_model(model)
+        whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal).
+        verify: the generic path's self-check first (resolve_model); False where a driver made it already."""
+        self.config, self.source_dir, self.name = resolve_model(model, verify)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -109,10 +110,7 @@ class Engine:
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
                                           schedule=schedule, executors=executors, nodes=nodes)
         self.config, hf_dir, self.model_name = resolve_model(model)
-        if seq_len > self.config.max_position_embeddings:
-            log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
-                        "usually worse than training at the model's length", seq_len,
-                        self.config.max_position_embeddings, self.model_name)
+        self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
         self.max_nonfinite_steps, self.trace = max_nonfinite_steps, trace
@@ -272,6 +270,8 @@ class Engine:
     def step_batch(self, batch: Any) -> StepResult:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""
         self._check_running()
+        if not isinstance(batch, ray.ObjectRef):
+            self.check_sequence_length(np.shape(batch["input_ids"])[-1])
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         self.recovery.replay.add(ref)
         steps_before = self.steps_done
@@ -287,6 +287,15 @@ class Engine:
                 if self.steps_done == steps_before:  # refused (e.g. a bad token id): nothing to replay after a fault
                     self.recovery.replay.drop_last()
                 raise
+
+    def check_sequence_length(self, seq: int) -> None:
+        """Warns once a step's sequences are longer than the positions the model was trained for (the `seq_len` the
+        Engine was made with only sizes its memory plan: a model fed shorter batches hears nothing)."""
+        positions = self.config.max_position_embeddings
+        if seq > positions and self._longest_seen <= positions:
+            log.warning("seq_len %d is longer than the %d positions %s was trained for; RoPE extrapolates past them, "
+                        "usually worse than training at the model's length", seq, positions, self.model_name)
+        self._longest_seen = max(self._longest_seen, seq)
 
     def step_once(self, batch: ray.ObjectRef) -> StepResult:
         """One step, no recovery: a fault raises (step_batch recovers; a recovery replays the steps with this)."""

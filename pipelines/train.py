@@ -236,6 +236,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     try:
         with sigterm_stops_the_run():
             cfg.data.vocab_size = engine.config.vocab_size
+            engine.check_sequence_length(cfg.data.seq_len)  # every batch the loader packs is this long
             # the loader hands a step's micro-batches, every executor's, as one batch
             per_executor = 1 if cfg.micro_batches == "auto" else cfg.micro_batches
             cfg.data.micro_batches = per_executor * engine.engine_config.executors * engine.engine_config.nodes

@@ -34,6 +34,15 @@ def no_cached_calibration(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_cached_self_checks(tmp_path_factory: pytest.TempPathFactory):
+    """Tests read no self-check verdict a user cached (~/.cache/megatrain/self-check) and leave none there: the
+    session has a cache of its own (megatrain/self_check.py). Subprocesses inherit the variable."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEGATRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("megatrain-cache")))
+        yield
+
+
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
     """The environment of one test's Ray: its own RAY_TMPDIR, short because Ray's unix sockets live under it

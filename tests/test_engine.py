@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,22 +51,36 @@ def assert_close_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
         assert rel <= tol, f"{name}: relative difference {rel:.2e}"
 
 
+@pytest.fixture(scope="module")
+def cpu_run(hf_dir, batches) -> Callable[[str, float | None], tuple[list[float], dict[str, torch.Tensor]]]:
+    """The synchronous CPU path's training (2 workers) of a (grads, max_grad_norm), run once per module: the tests
+    below hold the same deterministic runs to transformers, to each other and to the simulated streams."""
+    runs: dict[tuple[str, float | None], tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+    def run(grads: str, max_grad_norm: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        if (grads, max_grad_norm) not in runs:
+            runs[grads, max_grad_norm] = train_engine(hf_dir, batches, 2, max_grad_norm, grads)
+        return runs[grads, max_grad_norm]
+
+    return run
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
-def test_engine_matches_hf_adamw(ray_session, hf_dir, batches, max_grad_norm) -> None:
+def test_engine_matches_hf_adamw(ray_session, hf_dir, batches, cpu_run, max_grad_norm) -> None:
     ref_losses, ref_params = hf_reference(hf_dir, batches, max_grad_norm)
-    losses, params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
+    losses, params = cpu_run("arena", max_grad_norm)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_close_rel(params, ref_params)
 
 
 @pytest.mark.parametrize(("max_grad_norm", "grads"), [(None, "stream"), (1.0, "device"), (None, "device")],
                          ids=["stream-unclipped", "device-clipped", "device-unclipped"])
-def test_gradients_streamed_through_host_slots_give_the_same_training(ray_session, hf_dir, batches, max_grad_norm,
-                                                                      grads) -> None:
+def test_gradients_streamed_through_host_slots_give_the_same_training(ray_session, cpu_run, max_grad_norm, grads
+                                                                      ) -> None:
     """12 B/param placements: a ring of host gradient slots (with the optimizer freeing them) instead of every
     gradient in the arena. Same kernels on the same values: bit-identical to grads = "arena"."""
-    losses, params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads=grads)
-    arena_losses, arena_params = train_engine(hf_dir, batches, workers=2, max_grad_norm=max_grad_norm, grads="arena")
+    losses, params = cpu_run(grads, max_grad_norm)
+    arena_losses, arena_params = cpu_run("arena", max_grad_norm)
     assert losses == arena_losses
     for name in arena_params:
         assert torch.equal(params[name], arena_params[name]), name
@@ -75,15 +90,8 @@ PLACEMENTS = [("arena", 1.0), ("arena", None), ("stream", None), ("device", 1.0)
 PLACEMENT_IDS = ["arena-clipped", "arena-unclipped", "stream-unclipped", "device-clipped", "device-unclipped"]
 
 
-@pytest.fixture(scope="module")
-def cpu_runs() -> dict:
-    return {}  # (grads, max_grad_norm) -> the synchronous CPU path's (losses, params), run once per module
-
-
-def _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed) -> None:
-    if (grads, max_grad_norm) not in cpu_runs:
-        cpu_runs[grads, max_grad_norm] = train_engine(hf_dir, batches, 2, max_grad_norm, grads)
-    want_losses, want_params = cpu_runs[grads, max_grad_norm]
+def _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, seed) -> None:
+    want_losses, want_params = cpu_run(grads, max_grad_norm)
     losses, params = train_engine(hf_dir, batches, 2, max_grad_norm, grads, device=f"cpu-async:{seed}")
     assert losses == want_losses
     for name, want in want_params.items():
@@ -91,20 +99,20 @@ def _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, se
 
 
 @pytest.mark.parametrize(("grads", "max_grad_norm"), PLACEMENTS, ids=PLACEMENT_IDS)
-def test_every_placement_under_simulated_streams(ray_session, hf_dir, batches, cpu_runs, grads, max_grad_norm
+def test_every_placement_under_simulated_streams(ray_session, hf_dir, batches, cpu_run, grads, max_grad_norm
                                                  ) -> None:
     """The GPU's schedule (weight buffers, copies on late streams, the sender thread for gradients, updates
     overlapping the next step) on the CPU: the synchronous path's training, bit for bit (and that one matches
     transformers + AdamW above)."""
-    _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed=0)
+    _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, seed=0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 @pytest.mark.parametrize(("grads", "max_grad_norm"), PLACEMENTS, ids=PLACEMENT_IDS)
-def test_every_placement_under_many_seeds_of_delays(ray_session, hf_dir, batches, cpu_runs, grads, max_grad_norm,
+def test_every_placement_under_many_seeds_of_delays(ray_session, hf_dir, batches, cpu_run, grads, max_grad_norm,
                                                     seed) -> None:
-    _under_simulated_streams(hf_dir, batches, cpu_runs, grads, max_grad_norm, seed)
+    _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, seed)
 
 
 def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:
@@ -238,7 +246,13 @@ def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch:
 
 
 def test_a_sequence_longer_than_the_models_positions_is_warned_about(ray_session, hf_dir, caplog) -> None:
+    """Where a step is given sequences past the model's positions, once; not for the Engine's planning seq_len (2048
+    by default) when the batches are short."""
     positions = LlamaConfig().max_position_embeddings  # hf_dir's
-    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", batch_size=1, seq_len=positions + 1):
-        pass
+    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", batch_size=1, seq_len=positions + 1) as engine:
+        engine.step(torch.randint(0, 100, (1, 16)))
+        assert "is longer than the" not in caplog.text
+        engine.check_sequence_length(positions + 1)  # what a step of that length checks first
+        engine.check_sequence_length(positions + 2)
+    assert caplog.text.count("is longer than the") == 1
     assert f"seq_len {positions + 1} is longer than the {positions} positions" in caplog.text

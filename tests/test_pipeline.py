@@ -25,12 +25,16 @@ def megatrain(*args: str, cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_default_train_learns_and_leaves_nothing(ray_session, tmp_path) -> None:
+@pytest.mark.parametrize("flags, steps", [
+    pytest.param([], 300, marks=pytest.mark.slow, id="default"),
+    pytest.param(["--steps", "30", "--checkpoint-every", "10"], 30, id="a-tenth-of-the-steps"),  # CI's case
+])
+def test_default_train_learns_and_leaves_nothing(ray_session, tmp_path, flags, steps) -> None:
     before, mine = dead_segments(), my_segments()
-    run = run_cli("train", cwd=tmp_path)  # the driver is this process: what it left would not show as dead
+    run = run_cli("train", *flags, cwd=tmp_path)  # the driver is this process: what it left would not show as dead
     out = run.output
     assert run.returncode == 0, out
-    summary = next(line for line in out.splitlines() if line.startswith("trained 300 steps"))
+    summary = next(line for line in out.splitlines() if line.startswith(f"trained {steps} steps"))
     first, last = (float(x) for x in summary.split("loss ")[1].split(" -> "))
     assert last < first - 1.5, summary  # visibly learning the synthetic data
     assert (tmp_path / "runs/tiny/final/model.safetensors").exists()

@@ -99,19 +99,25 @@ def _sliding_layers(hf: dict[str, Any]) -> dict[str, Any]:
     return {**hf, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}
 
 
+# sliding-window layers are not implemented here: such a config takes the generic path (tests/test_native_fallback.py
+# trains one against transformers)
+@pytest.mark.parametrize("hf", [
+    _sliding_layers(tiny().to_dict()),
+    {**_sliding_layers(tiny().to_dict()), "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+], ids=["use-sliding-window", "layer-types"])
+def test_sliding_layers_take_the_generic_path(hf: dict[str, Any]) -> None:
+    c = megatrain.ModelConfig.from_hf(hf)
+    assert c.hf_config is not None and type(c.family).__name__ == "GenericFamily"
+
+
 @pytest.mark.parametrize("make, expected", [
-    (lambda: megatrain.ModelConfig.from_hf(_sliding_layers(tiny().to_dict())),
-     r"this Qwen3 config has sliding-window attention layers .*which megatrain does not implement"),
-    (lambda: megatrain.ModelConfig.from_hf(
-        {**tiny().to_dict(), "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
-     r"sliding-window attention layers"),
     (lambda: megatrain.ModelConfig.from_hf({**tiny().to_dict(), "layer_types": ["full_attention"]}),
      r"layer_types must list 'full_attention' or 'sliding_attention' for each of its num_hidden_layers \(3\)"),
     (lambda: megatrain.ModelConfig(hidden_size=64, num_heads=4, model_type="qwen3", sliding_window=64),
      r"sliding_window=64 is not implemented for qwen3"),
     (lambda: megatrain.ModelConfig(hidden_size=64, num_heads=4, model_type="qwen3", qkv_bias=True),
      r"qkv_bias=True with o_bias=False is no qwen3 layout"),
-], ids=["use-sliding-window", "layer-types", "layer-types-length", "window-field", "qkv-bias-only"])
+], ids=["layer-types-length", "window-field", "qkv-bias-only"])
 def test_what_megatrain_does_not_implement_is_refused(make: Any, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected) as info:
         make()

@@ -287,14 +287,14 @@ class Executor:
             wait_weights(embed_unit)
             lm_head = self._to_device(step.table, self.dtype)
         with self.rec.span("compute", "head", head_unit.index, self.streams.compute):
-            norm_w = {name: t for name, t in head_w.items() if name.startswith("norm.")}
+            norm_w = {name: t for name, t in head_w.items() if name != "lm_head.weight"}  # final norm, a head bias
             sums = None
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for j, m in enumerate(ms):
                 micro_loss, xs[j], sums = head_loss_and_grads(
                     xs[j], self.arch.final_norm, norm_w, lm_head, step.targets[step.micro[m]], self.loss_chunk_tokens,
                     step.host_targets[step.micro[m]], self.arch.logit_softcap, n_valid=step.n_tokens,
-                    grads_into=sums)
+                    grads_into=sums, logits=getattr(self.arch, "logits", None))
                 loss += micro_loss
             grad_norm_w, grad_lm = sums
             if extra_loss is not None:

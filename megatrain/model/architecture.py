@@ -6,7 +6,8 @@ nothing else of the model's math.
     x = embed(rows, row_index) * arch.embed_scale
     for i: x = arch.layer(i)(x, weights_i, *batch.layer_args(i))
     loss += batch.forward_done()                             # a loss term over all layers (MoE routers)
-    head: arch.final_norm(x, norm weights), lm_head, cross-entropy (logits soft-capped at arch.logit_softcap)
+    head: arch.final_norm(x, norm weights), lm_head, cross-entropy (logits soft-capped at arch.logit_softcap); an
+          architecture with a `logits(hidden, head weights)` method makes its logits itself (the generic path)
 
 Layers of one structure share one function object (`layer(i) is layer(j)`), so a compiled layer compiles once
 per structure. A layer function may be rerun, with grad, on the same arguments for the backward: whatever it

@@ -32,7 +32,16 @@ import torch.nn.functional as F
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model import ops
-from megatrain.model.llama import REQUIRED_KEYS, attention_tensors, hf_flag, hf_number, hf_shape
+from megatrain.model.llama import (
+    REQUIRED_KEYS,
+    Missing,
+    attention_tensors,
+    dropout_not_native,
+    hf_flag,
+    hf_number,
+    hf_shape,
+    native_or_not,
+)
 from megatrain.model.registry import register
 from megatrain.model.templates import Spans, Weights, project_qkv, recompute_grads
 
@@ -155,17 +164,6 @@ class GemmaFamily:
             value = hf.get(key)
             return defaults[key] if value is None and key in defaults else value
 
-        activation = hf.get("hidden_activation") or GELU_TANH
-        if activation != GELU_TANH:
-            raise ConfigError(f"HF config's hidden_activation is {activation!r}; megatrain's {model_type} layer "
-                              f"implements {GELU_TANH!r} only.")
-        if hf_flag(hf, "use_bidirectional_attention"):
-            raise ConfigError(f"HF config sets use_bidirectional_attention, which megatrain's {model_type} layer "
-                              "does not implement (it trains causal language models); set it to false.")
-        dropout = hf.get("attention_dropout") or 0.0
-        if hf_number(hf, "attention_dropout", dropout) != 0.0:
-            raise ConfigError(f"HF config's attention_dropout is {dropout!r}; megatrain's {model_type} layer has no "
-                              "dropout: set it to 0.")
         rope_theta, rope_scaling, local_theta = self._rope(hf)
         types = hf.get("layer_types")
         layers = hf["num_hidden_layers"]
@@ -196,7 +194,7 @@ class GemmaFamily:
             wanted["rope_local_base_freq"] = local_theta
         family_options = {k: v for k, v in wanted.items() if v != own[k]}  # only what differs from the defaults
         tied = hf.get("tie_word_embeddings")
-        return dict(
+        kwargs = dict(
             vocab_size=vocab,
             hidden_size=hf["hidden_size"],
             num_layers=layers,
@@ -219,6 +217,19 @@ class GemmaFamily:
             model_type=model_type,
             family_options=family_options or None,
         )
+        return native_or_not(kwargs, model_type, self.not_native(hf))
+
+    def not_native(self, hf: dict[str, Any]) -> Missing | None:
+        """The first option of the config.json that this family's layer does not implement, if any."""
+        activation = hf.get("hidden_activation") or GELU_TANH
+        if activation != GELU_TANH:
+            return f"hidden_activation={activation!r}", f"its MLP is gated by {GELU_TANH}"
+        if hf_flag(hf, "use_bidirectional_attention"):
+            return "use_bidirectional_attention=True", "its attention is causal"
+        local = (hf.get("rope_parameters") or {}).get(SLIDING) or {}  # a dict where it matters: _rope checked it
+        if self.gemma3 and local.get("rope_type", "default") != "default":
+            return f"{local['rope_type']!r} rotary embeddings in its sliding layers", "they use the default rope"
+        return dropout_not_native(hf)
 
     def _rope(self, hf: dict[str, Any]) -> tuple[Any, dict[str, Any] | None, Any]:
         """(rope_theta, rope_scaling, local theta) of the full layers and (Gemma 3) the sliding ones, from
@@ -238,9 +249,6 @@ class GemmaFamily:
         scaling = hf.get("rope_scaling") or None
         if full.get("rope_type", "default") != "default":
             scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-        if self.gemma3 and local.get("rope_type", "default") != "default":
-            raise ConfigError(f"HF config's sliding layers use {local['rope_type']!r} rotary embeddings; megatrain's "
-                              "gemma3_text layer rotates them with the default rope only.")
         local_theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
         if local_theta is None:
             local_theta = OPTION_DEFAULTS["gemma3_text"]["rope_local_base_freq"]

@@ -2,33 +2,31 @@
 
 Nothing of the model is ever materialised by transformers. The model is built once on the meta device, for its
 parameter names and shapes (the layout) and for its layer modules, which are pure code there: a layer is called
-through torch.func.functional_call with the streamed buffer's views bound as its parameters, so the executor's
-weight buffers, recompute and gradient streaming work as for the native families. Layers whose class, parameter
-names and shapes and layer type agree share one module (one structure); MoE and dense layers, linear- and
-full-attention layers are different structures.
+through torch.func.functional_call with the streamed buffer's views bound as its parameters (and its persistent
+buffers, a router's correction bias, as frozen tensors), so the executor's weight buffers, recompute and gradient
+streaming work as for the native families. Layers whose class, tensors, layer type and plain attributes agree share
+one module (one structure); MoE and dense layers, linear- and full-attention layers are different structures.
 
-What a model's own forward computes around its layers (rotary tables, per-layer-type masks, position ids) is made
-by that forward: a skeleton of the base model whose layers are stand-ins that record what they are called with
-runs once per batch shape, on the real device, with only its parameter-free parts (rotary embeddings) real.
-The embedding, the final norm and the head stay megatrain's (gathered embedding rows, chunked loss); the final
-norm is the model's own module, called the same way, and its logit soft-capping and embedding scale are followed.
+The stack, the embedding, the final norm and the head are found by structure (hf_parts.py), whatever their names
+(`model.layers`, `transformer.h`, `gpt_neox.layers`). What a model's own forward computes around its layers
+(rotary tables, per-layer-type masks, position ids) is made by that forward: a skeleton of the base model whose
+layers are stand-ins that record what they are called with runs once per batch shape, on the real device, with only
+its parameter-free parts (rotary embeddings) real. The embedding rows stay megatrain's (gathered on the host, times
+the scale the forward applies); the final norm is the model's own module, bias and all; the logits are the model's
+own ForCausalLM forward after its base model (lm_head with a bias, logit scales, soft-caps), in token chunks.
 
-MoE models with `output_router_logits` add the router's auxiliary loss as transformers does: the forward keeps
-each MoE layer's router logits, the model's own `load_balancing_loss_func` runs over all of them once the forward
-is done, and each layer's share of that gradient is injected into its router logits when the layer is recomputed.
-Dropout, where a config enables it, is replayed exactly: each layer's recompute runs from the RNG state its
-forward began with.
+MoE models with `output_router_logits` add the router's auxiliary loss as transformers does (hf_router.py).
+Randomness in a layer (dropout, a router's jitter noise) is replayed exactly: each layer's recompute runs from the
+RNG state its forward began with.
 
 transformers is needed by this path only (pip install -e '.[hf]').
 """
-
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,13 +35,24 @@ from torch import nn
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.model.hf_config import causal_lm_types, check_generic, hf_config_object, transformers_module
+from megatrain.model.hf_parts import (
+    LAYER_OUTPUT_ARITIES,
+    BaseOutput,
+    ModelParts,
+    find_parts,
+    layer_output,
+    path_of_output,
+    rebuilt_on,
+    submodule,
+)
+from megatrain.model.hf_router import InjectGrad, RouterAux
 from megatrain.model.registry import register_fallback
 from megatrain.model.templates import Weights
 
-LAYERS_PREFIX = "model.layers."
+Tensor4 = tuple[str, str, tuple[int, ...], bool]  # (name in its unit, the model's own name, shape, weight-decayed)
+
 # what transformers' Trainer leaves out of weight decay, by name: biases and norms
 NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
-EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.", "lm_head.weight"
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,27 +78,30 @@ def build_meta_model(hf: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _base(model: nn.Module) -> nn.Module:
-    base = getattr(model, "model", None)
-    if base is None or not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise ConfigError(f"{type(model).__name__} keeps no decoder layers at model.layers; megatrain's generic path "
-                          "needs the usual decoder layout (model.embed_tokens, model.layers, model.norm, lm_head).")
-    return base
+@functools.lru_cache(maxsize=4)
+def _parts_cached(key: str) -> ModelParts:
+    return find_parts(_meta_model_cached(key))
 
 
-def check_layout(model: nn.Module, tied: bool) -> None:
-    """The model's parameters are the embedding, the layers, the final norm and (untied) lm_head, as megatrain
-    streams them; anything else is refused by name."""
-    names = [n for n, _ in model.named_parameters()]
-    others = [n for n in names if not (n.startswith(LAYERS_PREFIX) or n.startswith(NORM) or n in (EMBED, LM_HEAD))]
-    if EMBED not in names or not any(n.startswith(NORM) for n in names):
-        others += [n for n in (EMBED, NORM + "weight") if n not in names]
-    if (LM_HEAD in names) == tied:
-        others.append(LM_HEAD + (" (tied)" if tied else " (missing)"))
-    if others:
-        raise ConfigError(f"{type(model).__name__} has parameters outside megatrain's decoder layout "
-                          f"({', '.join(others[:4])}); its generic path cannot train this model.")
-    for i, layer in enumerate(_base(model).layers):
+def model_parts(hf: dict[str, Any]) -> ModelParts:
+    """Where the model of `hf` keeps its stack, embedding, final norm and head (megatrain/model/hf_parts.py)."""
+    return _parts_cached(json.dumps(hf, sort_keys=True))
+
+
+def stack_of(model: nn.Module, parts: ModelParts) -> nn.ModuleList:
+    return getattr(submodule(model, parts.base), parts.stack)
+
+
+def check_layers(model: nn.Module, parts: ModelParts) -> None:
+    """Every layer's state streams: parameters, and buffers only where the checkpoint holds them; no weight is
+    shared between layers (each layer's weights stream, and are updated, as its own)."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(stack_of(model, parts)):
+        for name, p in layer.named_parameters():
+            if owner.setdefault(id(p), i) != i:
+                raise ConfigError(f"{type(model).__name__} shares weights between its layers {owner[id(p)]} and {i} "
+                                  f"({name}); megatrain's generic path streams each layer's own weights and cannot "
+                                  "train this model.")
         made_at_init = sorted(set(dict(layer.named_buffers())) - set(layer_buffers(layer)))
         if made_at_init:
             raise ConfigError(f"{type(model).__name__}'s layer {i} keeps buffers that its checkpoint does not hold "
@@ -114,10 +126,10 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def layer_structure(model: nn.Module, index: int) -> tuple[Any, ...]:
+def layer_structure(model: nn.Module, parts: ModelParts, index: int) -> tuple[Any, ...]:
     """What makes two layers interchangeable: class, parameter and buffer names and shapes, layer type, and every
     plain attribute of every module inside (a no-rope flag, a per-layer constant such as DiffLlama's lambda_init)."""
-    layer = _base(model).layers[index]
+    layer = stack_of(model, parts)[index]
     types = getattr(model.config, "layer_types", None)
     kind = types[index] if isinstance(types, (list, tuple)) and index < len(types) else None
     attributes = tuple((name, type(m).__name__, tuple(sorted((k, repr(v)) for k, v in vars(m).items()
@@ -149,9 +161,11 @@ class GenericFamily:
         check_generic(hf)
         config = hf_config_object(hf)
         model = meta_model(hf)
-        tied = EMBED in dict(model.named_parameters()) and LM_HEAD not in dict(model.named_parameters())
-        check_layout(model, tied)
+        parts = model_parts(hf)
+        check_layers(model, parts)
+        tied = parts.head is None
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = _Readable(text)  # a per-layer attribute read globally raises in some configs (Gemma 4): None here
         heads = getattr(text, "num_attention_heads", None) or 1
         hidden = text.hidden_size
         head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
@@ -171,7 +185,7 @@ class GenericFamily:
             initializer_range=getattr(text, "initializer_range", 0.02) or 0.02, tie_embeddings=tied,
             rms_norm_eps=eps if isinstance(eps, (int, float)) and eps > 0 else 1e-6,
             bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=eos, model_type=model_type,
-            pad_token_id=getattr(_base(model).embed_tokens, "padding_idx", None),
+            pad_token_id=getattr(model.get_input_embeddings(), "padding_idx", None),
             hf_config=dict(hf),
         )
 
@@ -186,7 +200,7 @@ class GenericFamily:
 
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
         assert c.hf_config is not None
-        layer = _base(meta_model(c.hf_config)).layers[index]
+        layer = stack_of(meta_model(c.hf_config), model_parts(c.hf_config))[index]
         buffers = dict(layer.named_buffers())
         return [(name, tuple(p.shape), not NO_DECAY.search(name)) for name, p in layer.named_parameters()] + [
             (name, tuple(buffers[name].shape), False) for name in layer_buffers(layer)]  # frozen: never a gradient
@@ -194,30 +208,32 @@ class GenericFamily:
     def num_params(self, c: ModelConfig) -> int:
         assert c.hf_config is not None
         model = meta_model(c.hf_config)
-        frozen = sum(dict(layer.named_buffers())[name].numel() for layer in _base(model).layers
+        frozen = sum(dict(layer.named_buffers())[name].numel() for layer in stack_of(model, model_parts(c.hf_config))
                      for name in layer_buffers(layer))
         return sum(p.numel() for p in model.parameters()) + frozen  # what the arena holds
+
+    def unit_tensors(self, c: ModelConfig) -> tuple[list[Tensor4], str, list[Tensor4]]:
+        """The embedding unit's and the head unit's tensors (name in the unit, the model's own name, shape, decayed)
+        and the layers' prefix, as this model names them: ModelLayout builds its units from these."""
+        assert c.hf_config is not None
+        model, parts = meta_model(c.hf_config), model_parts(c.hf_config)
+        shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
+        embed = [("embed_tokens.weight", parts.embed, shapes[parts.embed], True)]
+        head: list[Tensor4] = []
+        if parts.final is not None:
+            final = parts.in_base(parts.final)
+            head += [(f"norm.{n}", f"{final}.{n}", tuple(t.shape), False)
+                     for n, t in submodule(model, final).named_parameters()]
+        if parts.head is not None:
+            head += [(f"lm_head.{n}", f"{parts.head}.{n}", shapes[f"{parts.head}.{n}"], n == "weight")
+                     for n in parts.head_params]
+        return embed, parts.stack_prefix, head
 
     def architecture(self, c: ModelConfig) -> GenericArchitecture:
         return GenericArchitecture(c)
 
 
 GENERIC = register_fallback(GenericFamily())
-
-
-class _InjectGrad(torch.autograd.Function):
-    """Identity on `y` whose backward also hands `grad` to `source`: a loss term computed outside the layer (the
-    router's auxiliary loss) reaches the layer's weights through the layer's recompute."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, source: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(grad)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (grad,) = ctx.saved_tensors
-        return grad_y, grad, None
 
 
 class _Recorded(Exception):
@@ -228,7 +244,9 @@ class LayerCall:
     """What one layer gets in one batch: the keyword arguments the model's forward gives it, and the batch."""
 
     def __init__(self, index: int, kwargs: dict[str, Any], batch: GenericBatch):
-        self.index, self.kwargs, self.batch = index, kwargs, batch
+        self.index, self.batch = index, batch
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "__args__"}
+        self.args: tuple[Any, ...] = kwargs.get("__args__", ())  # positional ones after the hidden states
 
 
 class GenericBatch:
@@ -261,22 +279,6 @@ class GenericBatch:
         return loss.detach().float()
 
 
-class RouterAux:
-    """The auxiliary load-balancing loss of an MoE model, as its ForCausalLM adds it to the loss."""
-
-    def __init__(self, model: nn.Module):
-        recorder = getattr(type(model), "_can_record_outputs", {}).get("router_logits")
-        loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
-        needed = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
-        if recorder is None or loss_fn is None or not all(hasattr(model, a) for a in needed):
-            raise ConfigError(f"{type(model).__name__} enables output_router_logits but megatrain cannot find how it "
-                              "computes the router's auxiliary loss; set output_router_logits to false.")
-        self.router_class, self.index = recorder.target_class, recorder.index
-        self.loss_fn = loss_fn
-        self.num_experts, self.top_k = model.num_experts, model.num_experts_per_tok
-        self.coef = float(model.router_aux_loss_coef)
-
-
 class GenericLayer:
     """One structure's layer function: fn(x, weights, call) -> x through the meta module's own forward."""
 
@@ -285,14 +287,13 @@ class GenericLayer:
         self.frozen = tuple(layer_buffers(module))  # constants from the checkpoint: no gradient, so never updated
         aux = arch.aux
         self.routers = [] if aux is None else [m for m in module.modules() if isinstance(m, aux.router_class)]
-        self.dropout = arch.dropout or any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
     def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
         recorded: list[torch.Tensor] = []
         if self.frozen:
             w = {**w, **{name: w[name].detach() for name in self.frozen}}
         with self._rng(call, x.device), self._routers(recorded):
-            out = torch.func.functional_call(self.module, w, (x,), call.kwargs, strict=True)
+            out = torch.func.functional_call(self.module, w, (x, *call.args), call.kwargs, strict=True)
         y = out[0] if isinstance(out, tuple) else out
         if not recorded:
             return y
@@ -300,7 +301,7 @@ class GenericLayer:
             call.batch.router_logits[call.index] = recorded[0].detach()
             return y
         grad = call.batch.router_grads.get(call.index)
-        return y if grad is None else _InjectGrad.apply(y, recorded[0], grad)
+        return y if grad is None else InjectGrad.apply(y, recorded[0], grad)
 
     @contextlib.contextmanager
     def _routers(self, recorded: list[torch.Tensor]) -> Iterator[None]:
@@ -318,10 +319,8 @@ class GenericLayer:
 
     @contextlib.contextmanager
     def _rng(self, call: LayerCall, device: torch.device) -> Iterator[None]:
-        """The recompute's dropout masks are the forward's: it runs from the RNG state the forward began with."""
-        if not self.dropout:
-            yield
-            return
+        """The recompute draws the forward's random numbers (dropout masks, a router's jitter noise): it runs from the
+        RNG state the forward began with."""
         cuda = device.type == "cuda"
         if not torch.is_grad_enabled():
             call.batch.rng[call.index] = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
@@ -338,21 +337,18 @@ class GenericLayer:
 class _StandIn(nn.Module):
     """Takes a decoder layer's place in the skeleton: records its arguments, returns its input."""
 
-    def __init__(self, index: int, calls: list[dict[str, Any]], last: int):
+    def __init__(self, index: int, calls: list[dict[str, Any]], last: int, arity: int):
         super().__init__()
-        self.index, self.calls, self.last = index, calls, last
+        self.index, self.calls, self.last, self.arity = index, calls, last, arity
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args:
-            raise ConfigError("this model passes its layers positional arguments besides the hidden states, which "
-                              "megatrain's generic path does not follow.")
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.index and hidden_states is not self.calls[-1]["__output__"]:
             raise ConfigError("this model changes the hidden states between its layers, which megatrain's generic "
                               "path does not follow.")
-        self.calls.append({"__input__": hidden_states, "__output__": hidden_states, **kwargs})
+        self.calls.append({"__input__": hidden_states, "__output__": hidden_states, "__args__": args, **kwargs})
         if self.index == self.last:
             raise _Recorded
-        return hidden_states
+        return layer_output(hidden_states, self.arity)  # as the model's layers return it
 
 
 class GenericArchitecture:
@@ -361,30 +357,34 @@ class GenericArchitecture:
         self.model_config = config
         self.model = build_meta_model(config.hf_config)  # this executor's own: never shipped through Ray
         self.config = self.model.config
-        base = _base(self.model)
+        self.parts = parts = model_parts(config.hf_config)
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self.aux = RouterAux(self.model) if getattr(text, "output_router_logits", False) else None
-        self.dropout = any(k.endswith("dropout") and isinstance(v, (int, float)) and v > 0
-                           for k, v in text.to_dict().items())
         structures: dict[tuple[Any, ...], GenericLayer] = {}
         self.layers: list[GenericLayer] = []
-        for i, module in enumerate(base.layers):
-            key = layer_structure(self.model, i)
+        for i, module in enumerate(stack_of(self.model, parts)):
+            key = layer_structure(self.model, parts, i)
             if key not in structures:
                 structures[key] = GenericLayer(module, self)
             self.layers.append(structures[key])
-        self.norm = base.norm
-        softcap = getattr(text, "final_logit_softcapping", None)
-        self.logit_softcap = float(softcap) if softcap else None
+        self.norm = None if parts.final is None else submodule(self.model, parts.in_base(parts.final))
+        self.logit_softcap = None  # the model's own logits (self.logits) cap them where it does
         self._calls: dict[tuple[int, int, torch.device, torch.dtype], list[dict[str, Any]]] = {}
         self._skeleton: dict[torch.device, nn.Module] = {}
-        self.embed_scale = self._embed_scale(base)
+        self._head_skeleton: nn.Module | None = None
+        self._arity: int | None = None  # how the model's forward reads its layers' outputs (hf_parts.layer_output)
+        self._head_path = parts.head or path_of_output(self.model)
+        self.embed_scale = self._embed_scale()
 
-    def _embed_scale(self, base: nn.Module) -> float | None:
+    def _embed_scale(self) -> float | None:
         """The embedding module's scale (Gemma's scaled embeddings) times what the forward multiplies it by."""
-        scale = float(getattr(base.embed_tokens, "scalar_embed_scale", 1.0))
+        scale = float(getattr(self.model.get_input_embeddings(), "scalar_embed_scale", 1.0))
         calls = self._run_skeleton(1, 2, torch.device("cpu"), torch.float32, fill=1.0)
         seen = calls[0]["__input__"]
+        if tuple(seen.shape) != (1, 2, self.model_config.hidden_size):
+            raise ConfigError(f"{type(self.model).__name__} gives its first layer hidden states of shape "
+                              f"{tuple(seen.shape)}, not its embeddings' (hyper-connections, say), which megatrain's "
+                              "generic path does not follow.")
         ratio = float(seen.flatten()[0])
         if not torch.equal(seen, torch.full_like(seen, ratio)):
             raise ConfigError(f"{type(self.model).__name__} transforms its embeddings before the first layer in a way "
@@ -395,30 +395,34 @@ class GenericArchitecture:
     def _skeleton_for(self, device: torch.device) -> nn.Module:
         """The base model with stand-ins for its layers and the final norm, its parameter-free parts real."""
         if device not in self._skeleton:
-            base = _base(build_meta_model(self.model_config.hf_config))  # type: ignore[arg-type]
-            base.norm = nn.Identity()
-            for name, module in list(base.named_children()):
-                if name in ("layers", "embed_tokens", "norm") or not any(True for _ in module.buffers()):
-                    continue
-                try:
-                    with torch.device("cpu"):
-                        rebuilt = type(module)(base.config)
-                except Exception as e:
-                    raise ConfigError(f"megatrain's generic path cannot rebuild {type(module).__name__} from the "
-                                      f"config ({e}); it cannot train this model.") from None
-                setattr(base, name, rebuilt.to(device))
+            parts = self.parts
+            base = submodule(build_meta_model(self.model_config.hf_config), parts.base)  # type: ignore[arg-type]
+            if parts.final is not None:
+                setattr(base, parts.final, nn.Identity())
+            embed_child = parts.embed[len(parts.base) + 1:].split(".")[0] if parts.base else parts.embed.split(".")[0]
+            rebuilt_on(base, {parts.stack, embed_child, *([parts.final] if parts.final else [])}, device)
             self._skeleton[device] = base
         return self._skeleton[device]
 
     def _run_skeleton(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
                       fill: float = 0.0, position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
         base = self._skeleton_for(device)
-        calls: list[dict[str, Any]] = []
-        n = len(base.layers)
-        base.layers = nn.ModuleList(_StandIn(i, calls, n - 1) for i in range(n))
         x = torch.full((batch_size, seq, self.model_config.hidden_size), fill, device=device, dtype=dtype)
-        with contextlib.suppress(_Recorded), torch.no_grad():
-            base(inputs_embeds=x, position_ids=position_ids, use_cache=False)
+        n = len(getattr(base, self.parts.stack))
+        # the way the model's forward reads its layers' outputs, tried in turn until known
+        arities = [self._arity] if self._arity is not None else list(LAYER_OUTPUT_ARITIES)
+        for arity in arities:
+            calls: list[dict[str, Any]] = []
+            setattr(base, self.parts.stack, nn.ModuleList(_StandIn(i, calls, n - 1, arity) for i in range(n)))
+            try:
+                with contextlib.suppress(_Recorded), torch.no_grad():
+                    base(inputs_embeds=x, position_ids=position_ids, use_cache=False)
+            except Exception:
+                if arity == arities[-1]:
+                    raise
+                continue
+            self._arity = arity
+            break
         if len(calls) != n:
             raise ConfigError(f"{type(self.model).__name__}'s forward called {len(calls)} of its {n} layers; "
                               "megatrain's generic path cannot train this model.")
@@ -429,11 +433,11 @@ class GenericArchitecture:
         """The model's own forward makes the layers' arguments: from position_ids too, packed documents and all."""
         if position_ids is not None:
             calls = self._run_skeleton(batch_size, seq, device, dtype, position_ids=position_ids.to(device))
-            return GenericBatch(self, [{k: v for k, v in c.items() if not k.startswith("__")} for c in calls])
+            return GenericBatch(self, [_layer_kwargs(c) for c in calls])
         key = (batch_size, seq, device, dtype)
         if key not in self._calls:
             calls = self._run_skeleton(batch_size, seq, device, dtype)
-            self._calls[key] = [{k: v for k, v in c.items() if not k.startswith("__")} for c in calls]
+            self._calls[key] = [_layer_kwargs(c) for c in calls]
         return GenericBatch(self, self._calls[key])
 
     def tile(self, tile_tokens: int) -> None:
@@ -444,5 +448,42 @@ class GenericArchitecture:
         return self.layers[index]
 
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        if self.norm is None:
+            return x
         params = {name[len("norm."):]: w for name, w in weights.items()}
         return torch.func.functional_call(self.norm, params, (x,), strict=True)
+
+    def logits(self, hidden: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """The model's own logits of normed hidden states [n, h]: its ForCausalLM forward after the base model (the
+        lm_head with its bias, a logit scale, soft-capping), with the base a stand-in that returns `hidden`."""
+        if self._head_skeleton is None:
+            self._head_skeleton = build_meta_model(self.model_config.hf_config)  # type: ignore[arg-type]
+        model, parts = self._head_skeleton, self.parts
+        stand_in = BaseOutput(hidden.unsqueeze(0))
+        # the ForCausalLM's own child that holds the base (a multimodal model's whole "model", towers and all)
+        setattr(model, parts.base.split(".")[0], stand_in)
+        params = {f"{self._head_path}.{name[len('lm_head.'):]}": w for name, w in weights.items()}
+        # inputs_embeds, not input_ids: the stand-in ignores them, and a multimodal forward then looks up no embedding
+        kwargs = {"inputs_embeds": stand_in.hidden, "use_cache": False}
+        out = torch.func.functional_call(model, params, (), kwargs, strict=False)
+        return out.logits[0]
+
+
+def _layer_kwargs(call: dict[str, Any]) -> dict[str, Any]:
+    """What a layer is called with, less the stand-in's own notes (its positional arguments stay, as __args__)."""
+    return {k: v for k, v in call.items() if k == "__args__" or not k.startswith("__")}
+
+
+class _Readable:
+    """A config whose attributes read as None where transformers refuses to answer one globally."""
+
+    def __init__(self, config: Any):
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(self._config, name)
+        except AttributeError:
+            raise
+        except Exception:
+            return None

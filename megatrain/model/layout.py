@@ -65,6 +65,21 @@ class Unit:
         return arena_flat[self.offset : self.offset + self.numel]
 
 
+def unit_tensors(config: ModelConfig) -> tuple[list[tuple[str, str, tuple[int, ...], bool]], str,
+                                                 list[tuple[str, str, tuple[int, ...], bool]]]:
+    """The embedding unit's tensors, the decoder layers' name prefix, the head unit's tensors: (name in the unit,
+    the model's own name, shape, weight-decayed). A family that names them its own way says so (the generic path:
+    `transformer.h.`, a final norm with a bias, an lm_head bias); Llama's names otherwise."""
+    own = getattr(config.family, "unit_tensors", None)
+    if own is not None:
+        return own(config)
+    h, v = config.hidden_size, config.vocab_size
+    head = [("norm.weight", "model.norm.weight", (h,), False)]
+    if not config.tie_embeddings:
+        head.append(("lm_head.weight", "lm_head.weight", (v, h), True))
+    return [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)], "model.layers.", head
+
+
 @dataclass
 class ModelLayout:
     config: ModelConfig
@@ -74,15 +89,12 @@ class ModelLayout:
     @classmethod
     def build(cls, config: ModelConfig) -> ModelLayout:
         layout = cls(config)
-        h, v = config.hidden_size, config.vocab_size
-        layout._add("embed", [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)])
+        embed, prefix, head = unit_tensors(config)
+        layout._add("embed", embed)
         for i in range(config.num_layers):
             tensors = config.family.layer_tensors(config, i)
-            layout._add("layer", [(name, f"model.layers.{i}.{name}", shape, decay) for name, shape, decay in tensors],
+            layout._add("layer", [(name, f"{prefix}{i}.{name}", shape, decay) for name, shape, decay in tensors],
                         layer=i)
-        head = [("norm.weight", "model.norm.weight", (h,), False)]
-        if not config.tie_embeddings:
-            head.append(("lm_head.weight", "lm_head.weight", (v, h), True))
         layout._add("head", head)
         return layout
 

@@ -2,14 +2,16 @@
 
 Its layer is the template in templates.py (DecoderLayer) with the options this family's configs set: q/k/v
 biases (Qwen2), an o_proj bias (Llama's attention_bias), an explicit head_dim (Mistral). Other families
-(qwen3.py) build on this one and change what differs.
+(qwen3.py) build on this one and change what differs. A config.json with what the layer does not implement (Llama's
+mlp_bias, another activation, attention dropout) raises NotNative: ModelConfig.from_hf trains such a model on the
+generic path instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatrain.config import ConfigError, ModelConfig
+from megatrain.config import ConfigError, ModelConfig, NotNative
 from megatrain.model.architecture import LlamaArchitecture
 from megatrain.model.registry import register
 
@@ -32,6 +34,28 @@ def hf_number(hf: dict[str, Any], key: str, value: Any) -> float:
         except OverflowError:
             pass
     raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); it must be a number.")
+
+
+# what a family's layer does not implement, as NotNative names it: (the option, why)
+Missing = tuple[str, str]
+
+
+def dropout_not_native(hf: dict[str, Any]) -> Missing | None:
+    """Attention dropout, which transformers applies in training and megatrain's layers do not."""
+    dropout = hf.get("attention_dropout") or 0.0
+    if hf_number(hf, "attention_dropout", dropout) != 0.0:
+        return f"attention_dropout={dropout!r}", "it has no dropout"
+    return None
+
+
+def native_or_not(kwargs: dict[str, Any], model_type: str, missing: Missing | None) -> dict[str, Any]:
+    """A family's reading of a config.json, or NotNative where its layer misses an option; raised once the rest is
+    known valid (ModelConfig checks it), so that an invalid config is refused as such, not handed to the generic
+    path."""
+    if missing is None:
+        return kwargs
+    ModelConfig(**kwargs)
+    raise NotNative(model_type, *missing)
 
 
 def pad_id(hf: dict[str, Any]) -> int | None:
@@ -103,9 +127,8 @@ class LlamaFamily:
         return window if window not in (None, 0) else None
 
     def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-        """ModelConfig's keyword arguments for a parsed config.json of `model_type` (one of this family's)."""
-        if hf_flag(hf, "mlp_bias"):
-            raise ConfigError("mlp_bias=True is not supported; megatrain trains Llama-family MLPs without bias.")
+        """ModelConfig's keyword arguments for a parsed config.json of `model_type` (one of this family's); NotNative
+        for what its layer does not implement (native_or_not)."""
         missing = [k for k in REQUIRED_KEYS if k not in hf]
         if missing:
             raise ConfigError(f"HF config lacks {', '.join(missing)}; it does not describe a {model_type} model.")
@@ -127,7 +150,7 @@ class LlamaFamily:
             return default if value is None else value
 
         qkv_bias, o_bias = self.attention_biases(hf, model_type)
-        return dict(
+        kwargs = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
@@ -149,6 +172,17 @@ class LlamaFamily:
             model_type=model_type,
             sliding_window=self.sliding_window(hf, model_type),
         )
+        return native_or_not(kwargs, model_type, self.not_native(hf, model_type))
+
+    def not_native(self, hf: dict[str, Any], model_type: str) -> Missing | None:
+        """The first option of the config.json that this family's layer does not implement, if any."""
+        # only LlamaMLP reads mlp_bias: transformers' Mistral, Qwen2 and Qwen3 MLPs have no bias whatever it says
+        if model_type == "llama" and hf_flag(hf, "mlp_bias"):
+            return "mlp_bias=True", "its MLP projections have no bias"
+        activation = hf.get("hidden_act") or "silu"
+        if activation not in ("silu", "swish"):  # transformers' two names of one function
+            return f"hidden_act={activation!r}", "its MLP is gated by SiLU"
+        return dropout_not_native(hf)
 
     # ---- checks ----
     def validate(self, c: ModelConfig) -> None:

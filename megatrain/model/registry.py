@@ -25,7 +25,9 @@ class Family(Protocol):
     def model_types(self) -> tuple[str, ...]: ...
 
     def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-        """ModelConfig's keyword arguments for a parsed config.json; ConfigError for what is not implemented."""
+        """ModelConfig's keyword arguments for a parsed config.json: ConfigError for one that is invalid, NotNative
+        (megatrain/config.py) for an option the family does not implement, which ModelConfig.from_hf then hands to
+        the generic path."""
         ...
 
     def validate(self, c: ModelConfig) -> None:
@@ -80,6 +82,12 @@ def family_of(model_type: str) -> Family:
     """The native family of `model_type`, or else the generic path (transformers' own layers), which refuses in one
     sentence what it cannot train (and says to install transformers where it is missing)."""
     return FAMILIES.get(model_type) or _fallback[0]
+
+
+def generic() -> FallbackFamily:
+    """The generic path: also a native model_type's, where its config.json sets an option the family does not
+    implement (ModelConfig.from_hf)."""
+    return _fallback[0]
 
 
 def is_supported(model_type: object) -> bool:

@@ -209,7 +209,8 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
 def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
                         norm_weights: Weights, lm_head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                         host_targets: torch.Tensor | None = None, softcap: float | None = None,
-                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor] | None = None
+                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor] | None = None,
+                        logits: LogitsFn | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor]]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
@@ -221,6 +222,9 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
     of a whole batch's mean). grads_into: the weight gradients of earlier micro-batches (fp32), added to
     rather than made anew. targets are on x's device; host_targets, the same on the host (None: targets are
     there), are what counting and skipping chunks read, so that they need not wait for the device.
+    logits: the model's own map from normed hidden states to logits (the generic path: its lm_head with a bias, a
+    logit scale, soft-capping), given lm_head's weight and the head's weights not named "norm.*"; each chunk then
+    runs through it under autograd instead of the closed-form gradient.
     """
     flat_x = x.reshape(-1, x.shape[-1])
     flat_t = targets.reshape(-1)
@@ -243,6 +247,12 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         if not bool((host_t[chunk] != ops.IGNORE_INDEX).any()):
             continue  # nothing to learn here (prompt or padding): its gradient is zero
         xc = flat_x[chunk].detach().requires_grad_(True)
+        if logits is not None:
+            chunk_loss, gx = _chunk_through(logits, final_norm, xc, norm_leaves, lm_head, flat_t[chunk],
+                                            1.0 / n_valid, grad_norm, grad_head)
+            loss += chunk_loss
+            grad_x[chunk] = gx
+            continue
         with torch.enable_grad():
             normed = final_norm(xc, norm_leaves)
         hidden = normed.detach()
@@ -257,3 +267,25 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         for name, g in zip(norm_leaves, gn, strict=True):
             grad_norm[name] += g
     return loss / n_valid, grad_x.view_as(x), (grad_norm, grad_head)
+
+
+LogitsFn = Callable[[torch.Tensor, Weights], torch.Tensor]  # (normed hidden [n, h], head weights) -> logits [n, vocab]
+
+
+def _chunk_through(logits: LogitsFn, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], xc: torch.Tensor,
+                   leaves: Weights, lm_head: torch.Tensor, targets: torch.Tensor, scale: float, grad_weights: Weights,
+                   grad_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed cross-entropy through the model's own logits, and scale x its gradient: with respect to
+    the chunk (returned) and the head's weights (added into grad_weights and grad_head)."""
+    head = lm_head.detach().requires_grad_(True)
+    norm = {name: w for name, w in leaves.items() if name.startswith("norm.")}
+    others = {name: w for name, w in leaves.items() if not name.startswith("norm.")}
+    with torch.enable_grad():
+        z = logits(final_norm(xc, norm), {"lm_head.weight": head, **others}).float()
+        loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets, ignore_index=ops.IGNORE_INDEX, reduction="sum")
+    gx, gh, *gw = torch.autograd.grad(loss * scale, [xc, head, *leaves.values()], allow_unused=True,
+                                      materialize_grads=True)
+    grad_head += gh.float()
+    for name, g in zip(leaves, gw, strict=True):
+        grad_weights[name] += g
+    return loss.detach(), gx

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.model import registry
-from megatrain.model.registry import Family
 
 
 class MegatrainError(Exception):
@@ -142,7 +141,7 @@ class ModelConfig:
         self.family.validate(self)
 
     @property
-    def family(self) -> Family:
+    def family(self) -> registry.Family:
         """The family of model_type: its HF config mapping and layer options (megatrain/model/registry.py)."""
         return registry.generic() if self.hf_config is not None else registry.family_of(self.model_type)
 
@@ -441,17 +440,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         check_choice("precision", self.precision, PRECISIONS)
-        if not (self.optimizer_workers == "auto" or (_is_int(self.optimizer_workers) and self.optimizer_workers >= 1)):
-            raise ConfigError(f"optimizer_workers must be 'auto' or an integer of at least 1, "
-                              f"got {self.optimizer_workers!r}.")
+        check_auto_or_positive("optimizer_workers", self.optimizer_workers)
         threads = self.threads_per_worker
         if threads is not None and not (_is_int(threads) and threads >= 1):
             raise ConfigError(f"threads_per_worker must be a positive integer or None, got {threads!r}.")
-        if not (self.micro_batches == "auto" or (_is_int(self.micro_batches) and self.micro_batches >= 1)):
-            raise ConfigError(f"micro_batches must be 'auto' or a positive integer, got {self.micro_batches!r}.")
+        check_auto_or_positive("micro_batches", self.micro_batches)
         check_choice("schedule", self.schedule, ("auto", *SCHEDULES))
-        if not (self.executors == "auto" or (_is_int(self.executors) and self.executors >= 1)):
-            raise ConfigError(f"executors must be 'auto' or a positive integer, got {self.executors!r}.")
+        check_auto_or_positive("executors", self.executors)
         if not (_is_int(self.nodes) and self.nodes >= 1):
             raise ConfigError(f"nodes must be a positive integer, got {self.nodes!r}.")
         if not (_is_int(self.loss_chunk_tokens) and self.loss_chunk_tokens >= 1):
@@ -462,6 +457,11 @@ class EngineConfig:
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
         check_device(self.device)
+
+
+def check_auto_or_positive(name: str, value: Any) -> None:
+    if not (value == "auto" or (_is_int(value) and value >= 1)):
+        raise ConfigError(f"{name} must be 'auto' or a positive integer, got {value!r}.")
 
 
 def check_tiling(tile_tokens: object, checkpoint_budget_gib: object) -> None:

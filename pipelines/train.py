@@ -28,7 +28,14 @@ import ray
 import tomllib
 
 from actors.data_loader import DataLoaderActor
-from megatrain.config import ConfigError, MegatrainError, Terminated, check_tiling, dataclass_from_dict
+from megatrain.config import (
+    ConfigError,
+    MegatrainError,
+    Terminated,
+    check_auto_or_positive,
+    check_tiling,
+    dataclass_from_dict,
+)
 from megatrain.data import DataConfig, find_data_files
 from megatrain.io.checkpoint import CheckpointError
 from megatrain.telemetry import write_chrome_trace
@@ -140,6 +147,8 @@ class TrainConfig:
             raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
                               "or eval_count in the config file's [data] table, or eval_every = 0.")
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
+        for name in ("optimizer_workers", "micro_batches", "executors"):
+            check_auto_or_positive(f"train config: {name}", getattr(self, name))
         if self.max_nonfinite_steps < 0:
             raise ConfigError("train config: max_nonfinite_steps must be >= 0, "
                               f"got {self.max_nonfinite_steps}.")

@@ -252,12 +252,20 @@ def train_engine(hf_dir: Path, batches: list, workers: int, max_grad_norm: float
     return losses, params
 
 
+def persistent_buffers(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The buffers transformers saves and loads with the model's weights (a router's correction bias), as loaded."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # tied ones under each name
+    return {n: t for n, t in model.state_dict().items() if n not in parameters}
+
+
 THREE_STEPS_OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, total_steps=4)
 
 
-def assert_engine_matches_transformers(directory: Path) -> None:
+def assert_engine_matches_transformers(directory: Path, no_decay: Callable[[str], Any] | None = None) -> None:
     """Three Engine steps (clipping on, labels masked in places) on the HF directory's model, against transformers +
-    torch.optim.AdamW, both judged against an fp64 run of the reference (test_qwen3.py and test_gemma.py)."""
+    torch.optim.AdamW, both judged against an fp64 run of the reference (test_qwen3.py, test_gemma.py and
+    test_model_families.py); `no_decay` as hf_reference takes it (the generic path's rule: hf_generic.NO_DECAY)."""
     gen = torch.Generator().manual_seed(5)
     batches = []
     for _ in range(3):
@@ -269,11 +277,14 @@ def assert_engine_matches_transformers(directory: Path) -> None:
                           **THREE_STEPS_OPTIM) as engine:
         losses = [engine.step(ids, labels) for ids, labels in batches]
         params = engine.parameters()
-    exact_losses, exact = hf_reference(directory, batches, 1.0, THREE_STEPS_OPTIM, torch.float64)
-    hf_losses, hf_params = hf_reference(directory, batches, 1.0, THREE_STEPS_OPTIM)
+    exact_losses, exact = hf_reference(directory, batches, 1.0, THREE_STEPS_OPTIM, torch.float64, no_decay)
+    hf_losses, hf_params = hf_reference(directory, batches, 1.0, THREE_STEPS_OPTIM, no_decay=no_decay)
     assert losses == pytest.approx(exact_losses, rel=1e-5)
     assert hf_losses == pytest.approx(exact_losses, rel=1e-5)
-    assert params.keys() == exact.keys()
+    frozen = persistent_buffers(directory)  # the Engine streams them frozen, beside the parameters
+    assert params.keys() == exact.keys() | frozen.keys()
+    changed = [n for n, b in frozen.items() if not torch.equal(params.pop(n), b.float())]
+    assert not changed, f"frozen buffers changed in training: {changed}"
     ours, theirs = max_rel(params, exact), max_rel(hf_params, exact)
     # fp32 rounding, amplified by Adam where a gradient is near zero, moves both fp32 runs off the exact
     # result: megatrain must be as close to it as transformers' own fp32 run is (or within 1e-5)

@@ -308,7 +308,7 @@ def test_plan_describes_the_run_train_would_make(tmp_path: Path, capsys: pytest.
     assert plan_printed() == report("125m", 2, 32, 3)
 
     for flags, message in ((["--batch", "0"], "batch_size must be a positive integer"),
-                           (["--optimizer-workers", "0"], "optimizer_workers must be 'auto' or an integer of at least"),
+                           (["--optimizer-workers", "0"], "optimizer_workers must be 'auto' or a positive integer"),
                            (["--max-grad-norm", "-1"], "max_grad_norm must be positive"),
                            (["--gpu-gib", "-3"], "--gpu-gib must be a positive number of GiB"),
                            (["--host-gib", "0"], "--host-gib must be a positive number of GiB"),

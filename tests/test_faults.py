@@ -54,7 +54,7 @@ def test_killed_executor_holding_the_gradients_recovers_exactly(ray_session, fau
     assert_same_model(params, uninterrupted[1])
 
 
-@pytest.mark.parametrize("grads", ["arena", "device"])
+@pytest.mark.parametrize("grads", [pytest.param("arena", marks=pytest.mark.slow), "device"])  # CI: the harder one
 def test_killed_executor_under_simulated_streams_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path,
                                                                   grads) -> None:
     """The GPU's schedule on the CPU (device cpu-async): an executor killed while copies are in flight on its

@@ -177,7 +177,7 @@ def test_a_new_gemma_starts_as_transformers_does(tmp_path: Path) -> None:
 
 # ---- three Engine steps against transformers + AdamW ----
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])  # CI: one of the two
 def test_engine_matches_transformers_and_adamw(name: str, ray_session: None, tmp_path: Path) -> None:
     build_hf_model(tiny(name)).save_pretrained(tmp_path)
     assert_engine_matches_transformers(tmp_path)

@@ -19,13 +19,20 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from helpers import LLAMA3_ROPE, assert_engine_matches_transformers, assert_one_sentence, error, my_segments
+from helpers import (
+    LLAMA3_ROPE,
+    THREE_STEPS_OPTIM,
+    assert_engine_matches_transformers,
+    assert_one_sentence,
+    error,
+    my_segments,
+)
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import megatrain
-from megatrain.model.hf_generic import NO_DECAY
+from megatrain.model.layout import ModelLayout
 from megatrain.model.tiny_config import text_config, tiny_config
 from megatrain.self_check import (
     DROPOUT_SEED,
@@ -74,6 +81,12 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
 SHRUNK = {"num_kv_heads", "num_experts_per_tok", "rope_parameters"}  # options tiny_config shrinks with the model
 CORRECTION_BIAS = "e_score_correction_bias"  # DeepSeek-V3's (and GLM-4.5's) router buffer
 ENGINE_IN_CI = {"gpt_neox-parallel", "cohere", "deepseek_v3", "starcoder2"}
+# GPT-OSS: Adam's eps at 1e-6, not 1e-8: one expert weight's gradient is ~1e-8, where Adam turns fp32 rounding into
+# an update error either fp32 run may double (the same element is the worst of megatrain's and transformers' runs)
+ENGINE_EPS = {"gpt_oss": 1e-6}
+NO_ENGINE_REFERENCE = {
+    "phimoe": "PhiMoE's router samples its experts in training (sparsemixer), so three steps have no deterministic "
+              "reference; its loss and gradients are checked against transformers' own draw above"}
 
 
 def tiny_reference(case: str, directory: Path) -> Reference:
@@ -148,11 +161,34 @@ def test_router_correction_bias_matters_and_loads_from_the_checkpoint(
     assert abs(unbiased - ref.loss) > 100 * REL_TOL * abs(ref.loss), "the bias does not change the routing"
 
 
+def decay_of(directory: Path) -> set[str]:
+    """The tensors megatrain's AdamW decays, by the checkpoint's names."""
+    layout = ModelLayout.build(megatrain.ModelConfig.from_hf(directory))
+    return {s.hf_name for u in layout.units for s in u.slots if s.decay}
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ENGINE_IN_CI else pytest.mark.slow) for c in NAMED])
 def test_three_engine_steps_match_transformers_adamw(case: str, saved: Callable[[str], tuple[Reference, Path]],
                                                      ray_session: Any) -> None:
+    """The reference's AdamW decays what megatrain decays (test_weight_decay_follows_transformers_trainer checks that
+    choice on its own). transformers runs with eager attention and with the model's default (sdpa) one: its own two
+    runs differ by up to 6x in their distance from fp64 (Llama's embedding, Llama 4's expert weights), and megatrain
+    must be within twice the farther one."""
+    if case in NO_ENGINE_REFERENCE:
+        pytest.skip(NO_ENGINE_REFERENCE[case])
     _, directory = saved(case)
-    assert_engine_matches_transformers(directory, no_decay=NO_DECAY.search)
+    decayed = decay_of(directory)
+    optim = {**THREE_STEPS_OPTIM, "eps": ENGINE_EPS.get(case, THREE_STEPS_OPTIM["eps"])}
+    assert_engine_matches_transformers(directory, lambda name: name not in decayed, optim, ("eager", None))
+
+
+@pytest.mark.parametrize("case", NAMED)
+def test_weight_decay_follows_transformers_trainer(case: str, saved: Callable[[str], tuple[Reference, Path]]) -> None:
+    """megatrain decays what transformers' Trainer decays (Trainer.get_decay_parameter_names: not biases, not norms by
+    name or by nn.LayerNorm type); a persistent buffer is never decayed."""
+    ref, directory = saved(case)
+    parameters = {n for n, _ in ref.model.named_parameters()}
+    assert decay_of(directory) == set(Trainer.get_decay_parameter_names(None, ref.model)) & parameters
 
 
 def test_gpt2_is_refused_in_one_sentence(tmp_path: Path) -> None:

@@ -109,6 +109,12 @@ def check_layers(model: nn.Module, parts: ModelParts) -> None:
                               "from streamed tensors and cannot train this model.")
 
 
+def decayed(layer: nn.Module, name: str) -> bool:
+    """Weight decay as transformers' Trainer applies it: not on biases and norms, by name or by nn.LayerNorm type."""
+    owner = layer.get_submodule(name.rpartition(".")[0])
+    return not NO_DECAY.search(name) and not isinstance(owner, nn.LayerNorm)
+
+
 def layer_buffers(layer: nn.Module) -> list[str]:
     """A layer's persistent buffers (a router's correction bias, say): constants its checkpoint holds, which stream
     with the layer's weights as frozen tensors. The non-persistent ones are made at init, not loaded."""
@@ -202,7 +208,7 @@ class GenericFamily:
         assert c.hf_config is not None
         layer = stack_of(meta_model(c.hf_config), model_parts(c.hf_config))[index]
         buffers = dict(layer.named_buffers())
-        return [(name, tuple(p.shape), not NO_DECAY.search(name)) for name, p in layer.named_parameters()] + [
+        return [(name, tuple(p.shape), decayed(layer, name)) for name, p in layer.named_parameters()] + [
             (name, tuple(buffers[name].shape), False) for name in layer_buffers(layer)]  # frozen: never a gradient
 
     def num_params(self, c: ModelConfig) -> int:

@@ -56,6 +56,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5_moe": ("qwen3_5_moe", {}),
     "qwen3_next": ("qwen3_next", {}),
     "mistral": ("mistral", {"sliding_window": None}),  # Mistral 7B v0.2/v0.3 and later: no window
+    "mistral-v0.1": ("mistral", {}),  # Mistral 7B v0.1: a sliding window (4096; 8 in the tiny model, < 16 tokens)
     "mixtral": ("mixtral", {}),
     "deepseek_v2": ("deepseek_v2", {"num_experts_per_tok": 6}),  # DeepSeek-V2's top-6 (the default None cannot run)
     "deepseek_v3": ("deepseek_v3", {}),  # with a random router correction bias (see tiny_reference)
@@ -84,6 +85,10 @@ ENGINE_IN_CI = {"gpt_neox-parallel", "cohere", "deepseek_v3", "starcoder2"}
 # GPT-OSS: Adam's eps at 1e-6, not 1e-8: one expert weight's gradient is ~1e-8, where Adam turns fp32 rounding into
 # an update error either fp32 run may double (the same element is the worst of megatrain's and transformers' runs)
 ENGINE_EPS = {"gpt_oss": 1e-6}
+# strict xfails: what megatrain does not do yet, each a finding to fix in the library (then the mark goes)
+SLIDING_WINDOW = ("the native Llama family refuses a sequence longer than Mistral's sliding window ('train with seq <= "
+                  "8') instead of handing the model to the generic path, which trains it exactly")
+NOT_YET = {"mistral-v0.1": pytest.mark.xfail(strict=True, raises=megatrain.MegatrainError, reason=SLIDING_WINDOW)}
 NO_ENGINE_REFERENCE = {
     "phimoe": "PhiMoE's router samples its experts in training (sparsemixer), so three steps have no deterministic "
               "reference; its loss and gradients are checked against transformers' own draw above"}
@@ -125,7 +130,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], 
     yield get
 
 
-@pytest.mark.parametrize("case", NAMED)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NOT_YET.get(c, ())) for c in NAMED])
 def test_loss_and_every_gradient_match_transformers(case: str, saved: Callable[[str], tuple[Reference, Path]]) -> None:
     ref, directory = saved(case)
     with megatrain.from_pretrained(directory, device="cpu") as model:
@@ -167,7 +172,9 @@ def decay_of(directory: Path) -> set[str]:
     return {s.hf_name for u in layout.units for s in u.slots if s.decay}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ENGINE_IN_CI else pytest.mark.slow) for c in NAMED])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=(*([] if c in ENGINE_IN_CI else [pytest.mark.slow]),
+                                                          *([NOT_YET[c]] if c in NOT_YET else [])))
+                                  for c in NAMED])
 def test_three_engine_steps_match_transformers_adamw(case: str, saved: Callable[[str], tuple[Reference, Path]],
                                                      ray_session: Any) -> None:
     """The reference's AdamW decays what megatrain decays (test_weight_decay_follows_transformers_trainer checks that

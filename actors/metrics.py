@@ -4,23 +4,41 @@ Every name starts with `megatrain_`; Ray exports them with its own `ray_` in fro
 counters with `_total` after), from the metrics agent of each node every few seconds. Metrics are
 per-process objects: each process that records (the driver, the executor, each optimizer worker) makes its
 own EngineMetrics; pickling one (to hand it to an actor) makes a fresh one there with the same tags.
+
+The driver also leaves megatrain's Grafana dashboard beside Ray's in the Ray session it joined
+(`write_session_dashboard`), where Ray's Grafana provisioning loads it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from pathlib import Path
 
+import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from megatrain.telemetry import StepStats
+from megatrain.telemetry import metric_specs as specs
+from megatrain.telemetry.dashboard import write_into_ray_session
+from megatrain.telemetry.metric_specs import BASE_TAGS, MetricSpec
 
-# Step time buckets from 10 ms (a tiny model) to 10 min (a 70B step on a slow host).
-STEP_SECONDS_BOUNDARIES = [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 600.0]
-UPDATE_SECONDS_BOUNDARIES = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
+log = logging.getLogger(__name__)
+
+
+def make_metric(spec: MetricSpec, base: dict[str, str]) -> Gauge | Counter | Histogram:
+    """The Ray metric of `spec`, its base tags (run, executor) set."""
+    keys = BASE_TAGS + spec.tags
+    if spec.kind == "histogram":
+        metric = Histogram(spec.name, spec.doc, boundaries=list(spec.boundaries), tag_keys=keys)
+    else:
+        metric = {"gauge": Gauge, "counter": Counter}[spec.kind](spec.name, spec.doc, tag_keys=keys)
+    return metric.set_default_tags(base)
 
 
 class EngineMetrics:
-    """Gauges, counters and histograms of one executor's steps and of the optimizer workers.
+    """Gauges, counters and histograms of one executor's steps and of the optimizer workers
+    (megatrain/telemetry/metric_specs.py names them).
 
     Tags: run (a run id, so runs sharing a Prometheus stay apart), executor (several executors may share a
     pool), plus cause / direction / worker / kind where a metric has several series.
@@ -29,44 +47,24 @@ class EngineMetrics:
     def __init__(self, run: str = "default", executor: int = 0):
         self.run, self.executor = run, executor
         base = {"run": run, "executor": str(executor)}
-        keys = tuple(base)
-
-        def gauge(name: str, doc: str, *extra: str) -> Gauge:
-            return Gauge(name, doc, tag_keys=keys + extra).set_default_tags(base)
-
-        def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(name, doc, tag_keys=keys + extra).set_default_tags(base)
-
-        def histogram(name: str, doc: str, bounds: list[float], *extra: str) -> Histogram:
-            return Histogram(name, doc, boundaries=bounds, tag_keys=keys + extra).set_default_tags(base)
-
-        self.step_seconds = gauge("megatrain_step_seconds", "Wall time of the last step (s).")
-        self.step_seconds_hist = histogram("megatrain_step_duration_seconds", "Step wall times (s).",
-                                           STEP_SECONDS_BOUNDARIES)
-        self.compute_seconds = gauge("megatrain_compute_seconds", "Compute busy time of the last step (s).")
-        self.wait_seconds = gauge("megatrain_wait_seconds", "Compute idle time of the last step by cause: "
-                                  "weights, optimizer, data, other (s).", "cause")
-        self.stall_fraction = gauge("megatrain_stall_fraction", "1 - compute / step time of the last step.")
-        self.overlap_fraction = gauge("megatrain_overlap_fraction",
-                                      "Fraction of the last step's transfer time hidden under compute.")
-        self.transfer_gbps = gauge("megatrain_transfer_gbps", "Achieved PCIe bandwidth by direction (GB/s).",
-                                   "direction")
-        self.transfer_bytes = counter("megatrain_transfer_bytes", "Bytes moved by direction.", "direction")
-        self.tokens_per_second = gauge("megatrain_tokens_per_second", "Training throughput (tokens/s).")
-        self.tflops = gauge("megatrain_tflops",
-                            "Model TFLOP/s (6 N per token plus attention, as the benchmarks count).")
-        self.loss = gauge("megatrain_loss", "Training loss of the last step.")
-        self.steps = counter("megatrain_steps", "Steps run.")
-        self.skipped_steps = counter("megatrain_skipped_steps", "Steps skipped (non-finite loss or grads).")
-        self.update_seconds = gauge("megatrain_optimizer_update_seconds",
-                                    "Last layer update time of an optimizer worker (s).", "worker")
-        self.update_seconds_hist = histogram("megatrain_optimizer_update_duration_seconds",
-                                             "Layer update times of the optimizer workers (s).",
-                                             UPDATE_SECONDS_BOUNDARIES, "worker")
-        self.queue_depth = gauge("megatrain_optimizer_queue_depth",
-                                 "Units handed to an optimizer worker and not yet updated, as it starts an update.",
-                                 "worker")
-        self.arena_bytes = gauge("megatrain_arena_bytes", "Bytes of the shared-memory arena by kind.", "kind")
+        self.step_seconds = make_metric(specs.STEP_SECONDS, base)
+        self.step_seconds_hist = make_metric(specs.STEP_DURATION, base)
+        self.compute_seconds = make_metric(specs.COMPUTE_SECONDS, base)
+        self.wait_seconds = make_metric(specs.WAIT_SECONDS, base)
+        self.stall_fraction = make_metric(specs.STALL_FRACTION, base)
+        self.overlap_fraction = make_metric(specs.OVERLAP_FRACTION, base)
+        self.transfer_gbps = make_metric(specs.TRANSFER_GBPS, base)
+        self.transfer_bytes = make_metric(specs.TRANSFER_BYTES, base)
+        self.tokens_per_second = make_metric(specs.TOKENS_PER_SECOND, base)
+        self.tflops = make_metric(specs.TFLOPS, base)
+        self.loss = make_metric(specs.LOSS, base)
+        self.steps = make_metric(specs.STEPS, base)
+        self.skipped_steps = make_metric(specs.SKIPPED_STEPS, base)
+        self.update_seconds = make_metric(specs.UPDATE_SECONDS, base)
+        self.update_seconds_hist = make_metric(specs.UPDATE_DURATION, base)
+        self.queue_depth = make_metric(specs.QUEUE_DEPTH, base)
+        self.arena_bytes = make_metric(specs.ARENA_BYTES, base)
+        self.arena_sizes: dict[str, float] = {}  # kind -> bytes, set again with every step (see record_step)
 
     def __reduce__(self):
         return EngineMetrics, (self.run, self.executor)
@@ -90,6 +88,10 @@ class EngineMetrics:
         if math.isfinite(loss):  # a NaN would hide the last good value on every dashboard
             self.loss.set(float(loss))
         self.steps.inc()
+        # Ray drops a gauge that is not set again within two report intervals: the arena's size, known once at the
+        # start, is repeated with every step so that it stays visible
+        for kind, nbytes in self.arena_sizes.items():
+            self.arena_bytes.set(nbytes, tags={"kind": kind})
 
     def record_skipped_step(self) -> None:
         self.skipped_steps.inc()
@@ -101,4 +103,22 @@ class EngineMetrics:
         self.queue_depth.set(float(queue_depth), tags=tags)
 
     def record_arena(self, nbytes: int, kind: str = "total") -> None:
+        self.arena_sizes[kind] = float(nbytes)
         self.arena_bytes.set(float(nbytes), tags={"kind": kind})
+
+
+def write_session_dashboard() -> Path | None:
+    """megatrain's Grafana dashboard into the dashboards folder of the Ray session this driver joined, beside Ray's
+    (megatrain/telemetry/dashboard.py: write_into_ray_session); None where that session has none (a Ray started
+    without its dashboard, this process not on the head node) or it cannot be written (said in one warning)."""
+    node = getattr(ray._private.worker.global_worker, "node", None)  # set once ray.init has connected
+    if node is None:
+        return None
+    try:
+        path = write_into_ray_session(Path(node.get_session_dir_path()))
+    except OSError as e:  # e.g. a cluster another user started: the run goes on without it
+        log.warning("could not write megatrain's Grafana dashboard into the Ray session (%s)", e)
+        return None
+    if path is not None:
+        log.debug("megatrain's Grafana dashboard: %s", path)
+    return path

@@ -1,4 +1,4 @@
-"""`megatrain train | finetune | plan | calibrate | cleanup | report | doctor`.
+"""`megatrain train | finetune | plan | calibrate | cleanup | report | doctor | dashboard`.
 
 Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
 Ctrl-C stops the run, removes its shared memory and exits 130.
@@ -318,6 +318,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return main_doctor(args.address, args.json)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatrain.telemetry.dashboard import dashboard_json, write_dashboard
+
+    if args.out is None:
+        print(dashboard_json(), end="")
+    else:
+        print(f"wrote {write_dashboard(Path(args.out))} (Grafana: Dashboards > New > Import, on a Prometheus "
+              "datasource that scrapes Ray)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -384,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--address", help="the Ray cluster to report on ('auto': the one `ray start` runs here)")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("dashboard", help="megatrain's Grafana dashboard as JSON (stalls by cause, throughput, "
+                                         "optimizer, transfers); runs on a `ray start` cluster leave it beside Ray's")
+    p.add_argument("--out", help="file to write (default: print it)")
+    p.set_defaults(func=cmd_dashboard)
     return parser
 
 

@@ -126,9 +126,10 @@ class Engine:
         self.run_id = uuid.uuid4().hex[:12]
         self.metrics = None
         if metrics:
-            from actors.metrics import EngineMetrics
+            from actors.metrics import EngineMetrics, write_session_dashboard
 
             self.metrics = EngineMetrics(run=self.run_id)
+            write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
         self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
         self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
         try:

@@ -217,9 +217,13 @@ def test_a_corrupt_model_directory_is_one_sentence(ray_session, hf_dir, tmp_path
     assert set(list_segments()) <= before
 
 
-def test_a_second_engine_without_free_cpus_fails_at_once(ray_session, hf_dir, batches) -> None:
+def test_a_second_engine_without_free_cpus_fails_at_once(ray_session, hf_dir, batches, monkeypatch) -> None:
     """The first Engine's optimizer workers reserve its node's free CPUs; a second one is told, instead of
     waiting forever for Ray to schedule its workers."""
+    from pipelines import cluster
+
+    # CPUs an Engine just shut down releases come back within the wait; none come back here: 1 s tells as much as 10
+    monkeypatch.setattr(cluster, "FREE_CPU_WAIT_SECONDS", 1.0)
     with engine_on(hf_dir) as first:
         with pytest.raises(MegatrainError, match="the driver's Ray node has no free CPU for the 1 optimizer worker"):
             engine_on(hf_dir)

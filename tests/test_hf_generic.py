@@ -49,7 +49,7 @@ from transformers import (
 import megatrain
 from megatrain import ConfigError
 from megatrain.model import registry
-from megatrain.model.hf_generic import NO_DECAY
+from megatrain.model.hf_model import NO_DECAY
 from pipelines.cli import main
 
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 import megatrain
 from megatrain import self_check
 from megatrain.memory import arena as arena_mod
-from megatrain.model import hf_generic
+from megatrain.model import hf_architecture
 from megatrain.model.tiny_config import TinyConfigError, tiny_config
 from megatrain.self_check import SelfCheckError, verify
 
@@ -52,13 +52,13 @@ def config(model_dir: Path) -> megatrain.ModelConfig:
 
 def broken_layer(monkeypatch: pytest.MonkeyPatch, index: int, fn: Callable[..., torch.Tensor]) -> None:
     """Layer `index` of the generic path computes fn(its function, x, *args) instead."""
-    layer = hf_generic.GenericArchitecture.layer
+    layer = hf_architecture.GenericArchitecture.layer
 
     def patched(self: Any, i: int) -> Any:
         original = layer(self, i)
         return (lambda x, *args: fn(original, x, *args)) if i == index else original
 
-    monkeypatch.setattr(hf_generic.GenericArchitecture, "layer", patched)
+    monkeypatch.setattr(hf_architecture.GenericArchitecture, "layer", patched)
 
 
 def scaled_update(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -121,8 +121,8 @@ def test_a_wrong_gradient_alone_is_found_in_the_backward(config: megatrain.Model
 
 def test_a_wrong_final_norm_is_refused_as_the_head(config: megatrain.ModelConfig, cache: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    final_norm = hf_generic.GenericArchitecture.final_norm
-    monkeypatch.setattr(hf_generic.GenericArchitecture, "final_norm",
+    final_norm = hf_architecture.GenericArchitecture.final_norm
+    monkeypatch.setattr(hf_architecture.GenericArchitecture, "final_norm",
                         lambda self, x, w: final_norm(self, x, w) * 1.001)
     assert "the head (final norm, lm_head, logits)" in refusal(config)
 

@@ -421,7 +421,7 @@ class Executor:
     def _layer(self, unit: Unit) -> LayerFn:
         """The function of `unit`'s layer (compiled once per layer structure when compiling)."""
         fn = self.arch.layer(unit.layer)
-        if not self.compile:
+        if not self.compile or not getattr(fn, "compilable", True):
             return fn
         if id(fn) not in self._compiled:
             self._compiled[id(fn)] = torch.compile(fn, fullgraph=True, dynamic=False)
@@ -445,7 +445,8 @@ class Executor:
             pairs = self._reduced(unit, pairs)
         if accumulate:
             pairs = [(g.float() + self._to_device(dst), dst) for g, dst in pairs]
-        norm_sq = sum(self._norm_sq(g) for g, _ in pairs)
+        # a unit with no gradient (OpenAI GPT's head: tied, no final norm) still gives a norm tensor
+        norm_sq = sum((self._norm_sq(g) for g, _ in pairs), torch.zeros((), dtype=torch.float64, device=self.device))
         self.streams.compute_uses(norm_sq, *(g for g, _ in pairs))
         return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter, permit)
 

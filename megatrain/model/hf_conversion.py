@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatrain.model.hf_generic import meta_model
+from megatrain.model.hf_model import meta_model
 
 
 def natural_key(name: str) -> tuple[Any, ...]:

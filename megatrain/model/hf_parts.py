@@ -5,12 +5,14 @@ The stack is the ModuleList of as many blocks as the config has layers (`model.l
 embedding and the output projection are what the model itself answers for `get_input_embeddings()` and
 `get_output_embeddings()`. What else the base holds with parameters is placed by running its forward once with
 every layer and every such module a recording stand-in: called after the last layer, it belongs to the head (the
-final norm, with its bias); called before the first, to the embedding (refused: megatrain gathers embedding rows
-on the host and does not stream those). The names all stay the model's own, so `save_pretrained` writes them back.
+final norm, with its bias); called before the first (GPT-2's position embedding, BLOOM's embedding norm, an embedding
+dropout), it runs with the first layer (hf_architecture.FirstLayer). The names all stay the model's own, so
+`save_pretrained` writes them back.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +28,10 @@ class ModelParts:
     stack: str  # the stack's attribute in the base: "layers", "h", "blocks"
     embed: str  # the token embedding's weight: "model.embed_tokens.weight", "transformer.wte.weight", ...
     final: str | None  # the module the base runs after its last layer (the final norm), its name in the base
-    head: str | None  # the output projection module ("lm_head", "embed_out"); None where tied to the embedding
-    head_params: tuple[str, ...]  # its parameters' names inside it ("weight", "bias")
+    pre: tuple[str, ...]  # the base's children its forward runs on the embeddings before the first layer
+    head: str  # the output projection module ("lm_head", "embed_out")
+    tied: bool  # its weight is the token embedding's
+    head_params: tuple[str, ...]  # its parameters the head unit holds ("weight", "bias"; tied: CTRL's bias alone)
 
     @property
     def stack_prefix(self) -> str:
@@ -78,29 +82,28 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise ConfigError(f"{name}'s token embedding ({embed}) lies outside the module that runs its layers "
                           f"({base_path}); megatrain's generic path cannot train this model.")
     head_module = model.get_output_embeddings()
-    tied = head_module is not None and head_module.weight is embed_module.weight
-    head = None if tied else _path_of(model, head_module)
-    if not tied and head is None:
+    head = _path_of(model, head_module)
+    if head is None:
         raise ConfigError(f"{name} has no output projection megatrain can find; its generic path cannot train it.")
-    head_params = tuple(n for n, _ in head_module.named_parameters()) if head_module is not None else ()
+    tied = head_module.weight is embed_module.weight
+    head_params = tuple(n for n, p in head_module.named_parameters() if p is not embed_module.weight)
     embed_child = embed[len(base_path) + 1:].split(".")[0] if base_path else embed.split(".")[0]
     # modules with weights, and the weightless ones that are not rotary tables (a final norm with no weight: OLMo)
     others = [child for child, m in base.named_children() if child not in (stack, embed_child)
               and (any(True for _ in m.parameters()) or not any(True for _ in m.buffers()))]
     before, after = call_order(model, base_path, stack, embed_child, others) if others else ([], [])
-    # megatrain embeds by itself (gathered rows, times a scale): a module the forward runs on the embeddings before the
-    # first layer is refused, whether it has weights (a position embedding, an embedding norm) or not (NanoChat's
-    # weightless norm), unless it does nothing (a dropout of p = 0)
-    before = [child for child in before if not _inert(getattr(base, child))]
-    if before:
-        raise ConfigError(f"{name} runs {', '.join(base_path + '.' + c for c in before)} on the embeddings before "
-                          "its first layer, which megatrain's generic path does not stream; it cannot train this "
-                          "model.")
+    # what the forward runs on the embeddings before the first layer runs with that layer, weights and all (a position
+    # embedding, an embedding norm, NanoChat's weightless norm, a dropout), unless it does nothing (a dropout of p = 0)
+    before = list(dict.fromkeys(child for child in before if not _inert(getattr(base, child))))
+    shared = [child for child in before if child in after and any(True for _ in getattr(base, child).parameters())]
+    if shared:
+        raise ConfigError(f"{name} runs {base_path}.{shared[0]} both before its first layer and after its last; "
+                          "megatrain's generic path streams those weights once and cannot train this model.")
     if len(after) > 1:
         raise ConfigError(f"{name} runs several modules after its last layer ({', '.join(after)}); megatrain's "
                           "generic path follows one final norm and cannot train this model.")
-    parts = ModelParts(base_path, stack, f"{embed}.weight", after[0] if after else None, head,
-                       ("weight",) if tied else head_params)
+    parts = ModelParts(base_path, stack, f"{embed}.weight", after[0] if after else None, tuple(before), head, tied,
+                       head_params)
     outside = _outside(model, parts)
     if outside:
         raise ConfigError(f"{name} has parameters outside megatrain's decoder layout ({', '.join(outside[:4])}); "
@@ -113,39 +116,90 @@ def _inert(module: nn.Module) -> bool:
 
 
 def _outside(model: nn.Module, parts: ModelParts) -> list[str]:
-    inside = [parts.stack_prefix, parts.embed]
+    inside = [parts.stack_prefix, parts.embed, *(parts.in_base(child) + "." for child in parts.pre)]
     if parts.final is not None:
         inside.append(parts.in_base(parts.final) + ".")
-    if parts.head is not None:
-        inside += [f"{parts.head}.{p}" for p in parts.head_params]
+    inside += [f"{parts.head}.{p}" for p in parts.head_params]
     return [n for n, _ in model.named_parameters() if not any(n == p or n.startswith(p) for p in inside)]
 
 
 class _Recorder(nn.Module):
     """Stands in for a module of the base: notes that it was called, returns its input the way the model's layers
-    return theirs (see layer_output)."""
+    return theirs (see layer_output); one given [batch, seq] positions or a mask (a position embedding) returns
+    hidden states of zeros for them."""
 
-    def __init__(self, name: str, order: list[str], arity: int = 0):
+    def __init__(self, name: str, order: list[str], arity: int = 0, hidden: int = 0):
         super().__init__()
-        self.name, self.order, self.arity = name, order, arity
+        self.name, self.order, self.arity, self.hidden = name, order, arity, hidden
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         self.order.append(self.name)
+        if self.hidden and isinstance(x, torch.Tensor) and x.dim() == 2:  # [batch, seq]: ids, positions, a mask
+            return torch.zeros(*x.shape, self.hidden)
         return layer_output(x, self.arity)
 
 
-# How a model's forward reads its layers' outputs: the hidden states, a 1-tuple (layer_outputs[0]), or a pair
-# (hidden_states, attn_weights = layer(...)); stand-ins answer each way until the forward runs.
-LAYER_OUTPUT_ARITIES = (0, 1, 2)
+def posing_as(stand_in: nn.Module, layer: nn.Module) -> nn.Module:
+    """`stand_in` with `layer`'s plain attributes (its attention type, a block type), which the model's forward may
+    read off its layers."""
+    classes = [c for c in type(layer).__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
+    attributes = {k: v for c in reversed(classes) for k, v in vars(c).items()}  # class-level ones too (Inkling 2)
+    for name, value in {**attributes, **vars(layer)}.items():
+        if not name.startswith("_") and name != "training" and not hasattr(stand_in, name) and plain(value):
+            setattr(stand_in, name, value)
+    return stand_in
+
+
+def plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+# How a model's forward reads its layers' outputs: the hidden states, a 1-tuple (layer_outputs[0]), a pair
+# (hidden_states, attn_weights = layer(...)) or a triple (RWKV's, with its state); stand-ins answer each way until the
+# forward runs.
+LAYER_OUTPUT_ARITIES = (0, 1, 2, 3)
 
 
 def layer_output(x: Any, arity: int) -> Any:
     return x if arity == 0 else (x, *[None] * (arity - 1))
 
 
-def rebuilt_on(base: nn.Module, skip: set[str], device: torch.device) -> None:
+def made_at_init(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The values, on the CPU, of `module`'s own buffers that transformers makes at init (a causal mask, position
+    ids, a rotary table), made by its model's `_init_weights` on a shell of it (children and parameters not built):
+    those init sets whatever the buffer held before."""
+    made = [_initialised_shell(model, module, fill) for fill in (0, 1)]
+    if made[0] is None or made[1] is None:
+        return {}
+    return {n: t for n, t in made[0].items() if torch.equal(t, made[1][n])}
+
+
+def _initialised_shell(model: nn.Module, module: nn.Module, fill: int) -> dict[str, torch.Tensor] | None:
+    shell = copy.copy(module)
+    shell._modules, shell._parameters = {}, {}  # type: ignore[assignment]
+    shell._buffers = {n: torch.full(b.shape, fill, dtype=b.dtype) for n, b in module._buffers.items()
+                      if b is not None}  # type: ignore[assignment]
+    try:
+        with torch.no_grad():
+            model._init_weights(shell)  # type: ignore[operator]
+    except Exception:  # init that needs what the shell lacks: nothing made
+        return None
+    return dict(shell._buffers)  # type: ignore[arg-type]
+
+
+def own_buffers_made(model: nn.Module, base: nn.Module, device: torch.device) -> None:
+    """`base`'s own buffers on the meta device (position ids) made as at init, on `device`."""
+    if any(b is not None and b.is_meta for b in base._buffers.values()):
+        for name, value in made_at_init(model, base).items():
+            base._buffers[name] = value.to(device)
+
+
+def rebuilt_on(model: nn.Module, base: nn.Module, skip: set[str], device: torch.device) -> None:
     """Replaces each child of `base` outside `skip` that keeps buffers (rotary tables) by one built anew on `device`
-    from the config: on the meta device they hold no values."""
+    from the config, or else by a copy whose buffers are made as at init (made_at_init): on the meta device they hold
+    no values."""
     for child, module in list(base.named_children()):
         if child in skip or not any(True for _ in module.buffers()):
             continue
@@ -153,8 +207,12 @@ def rebuilt_on(base: nn.Module, skip: set[str], device: torch.device) -> None:
             with torch.device("cpu"):
                 rebuilt = type(module)(base.config)
         except Exception as e:
-            raise ConfigError(f"megatrain's generic path cannot rebuild {type(module).__name__} from the config ({e}); "
-                              "it cannot train this model.") from None
+            rebuilt = copy.deepcopy(module)
+            for sub in rebuilt.modules():
+                own_buffers_made(model, sub, torch.device("cpu"))
+            if any(b.is_meta for b in rebuilt.buffers()):
+                raise ConfigError(f"megatrain's generic path cannot rebuild {type(module).__name__} from the config "
+                                  f"({e}); it cannot train this model.") from None
         setattr(base, child, rebuilt.to(device))
 
 
@@ -162,18 +220,17 @@ def call_order(model: nn.Module, base_path: str, stack: str, embed_child: str, o
                ) -> tuple[list[str], list[str]]:
     """(the base's children among `others` its forward calls before the first layer, those it calls after the last),
     from one run of a copy of the base on the CPU with every layer and each of `others` a recording stand-in."""
-    import copy
-
     base = copy.deepcopy(submodule(model, base_path))  # a meta model: copying it copies no data
-    rebuilt_on(base, {stack, embed_child, *others}, torch.device("cpu"))
+    rebuilt_on(model, base, {stack, embed_child, *others}, torch.device("cpu"))
+    own_buffers_made(model, base, torch.device("cpu"))
     hidden = getattr(base.config, "hidden_size", None) or model.get_input_embeddings().weight.shape[-1]
     x = torch.zeros(1, 2, hidden)
-    n = len(getattr(base, stack))
+    layers = list(getattr(base, stack))
     for arity in LAYER_OUTPUT_ARITIES:
         order: list[str] = []
-        setattr(base, stack, nn.ModuleList(_Recorder("layer", order, arity) for _ in range(n)))
+        setattr(base, stack, nn.ModuleList(posing_as(_Recorder("layer", order, arity), layer) for layer in layers))
         for child in others:
-            setattr(base, child, _Recorder(child, order))
+            setattr(base, child, _Recorder(child, order, hidden=hidden))
         try:
             with torch.no_grad():
                 base(inputs_embeds=x, use_cache=False)
@@ -191,11 +248,6 @@ def call_order(model: nn.Module, base_path: str, stack: str, embed_child: str, o
                           "cannot train this model.")
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
     return order[:first], order[last + 1:]
-
-
-def path_of_output(model: nn.Module) -> str:
-    target = model.get_output_embeddings()
-    return next(name for name, m in model.named_modules() if m is target)
 
 
 class _Outputs(dict):
@@ -217,3 +269,11 @@ class BaseOutput(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> _Outputs:
         return _Outputs(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self  # what the ForCausalLM reaches the base through (OPT's self.model.decoder) is the stand-in too

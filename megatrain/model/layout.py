@@ -65,11 +65,14 @@ class Unit:
         return arena_flat[self.offset : self.offset + self.numel]
 
 
-def unit_tensors(config: ModelConfig) -> tuple[list[tuple[str, str, tuple[int, ...], bool]], str,
-                                                 list[tuple[str, str, tuple[int, ...], bool]]]:
-    """The embedding unit's tensors, the decoder layers' name prefix, the head unit's tensors: (name in the unit,
-    the model's own name, shape, weight-decayed). A family that names them its own way says so (the generic path:
-    `transformer.h.`, a final norm with a bias, an lm_head bias); Llama's names otherwise."""
+Tensor4 = tuple[str, str, tuple[int, ...], bool]  # (name in its unit, the model's own name, shape, weight-decayed)
+
+
+def unit_tensors(config: ModelConfig) -> tuple[list[Tensor4], str, list[Tensor4], list[Tensor4]]:
+    """The embedding unit's tensors, the decoder layers' name prefix, tensors the first layer's unit holds besides
+    the layer's own (what the model runs on the embeddings before it: GPT-2's position embedding), the head unit's
+    tensors. A family that names them its own way says so (the generic path: `transformer.h.`, a final norm with a
+    bias, an lm_head bias); Llama's names otherwise."""
     own = getattr(config.family, "unit_tensors", None)
     if own is not None:
         return own(config)
@@ -77,7 +80,7 @@ def unit_tensors(config: ModelConfig) -> tuple[list[tuple[str, str, tuple[int, .
     head = [("norm.weight", "model.norm.weight", (h,), False)]
     if not config.tie_embeddings:
         head.append(("lm_head.weight", "lm_head.weight", (v, h), True))
-    return [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)], "model.layers.", head
+    return [("embed_tokens.weight", "model.embed_tokens.weight", (v, h), True)], "model.layers.", [], head
 
 
 @dataclass
@@ -89,12 +92,12 @@ class ModelLayout:
     @classmethod
     def build(cls, config: ModelConfig) -> ModelLayout:
         layout = cls(config)
-        embed, prefix, head = unit_tensors(config)
+        embed, prefix, first, head = unit_tensors(config)
         layout._add("embed", embed)
         for i in range(config.num_layers):
             tensors = config.family.layer_tensors(config, i)
-            layout._add("layer", [(name, f"{prefix}{i}.{name}", shape, decay) for name, shape, decay in tensors],
-                        layer=i)
+            layout._add("layer", [(name, f"{prefix}{i}.{name}", shape, decay) for name, shape, decay in tensors]
+                        + (first if i == 0 else []), layer=i)
         layout._add("head", head)
         return layout
 

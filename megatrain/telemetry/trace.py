@@ -58,7 +58,7 @@ def spans_to_chrome_trace(spans: Iterable[Span]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     # The trace is rewritten while a run goes on; a reader (megatrain report) must never see half a file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -66,7 +66,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:
-    _atomic_write(Path(path), json.dumps(spans_to_chrome_trace(spans), separators=(",", ":")))
+    atomic_write(Path(path), json.dumps(spans_to_chrome_trace(spans), separators=(",", ":")))
 
 
 def chrome_trace_to_spans(trace: dict) -> list[Span]:

@@ -1,0 +1,381 @@
+"""What the executor runs of a model on the generic path: transformers' own modules, called statelessly.
+
+A layer is its meta module called through torch.func.functional_call with the streamed buffer's views bound as its
+parameters (and its persistent buffers, a router's correction bias, as frozen tensors), so the executor's weight
+buffers, recompute and gradient streaming work as for the native families. Layers of one structure
+(hf_model.layer_structure) share one function.
+
+What the model's own forward computes around its layers (rotary tables, per-layer-type masks, position ids) is made
+by that forward: a skeleton of the base model whose layers are stand-ins that record what they are called with runs
+once per batch shape, on the real device, with only its parameter-free parts (rotary embeddings) real. What the
+forward runs on the embeddings before the first layer (GPT-2's position embedding, BLOOM's embedding norm, an
+embedding dropout) runs with the first layer, by that forward too, stopped where the first layer would begin
+(FirstLayer). The embedding rows stay megatrain's (gathered on the host, times the scale the embedding module
+applies); the final norm is the model's own module, bias and all; the logits are the model's own ForCausalLM forward
+after its base model (lm_head with a bias, logit scales, soft-caps), in token chunks.
+
+MoE models with `output_router_logits` add the router's auxiliary loss as transformers does (hf_router.py).
+Randomness (dropout, a router's jitter noise) is replayed exactly: each layer's recompute runs from the RNG state
+its forward began with, and the skeletons draw none.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.hf_model import (
+    build_meta_model,
+    layer_buffers,
+    layer_constants,
+    layer_structure,
+    model_parts,
+    stack_of,
+)
+from megatrain.model.hf_parts import (
+    LAYER_OUTPUT_ARITIES,
+    BaseOutput,
+    layer_output,
+    own_buffers_made,
+    posing_as,
+    rebuilt_on,
+    submodule,
+)
+from megatrain.model.hf_router import InjectGrad, RouterAux
+from megatrain.model.templates import Weights
+
+PRE = "pre."  # the first layer's unit names what runs before it "pre.<child of the base>.<tensor>"
+
+
+class _Recorded(Exception):
+    """Raised by a stand-in layer to end the skeleton's forward once every layer has been called."""
+
+
+class _Reached(Exception):
+    """Raised by the first layer's stand-in in the pre-layer skeleton: carries what the first layer would get."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class LayerCall:
+    """What one layer gets in one batch: the keyword arguments the model's forward gives it, and the batch."""
+
+    def __init__(self, index: int, kwargs: dict[str, Any], batch: GenericBatch):
+        self.index, self.batch = index, batch
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "__args__"}
+        self.args: tuple[Any, ...] = kwargs.get("__args__", ())  # positional ones after the hidden states
+
+
+class GenericBatch:
+    def __init__(self, arch: GenericArchitecture, calls: list[dict[str, Any]],
+                 position_ids: torch.Tensor | None = None):
+        self.arch, self.position_ids = arch, position_ids
+        self.calls = [LayerCall(i, kwargs, self) for i, kwargs in enumerate(calls)]
+        self.router_logits: dict[int, torch.Tensor] = {}  # forward: each MoE layer's router logits
+        self.router_grads: dict[int, torch.Tensor] = {}  # d(aux loss)/d(router logits), for the recompute
+        self.rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # RNG state each layer's forward began with
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        return (self.calls[index],)
+
+    @property
+    def adds_loss(self) -> bool:
+        """forward_done adds the router's auxiliary loss, a function of the whole batch's router outputs."""
+        return self.arch.aux is not None
+
+    def forward_done(self) -> torch.Tensor | None:
+        aux = self.arch.aux
+        if aux is None or not self.router_logits:
+            return None
+        order = sorted(self.router_logits)
+        leaves = [self.router_logits[i].detach().requires_grad_(True) for i in order]
+        with torch.enable_grad():
+            loss = aux.coef * aux.loss_fn(tuple(leaves), aux.num_experts, aux.top_k, None)
+        grads = torch.autograd.grad(loss, leaves)
+        self.router_grads = dict(zip(order, grads, strict=True))
+        self.router_logits.clear()
+        return loss.detach().float()
+
+
+class GenericLayer:
+    """One structure's layer function: fn(x, weights, call) -> x through the meta module's own forward."""
+
+    def __init__(self, module: nn.Module, arch: GenericArchitecture, index: int):
+        self.module, self.arch = module, arch
+        self.frozen = tuple(layer_buffers(module))  # constants from the checkpoint: no gradient, so never updated
+        self.constants = layer_constants(arch.model, module, index)  # made at init (a causal mask), on the CPU
+        self._constants_on: dict[torch.device, dict[str, torch.Tensor]] = {}
+        aux = arch.aux
+        self.routers = [] if aux is None else [m for m in module.modules() if isinstance(m, aux.router_class)]
+
+    def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
+        with replayed_rng(call, x.device):
+            return self.run(x, w, call)
+
+    def run(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
+        """The layer, drawing from the RNG as it stands (the caller replays it)."""
+        recorded: list[torch.Tensor] = []
+        if self.frozen:
+            w = {**w, **{name: w[name].detach() for name in self.frozen}}
+        constants = self._constants(x.device)
+        versions = [t._version for t in constants.values()]
+        with self._routers(recorded):
+            out = torch.func.functional_call(self.module, {**w, **constants}, (x, *call.args), call.kwargs,
+                                             strict=True)
+        if versions != [t._version for t in constants.values()]:
+            raise ConfigError(f"{type(self.module).__name__} writes its buffers in its forward (state kept across "
+                              "calls), which megatrain's generic path cannot stream; it cannot train this model.")
+        y = out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's blocks return a list
+        if not recorded:
+            return y
+        if not torch.is_grad_enabled():  # the forward: keep the logits for the loss over all layers
+            call.batch.router_logits[call.index] = recorded[0].detach()
+            return y
+        grad = call.batch.router_grads.get(call.index)
+        return y if grad is None else InjectGrad.apply(y, recorded[0], grad)
+
+    def _constants(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self._constants_on:
+            self._constants_on[device] = {n: t.to(device) for n, t in self.constants.items()}
+        return self._constants_on[device]
+
+    @contextlib.contextmanager
+    def _routers(self, recorded: list[torch.Tensor]) -> Iterator[None]:
+        index = self.arch.aux.index if self.arch.aux is not None else 0
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            recorded.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+        handles = [r.register_forward_hook(hook) for r in self.routers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+class FirstLayer:
+    """The first layer with what the model's forward runs on the embeddings before it: that forward, stopped where
+    the first layer begins (GenericArchitecture.pre), then the layer. Its unit holds those modules' tensors too
+    ("pre.*"), so they stream, get gradients and are updated like the layer's own."""
+
+    compilable = False  # the stop is an exception, which a full graph does not hold
+
+    def __init__(self, layer: GenericLayer, arch: GenericArchitecture):
+        self.layer, self.arch = layer, arch
+
+    def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
+        pre = {name[len(PRE):]: t for name, t in w.items() if name.startswith(PRE)}
+        own = {name: t for name, t in w.items() if not name.startswith(PRE)}
+        with replayed_rng(call, x.device):  # the forward's draws in its order: the embedding dropout, then the layer's
+            return self.layer.run(self.arch.pre(x, pre, call.batch), own, call)
+
+
+@contextlib.contextmanager
+def replayed_rng(call: LayerCall, device: torch.device) -> Iterator[None]:
+    """The recompute draws the forward's random numbers (dropout masks, a router's jitter noise): it runs from the
+    RNG state the forward began with."""
+    cuda = device.type == "cuda"
+    if not torch.is_grad_enabled():
+        call.batch.rng[call.index] = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+        yield
+        return
+    cpu_state, cuda_state = call.batch.rng[call.index]
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        yield
+
+
+class _StandIn(nn.Module):
+    """Takes a decoder layer's place in the skeleton: records its arguments, returns its input."""
+
+    def __init__(self, index: int, calls: list[dict[str, Any]], last: int, arity: int):
+        super().__init__()
+        self.index, self.calls, self.last, self.arity = index, calls, last, arity
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.index and hidden_states is not self.calls[-1]["__output__"]:
+            raise ConfigError("this model changes the hidden states between its layers, which megatrain's generic "
+                              "path does not follow.")
+        self.calls.append({"__input__": hidden_states, "__output__": hidden_states, "__args__": args, **kwargs})
+        if self.index == self.last:
+            raise _Recorded
+        return layer_output(hidden_states, self.arity)  # as the model's layers return it
+
+
+class _Stop(nn.Module):
+    """The first layer's place in the pre-layer skeleton: ends the forward with the hidden states it is given."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise _Reached(hidden_states)
+
+
+class GenericArchitecture:
+    def __init__(self, config: ModelConfig):
+        assert config.hf_config is not None
+        self.model_config = config
+        self.model = build_meta_model(config.hf_config)  # this executor's own: never shipped through Ray
+        self.config = self.model.config
+        self.parts = parts = model_parts(config.hf_config)
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.aux = RouterAux(self.model) if getattr(text, "output_router_logits", False) else None
+        structures: dict[tuple[Any, ...], GenericLayer] = {}
+        self.layers: list[GenericLayer | FirstLayer] = []
+        for i, module in enumerate(stack_of(self.model, parts)):
+            key = layer_structure(self.model, parts, i)
+            if key not in structures:
+                structures[key] = GenericLayer(module, self, i)
+            self.layers.append(structures[key])
+        self.norm = None if parts.final is None else submodule(self.model, parts.in_base(parts.final))
+        self.logit_softcap = None  # the model's own logits (self.logits) cap them where it does
+        self._calls: dict[tuple[int, int, torch.device, torch.dtype], list[dict[str, Any]]] = {}
+        self._skeleton: dict[tuple[torch.device, bool], nn.Module] = {}
+        self._head_skeleton: nn.Module | None = None
+        self._arity: int | None = None  # how the model's forward reads its layers' outputs (hf_parts.layer_output)
+        self._head_path = parts.head
+        self.embed_scale, through_forward = self._embed_scale()
+        if through_forward:
+            self.layers[0] = FirstLayer(self.layers[0], self)  # type: ignore[arg-type]
+
+    def _embed_scale(self) -> tuple[float | None, bool]:
+        """(the embedding module's scale (Gemma's scaled embeddings), times what the forward multiplies the embeddings
+        by where that is all it does; whether the forward's own code must run on them with the first layer
+        (FirstLayer): modules before the first layer, XGLM's sinusoidal positions)."""
+        embedding = self.model.get_input_embeddings()
+        scale = getattr(embedding, "scalar_embed_scale", None)  # Gemma's (its embed_scale is a buffer)
+        if not isinstance(scale, (int, float)):
+            scale = getattr(embedding, "embed_scale", None)  # BART's, BioGPT's scaled word embeddings
+        scale = float(scale) if isinstance(scale, (int, float)) else 1.0
+        calls = self._run_skeleton(1, 2, torch.device("cpu"), torch.float32, fill=1.0)
+        seen = calls[0]["__input__"]
+        if tuple(seen.shape) != (1, 2, self.model_config.hidden_size):
+            raise ConfigError(f"{type(self.model).__name__} gives its first layer hidden states of shape "
+                              f"{tuple(seen.shape)}, not its embeddings' (hyper-connections, say), which megatrain's "
+                              "generic path does not follow.")
+        ratio = float(seen.flatten()[0])
+        through_forward = bool(self.parts.pre) or not torch.equal(seen, torch.full_like(seen, ratio))
+        if not through_forward:
+            scale *= ratio
+        return (None if scale == 1.0 else scale), through_forward
+
+    def _skeleton_for(self, device: torch.device, stop: bool = False) -> nn.Module:
+        """The base model with stand-ins for its layers and the final norm, its parameter-free parts real and the
+        modules before the first layer real (zeros; their streamed weights are bound by `pre`). stop: the first
+        layer's stand-in ends the forward (the pre-layer skeleton)."""
+        if (device, stop) not in self._skeleton:
+            parts = self.parts
+            base = submodule(build_meta_model(self.model_config.hf_config), parts.base)  # type: ignore[arg-type]
+            if parts.final is not None and parts.final not in parts.pre:
+                setattr(base, parts.final, nn.Identity())
+            embed_child = parts.embed[len(parts.base) + 1:].split(".")[0] if parts.base else parts.embed.split(".")[0]
+            weighted = {child for child in parts.pre if any(True for _ in getattr(base, child).parameters())}
+            kept = {parts.stack, embed_child, *weighted, *([parts.final] if parts.final else [])}
+            rebuilt_on(self.model, base, kept, device)
+            own_buffers_made(self.model, base, device)
+            for child in weighted:
+                module = getattr(base, child).to_empty(device=device)
+                with torch.no_grad():
+                    for t in module.parameters():
+                        t.zero_()
+            if stop:
+                setattr(base, parts.stack, nn.ModuleList([posing_as(_Stop(), stack_of(self.model, parts)[0])]))
+            self._skeleton[device, stop] = base
+        return self._skeleton[device, stop]
+
+    def pre(self, x: torch.Tensor, weights: Weights, batch: GenericBatch) -> torch.Tensor:
+        """What the model's forward gives its first layer from embeddings `x`: its own code (a position embedding
+        from the batch's position ids, an embedding norm, dropout), with the streamed `weights` of those modules."""
+        base = self._skeleton_for(x.device, stop=True)
+        # a copy: a forward that scales its embeddings in place (CTRL) must not write the activation checkpoint
+        kwargs = {"inputs_embeds": x.clone(), "position_ids": batch.position_ids, "use_cache": False}
+        try:
+            torch.func.functional_call(base, weights, (), kwargs, strict=False)
+        except _Reached as reached:
+            return reached.hidden
+        raise ConfigError(f"{type(self.model).__name__}'s forward did not reach its first layer; megatrain's generic "
+                          "path cannot train this model.")
+
+    def _run_skeleton(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+                      fill: float = 0.0, position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
+        base = self._skeleton_for(device)
+        x = torch.full((batch_size, seq, self.model_config.hidden_size), fill, device=device, dtype=dtype)
+        layers = list(stack_of(self.model, self.parts))
+        n = len(layers)
+        # the way the model's forward reads its layers' outputs, tried in turn until known
+        arities = [self._arity] if self._arity is not None else list(LAYER_OUTPUT_ARITIES)
+        for arity in arities:
+            calls: list[dict[str, Any]] = []
+            setattr(base, self.parts.stack, nn.ModuleList(posing_as(_StandIn(i, calls, n - 1, arity), layer)
+                                                          for i, layer in enumerate(layers)))
+            try:  # an embedding dropout runs here too: on a forked RNG, so that the layers draw what transformers' do
+                with contextlib.suppress(_Recorded), torch.no_grad(), _forked_rng(device):
+                    base(inputs_embeds=x, position_ids=position_ids, use_cache=False)
+            except Exception:
+                if arity == arities[-1]:
+                    raise
+                continue
+            self._arity = arity
+            break
+        if len(calls) != n:
+            raise ConfigError(f"{type(self.model).__name__}'s forward called {len(calls)} of its {n} layers; "
+                              "megatrain's generic path cannot train this model.")
+        return calls
+
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> GenericBatch:
+        """The model's own forward makes the layers' arguments: from position_ids too, packed documents and all."""
+        if position_ids is not None:
+            position_ids = position_ids.to(device)
+            calls = self._run_skeleton(batch_size, seq, device, dtype, position_ids=position_ids)
+            return GenericBatch(self, [_layer_kwargs(c) for c in calls], position_ids)
+        key = (batch_size, seq, device, dtype)
+        if key not in self._calls:
+            calls = self._run_skeleton(batch_size, seq, device, dtype)
+            self._calls[key] = [_layer_kwargs(c) for c in calls]
+        return GenericBatch(self, self._calls[key])
+
+    def tile(self, tile_tokens: int) -> None:
+        raise ConfigError("sequence tiling (tile_tokens) is for megatrain's native families; the generic path runs "
+                          "transformers' layers whole: leave tile_tokens unset for this model.")
+
+    def layer(self, index: int) -> GenericLayer | FirstLayer:
+        return self.layers[index]
+
+    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        if self.norm is None:
+            return x
+        params = {name[len("norm."):]: w for name, w in weights.items()}
+        return torch.func.functional_call(self.norm, params, (x,), strict=True)
+
+    def logits(self, hidden: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """The model's own logits of normed hidden states [n, h]: its ForCausalLM forward after the base model (the
+        lm_head with its bias, a logit scale, soft-capping), with the base a stand-in that returns `hidden`."""
+        if self._head_skeleton is None:
+            self._head_skeleton = build_meta_model(self.model_config.hf_config)  # type: ignore[arg-type]
+        model, parts = self._head_skeleton, self.parts
+        stand_in = BaseOutput(hidden.unsqueeze(0))
+        # the ForCausalLM's own child that holds the base (a multimodal model's whole "model", towers and all)
+        setattr(model, parts.base.split(".")[0], stand_in)
+        params = {f"{self._head_path}.{name[len('lm_head.'):]}": w for name, w in weights.items()}
+        # inputs_embeds, not input_ids: the stand-in ignores them, and a multimodal forward then looks up no embedding
+        kwargs = {"inputs_embeds": stand_in.hidden, "use_cache": False}
+        out = torch.func.functional_call(model, params, (), kwargs, strict=False)
+        return out.logits[0]
+
+
+def _forked_rng(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    cuda = device.type == "cuda"
+    return torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type)
+
+
+def _layer_kwargs(call: dict[str, Any]) -> dict[str, Any]:
+    """What a layer is called with, less the stand-in's own notes (its positional arguments stay, as __args__)."""
+    return {k: v for k, v in call.items() if k == "__args__" or not k.startswith("__")}

@@ -4,6 +4,9 @@ Every name starts with `megatrain_`; Ray exports them with its own `ray_` in fro
 counters with `_total` after), from the metrics agent of each node every few seconds. Metrics are
 per-process objects: each process that records (the driver, the executor, each optimizer worker) makes its
 own EngineMetrics; pickling one (to hand it to an actor) makes a fresh one there with the same tags.
+Ray drops a gauge that is not set again within two of its report intervals (10 s each by default): the driver's
+EngineMetrics sets every gauge's last value again from a thread of its own (`start_repeating`, until `stop`), so
+that steps longer than that still show on a dashboard between their ends.
 
 The driver also leaves megatrain's Grafana dashboard beside Ray's in the Ray session it joined
 (`write_session_dashboard`), where Ray's Grafana provisioning loads it.
@@ -13,17 +16,31 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 from pathlib import Path
 
 import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from megatrain.telemetry import StepStats
+from megatrain.telemetry import WAIT_CAUSES, StepStats
 from megatrain.telemetry import metric_specs as specs
 from megatrain.telemetry.dashboard import write_into_ray_session
 from megatrain.telemetry.metric_specs import BASE_TAGS, MetricSpec
 
 log = logging.getLogger(__name__)
+
+REPEAT_SECONDS = 5.0  # the most time between re-reports of the gauges: half Ray's default report interval
+
+
+def repeat_interval() -> float:
+    """Seconds between re-reports of the gauges: half of Ray's report interval where this process's environment
+    sets one (RAY_metrics_report_interval_ms), at most REPEAT_SECONDS."""
+    try:
+        interval = float(os.environ.get("RAY_metrics_report_interval_ms", "")) / 1e3
+    except ValueError:
+        return REPEAT_SECONDS
+    return min(REPEAT_SECONDS, max(interval / 2, 0.1))
 
 
 def make_metric(spec: MetricSpec, base: dict[str, str]) -> Gauge | Counter | Histogram:
@@ -64,47 +81,89 @@ class EngineMetrics:
         self.update_seconds_hist = make_metric(specs.UPDATE_DURATION, base)
         self.queue_depth = make_metric(specs.QUEUE_DEPTH, base)
         self.arena_bytes = make_metric(specs.ARENA_BYTES, base)
-        self.arena_sizes: dict[str, float] = {}  # kind -> bytes, set again with every step (see record_step)
+        # every gauge's last value, by (gauge, tags): what the repeater sets again
+        self._last: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Gauge, float, dict[str, str] | None]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._repeater: threading.Thread | None = None
+        self.repeats = 0  # times the repeater set the gauges again
 
     def __reduce__(self):
         return EngineMetrics, (self.run, self.executor)
 
+    def _set(self, gauge: Gauge, value: float, tags: dict[str, str] | None = None) -> None:
+        with self._lock:  # under the repeater's lock: it cannot set a value older than this one after it
+            gauge.set(value, tags=tags)
+            self._last[id(gauge), tuple(sorted((tags or {}).items()))] = (gauge, value, tags)
+
+    def last(self, gauge: Gauge, **tags: str) -> float | None:
+        """The value `gauge` (with `tags`) was last set to here; None if it was not."""
+        with self._lock:
+            entry = self._last.get((id(gauge), tuple(sorted(tags.items()))))
+        return None if entry is None else entry[1]
+
     def record_step(self, stats: StepStats, loss: float, tokens_per_s: float, tflops: float) -> None:
-        self.step_seconds.set(float(stats.step_time))
+        self._set(self.step_seconds, float(stats.step_time))
         self.step_seconds_hist.observe(float(stats.step_time))
-        self.compute_seconds.set(float(stats.compute))
-        for cause, value in (("weights", stats.wait_weights), ("optimizer", stats.wait_optimizer),
-                             ("data", stats.wait_data), ("other", stats.other)):
-            self.wait_seconds.set(float(value), tags={"cause": cause})
-        self.stall_fraction.set(float(stats.stall_fraction))
-        self.overlap_fraction.set(float(stats.overlap))
+        self._set(self.compute_seconds, float(stats.compute))
+        # every cause every step, 0 included: a cause this run never waits for still has its series
+        for cause in WAIT_CAUSES:
+            self._set(self.wait_seconds, float(getattr(stats, f"wait_{cause}")), {"cause": cause})
+        self._set(self.wait_seconds, float(stats.other), {"cause": "other"})
+        self._set(self.stall_fraction, float(stats.stall_fraction))
+        self._set(self.overlap_fraction, float(stats.overlap))
         for direction, gbps, nbytes in (("h2d", stats.h2d_gbps, stats.h2d_bytes),
                                         ("d2h", stats.d2h_gbps, stats.d2h_bytes)):
-            self.transfer_gbps.set(float(gbps), tags={"direction": direction})
+            self._set(self.transfer_gbps, float(gbps), {"direction": direction})
             if nbytes > 0:  # Ray counters refuse increments of 0
                 self.transfer_bytes.inc(float(nbytes), tags={"direction": direction})
-        self.tokens_per_second.set(float(tokens_per_s))
-        self.tflops.set(float(tflops))
+        self._set(self.tokens_per_second, float(tokens_per_s))
+        self._set(self.tflops, float(tflops))
         if math.isfinite(loss):  # a NaN would hide the last good value on every dashboard
-            self.loss.set(float(loss))
+            self._set(self.loss, float(loss))
         self.steps.inc()
-        # Ray drops a gauge that is not set again within two report intervals: the arena's size, known once at the
-        # start, is repeated with every step so that it stays visible
-        for kind, nbytes in self.arena_sizes.items():
-            self.arena_bytes.set(nbytes, tags={"kind": kind})
 
     def record_skipped_step(self) -> None:
         self.skipped_steps.inc()
 
     def record_optimizer(self, worker: int, update_seconds: float, queue_depth: int) -> None:
         tags = {"worker": str(worker)}
-        self.update_seconds.set(float(update_seconds), tags=tags)
+        self._set(self.update_seconds, float(update_seconds), tags)
         self.update_seconds_hist.observe(float(update_seconds), tags=tags)
-        self.queue_depth.set(float(queue_depth), tags=tags)
+        self._set(self.queue_depth, float(queue_depth), tags)
 
     def record_arena(self, nbytes: int, kind: str = "total") -> None:
-        self.arena_sizes[kind] = float(nbytes)
-        self.arena_bytes.set(float(nbytes), tags={"kind": kind})
+        self._set(self.arena_bytes, float(nbytes), {"kind": kind})  # known once, at the start: the repeater keeps it
+
+    # ---- the repeater ----
+    def start_repeating(self, every: float | None = None) -> None:
+        """Sets every gauge's last value again every `every` seconds (default: repeat_interval()) from a daemon
+        thread, until stop(). Once per process that records between long pauses (the driver: the Engine)."""
+        if self._repeater is not None:
+            return
+        self._stopping.clear()
+        self._repeater = threading.Thread(target=self._repeat, args=(every or repeat_interval(),),
+                                          name=f"megatrain-metrics-{self.run}", daemon=True)
+        self._repeater.start()
+
+    def _repeat(self, every: float) -> None:
+        while not self._stopping.wait(every):
+            try:
+                with self._lock:
+                    for gauge, value, tags in self._last.values():
+                        gauge.set(value, tags=tags)
+            except Exception as e:  # noqa: BLE001 - Ray gone from under a run that did not stop us: said once
+                log.warning("stopped re-reporting megatrain's gauges to Ray (%s)", e)
+                return
+            self.repeats += 1
+
+    def stop(self) -> None:
+        """Stops the repeater thread and waits for it to end; nothing where none runs."""
+        if self._repeater is None:
+            return
+        self._stopping.set()
+        self._repeater.join()
+        self._repeater = None
 
 
 def write_session_dashboard() -> Path | None:

@@ -73,7 +73,7 @@ class ModelConfig:
     # the embedding's padding_idx: transformers' nn.Embedding gives its row no gradient, and neither does megatrain
     pad_token_id: int | None = None
     model_type: str = "llama"  # the HF architecture, and so the family: llama | mistral | qwen2 | qwen3
-    sliding_window: int | None = None  # Mistral / Qwen2 window; sequences up to it train exactly
+    sliding_window: int | None = None  # Mistral / Qwen2: every layer attends to this many tokens (itself included)
     # the model's config.json, for a model on the generic path (transformers' own layers, megatrain/model/hf_generic.py:
     # a model_type without a native family, or one whose config.json sets what its family does not implement)
     hf_config: dict[str, Any] | None = None

@@ -46,7 +46,7 @@ from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
 from megatrain.perf.calibrate import Calibration
 from megatrain.perf.predict import auto_optimizer_workers
 from megatrain.store import resolve_model
-from megatrain.telemetry import StepStats
+from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
 from pipelines.recovery import Recovery, is_actor_death, is_cuda_error
 from pipelines.run_actors import RunActors, absolute, get, save_target
@@ -129,6 +129,7 @@ class Engine:
             from actors.metrics import EngineMetrics, write_session_dashboard
 
             self.metrics = EngineMetrics(run=self.run_id)
+            self.metrics.start_repeating()  # Ray drops gauges not set again for two report intervals: long steps
             write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
         self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
         self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
@@ -302,7 +303,10 @@ class Engine:
         """One step, no recovery: a fault raises (step_batch recovers; a recovery replays the steps with this)."""
         step = self.steps_done
         t0 = time.monotonic()
+        ray.wait([batch], fetch_local=False)  # a loader's batch may not be made yet: the executors would idle for it
+        data_wait = Span(WAIT_LANE, "data", step, t0, time.monotonic())
         out = self.actors.train_step(batch, self.updates_applied, self.pending)
+        add_wait_before(out["stats"], out["spans"], data_wait)  # the step's accounting and trace count it
         update_spans = [span for spans in get(self.pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
@@ -423,6 +427,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stops the actors; the stores unlink the arenas first. What a store killed on the way left in /dev/shm
         is removed here, on every node of the run."""
+        if self.metrics is not None:
+            self.metrics.stop()
         self.actors.stop()
         self.actors.release()
         remove_stale_segments()

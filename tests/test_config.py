@@ -165,7 +165,7 @@ def _no_config(tmp_path: Path) -> None:
 
 
 def _unknown_model_type(tmp_path: Path) -> None:
-    ModelConfig.from_hf(transformers.GPT2Config().to_dict())
+    ModelConfig.from_hf(transformers.BertConfig().to_dict())
 
 
 def _missing_keys(tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ BAD_CONFIGS: list[tuple[Callable[[Path], Any], str]] = [
     (lambda _: ModelConfig(hidden_size=64, num_heads=4, model_type="gpt2"),
      r"model_type 'gpt2' runs on the generic path, which needs the model's config.json"),
     (lambda _: ModelConfig.from_name("huge"), r"unknown model preset 'huge'; choose one of tiny, .*70b"),
-    (_unknown_model_type, r"GPT2LMHeadModel runs transformer.wpe on the embeddings before its first layer"),
+    (_unknown_model_type, r"model_type 'bert' is an encoder \(a masked language model"),
     (_bad_json, r"config.json is not valid JSON"),
     (_json_not_object, r"must hold a JSON object"),
     (_no_config, r"no HF config at .*config.json"),

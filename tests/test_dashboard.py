@@ -32,7 +32,7 @@ import pytest
 import yaml
 from helpers import TIMEOUT, assert_nothing_left, dead_segments, free_port, run_cli, stop_ray
 
-from megatrain.telemetry import metric_specs
+from megatrain.telemetry import WAIT_CAUSES, metric_specs
 from megatrain.telemetry.dashboard import DASHBOARD_FILE, dashboard, dashboard_json, write_into_ray_session
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,9 @@ def test_the_dashboard_is_a_grafana_dashboard_model() -> None:
             assert set(re.findall(r"\$\w+", t["expr"])) <= {"$run", "$node", "$executor", "$__rate_interval"}
             assert 'run=~"$run"' in t["expr"], t["expr"]
             queried |= set(re.findall(r"ray_megatrain_\w+", t["expr"]))
+    # each cause of waiting on a panel of its own, gradients too
+    causes = [re.findall(r'cause="(\w+)"', t["expr"]) for p in panels() for t in p["targets"]]
+    assert sorted(c for found in causes for c in found) == sorted((*WAIT_CAUSES, "other"))
     # every metric actors/metrics.py records is on a panel (skipped steps: a healthy run has none to show)
     wanted = {s.series + ("_bucket" if s.kind == "histogram" else "") for s in metric_specs.METRICS
               if s is not metric_specs.SKIPPED_STEPS}

@@ -5,10 +5,13 @@ test_dashboard.py (one cluster start for both)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import ray
 
 from actors.metrics import EngineMetrics, write_session_dashboard
-from megatrain.telemetry import StepStats
+from megatrain.telemetry import WAIT_CAUSES, StepStats
 
 
 def stats(step: int = 0) -> StepStats:
@@ -41,6 +44,32 @@ def test_record_from_the_driver_with_nothing_moved(ray_session):
     s.h2d_bytes = s.d2h_bytes = 0  # Ray counters refuse an increment of 0: such steps must still record
     m.record_step(s, loss=1.0, tokens_per_s=0.0, tflops=0.0)
     m.record_optimizer(worker=0, update_seconds=0.0, queue_depth=0)
+    # every cause every step, a cause the step never waited for as 0: its series exists from the first step
+    assert {cause: m.last(m.wait_seconds, cause=cause) for cause in (*WAIT_CAUSES, "other")} == {
+        "weights": 0.1, "optimizer": 0.05, "gradients": 0.0, "data": 0.05, "other": 0.1}
+
+
+def test_the_gauges_are_reported_again_between_steps_until_stop(ray_session):
+    """Ray drops a gauge that is not set again within two report intervals: the driver's EngineMetrics sets the last
+    values again from a thread of its own, which stop() ends and joins."""
+    m = EngineMetrics(run="repeat")
+    m.record_arena(1 << 20, "params")
+    m.record_step(stats(), loss=2.0, tokens_per_s=10.0, tflops=1.0)
+    m.start_repeating(every=0.01)
+    m.start_repeating(every=0.01)  # once: a second call starts no second thread
+    repeaters = [t for t in threading.enumerate() if t.name == "megatrain-metrics-repeat"]
+    assert len(repeaters) == 1 and repeaters[0].daemon
+    deadline = time.monotonic() + 30
+    while m.repeats < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.repeats >= 2
+    m.stop()
+    assert not repeaters[0].is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "megatrain-metrics-repeat"]
+    repeats = m.repeats
+    m.stop()  # a second stop (Engine.shutdown after a failed start, then __exit__) is a no-op
+    assert m.repeats == repeats and m.last(m.arena_bytes, kind="params") == float(1 << 20)
+    assert m.last(m.loss) == 2.0 and m.last(m.loss, kind="nothing") is None
 
 
 def test_no_dashboard_where_the_ray_session_has_no_grafana_folder(ray_session):

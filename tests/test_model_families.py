@@ -90,10 +90,7 @@ ENGINE_IN_CI = {"gpt_neox-parallel", "gpt2", "deepseek_v3", "starcoder2"}
 # GPT-OSS: Adam's eps at 1e-6, not 1e-8: one expert weight's gradient is ~1e-8, where Adam turns fp32 rounding into
 # an update error either fp32 run may double (the same element is the worst of megatrain's and transformers' runs)
 ENGINE_EPS = {"gpt_oss": 1e-6}
-# strict xfails: what megatrain does not do yet, each a finding to fix in the library (then the mark goes)
-SLIDING_WINDOW = ("the native Llama family refuses a sequence longer than Mistral's sliding window ('train with seq <= "
-                  "8') instead of handing the model to the generic path, which trains it exactly")
-NOT_YET = {"mistral-v0.1": pytest.mark.xfail(strict=True, raises=megatrain.MegatrainError, reason=SLIDING_WINDOW)}
+NOT_YET: dict[str, Any] = {}  # strict xfails: what megatrain does not do yet, each a finding to fix in the library
 NO_ENGINE_REFERENCE = {
     "gpt2-default": "GPT-2's dropout (0.1) draws other masks in the Engine's executor than in transformers' run; the "
                     "gpt2 case runs the three steps without it, and the loss test above replays its masks exactly",

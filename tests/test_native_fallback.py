@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from helpers import SHAPE, assert_matches, assert_one_sentence, batch, build_hf_model, fp64_grads, hf_loss_and_grads
-from transformers import Gemma2Config, LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 import megatrain
 from megatrain import ConfigError, ModelConfig
@@ -30,6 +30,14 @@ CASES: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
                       "sliding-window attention layers"),
     "gemma2-gelu": (lambda: Gemma2Config(**DENSE, hidden_activation="gelu", sliding_window=8),
                     "hidden_activation='gelu'"),
+    # Qwen2 sliding from layer 1 on (max_window_layers): its layers do not all attend alike
+    "qwen2-some-sliding": (lambda: Qwen2Config(**DENSE, use_sliding_window=True, sliding_window=8,
+                                               max_window_layers=1), "sliding-window attention in some layers"),
+}
+# a window every layer has, shorter than the test's 16 tokens, the native family implements (Mistral 7B v0.1)
+NATIVE_WINDOWED: dict[str, Callable[[], PretrainedConfig]] = {
+    "mistral-v0.1": lambda: MistralConfig(**DENSE, sliding_window=8),
+    "qwen2-all-sliding": lambda: Qwen2Config(**DENSE, use_sliding_window=True, sliding_window=8, max_window_layers=0),
 }
 LOG_LINE = "{} with {} is not implemented natively; training it through transformers' own layers (the generic path)"
 
@@ -51,6 +59,19 @@ def test_trains_on_the_generic_path_as_transformers_does(case: str, tmp_path: Pa
         ours = (ours[0], {k: v.clone() for k, v in ours[1].items()})
     assert_matches(ours, hf_loss_and_grads(hf, input_ids, labels), fp64_grads(hf, input_ids, labels))
     assert LOG_LINE.format(hf.config.model_type, option) in caplog.messages
+
+
+@pytest.mark.parametrize("case", list(NATIVE_WINDOWED))
+def test_a_sliding_window_in_every_layer_trains_natively_past_it(case: str, tmp_path: Path) -> None:
+    hf = build_hf_model(NATIVE_WINDOWED[case]())
+    hf.save_pretrained(tmp_path)
+    input_ids = batch()
+    assert input_ids.shape[1] > 8
+    with megatrain.from_pretrained(tmp_path, device="cpu") as model:
+        assert model.config.hf_config is None and model.config.sliding_window == 8  # the native family's own layers
+        ours = model.loss_and_grads(input_ids, input_ids)
+        ours = (ours[0], {k: v.clone() for k, v in ours[1].items()})
+    assert_matches(ours, hf_loss_and_grads(hf, input_ids, input_ids), fp64_grads(hf, input_ids, input_ids))
 
 
 def test_config_round_trips_and_save_pretrained_keeps_the_option(tmp_path: Path) -> None:

@@ -12,13 +12,18 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain.engine.grad_egress import GradEgress, GradsOut, Sends
+from megatrain.engine.streams import make_streams
+from megatrain.model.layout import GradLayout, Unit
 from megatrain.telemetry import (
+    EGRESS_LANE,
     STEPS_FILE,
     TRACE_FILE,
     Recorder,
     Span,
     StepStats,
     account,
+    add_wait_before,
     append_step,
     chrome_trace_to_spans,
     optimizer_lane,
@@ -36,7 +41,7 @@ STAGES = [("h2d", "load"), ("compute", "forward"), ("compute", "recompute+backwa
 
 
 def parts(s: StepStats) -> float:
-    return s.compute + s.wait_weights + s.wait_optimizer + s.wait_data + s.other
+    return s.compute + s.wait_weights + s.wait_optimizer + s.wait_gradients + s.wait_data + s.other
 
 
 def synthetic_step(rec: Recorder, step: int, data_sleep: float = 0.004) -> StepStats:
@@ -190,7 +195,8 @@ def test_attribution_rule_on_hand_built_timeline():
 def test_random_timelines_add_up():
     rng = random.Random(0)
     lanes = [("compute", "forward"), ("h2d", "load"), ("d2h", "grads"), ("wait", "data"),
-             ("wait", "optimizer"), ("wait", "weights"), ("host", "embed"), ("optimizer/1", "update")]
+             ("wait", "optimizer"), ("wait", "weights"), ("wait", "gradients"), (EGRESS_LANE, "slot"),
+             ("host", "embed"), ("optimizer/1", "update")]
     for _ in range(200):
         spans = []
         for _ in range(rng.randrange(0, 40)):
@@ -199,8 +205,75 @@ def test_random_timelines_add_up():
             spans.append(Span(lane, name, 0, a, a + rng.expovariate(2.0)))
         s = account(spans, 0, 0.0, 10.0)
         assert abs(parts(s) - 10.0) < 1e-9
-        assert min(s.compute, s.wait_weights, s.wait_optimizer, s.wait_data) >= 0 and s.other > -1e-9
+        assert min(s.compute, s.wait_weights, s.wait_optimizer, s.wait_gradients, s.wait_data) >= 0
+        assert s.other > -1e-9
         assert 0.0 <= s.overlap <= 1.0 + 1e-12 and s.compute <= 10.0 + 1e-12
+
+
+def test_gradients_wait_and_the_slot_the_optimizer_holds():
+    """Compute waiting for gradients to leave the device (wait "gradients") outranks an h2d copy, yields to the
+    optimizer's waits, and counts as the optimizer's while the sender thread waits for a host slot (EGRESS_LANE)."""
+    S = lambda lane, name, a, b: Span(lane, name, 0, a, b)  # noqa: E731
+    spans = [S("compute", "backward", 0.0, 1.0), S("compute", "backward", 5.0, 6.0),
+             S("wait", "gradients", 1.0, 5.0), S("h2d", "load", 1.0, 2.0),  # gradients, not weights
+             S(EGRESS_LANE, "slot", 3.0, 4.0),  # the sender waits for the optimizer: [3, 4] is the optimizer's
+             S("wait", "optimizer", 4.5, 5.0)]  # an explicit optimizer wait outranks gradients
+    s = account(spans, 0, 0.0, 6.0)
+    assert s.compute == pytest.approx(2.0) and s.wait_weights == 0.0 and s.other == pytest.approx(0.0, abs=1e-12)
+    assert s.wait_gradients == pytest.approx(2.5) and s.wait_optimizer == pytest.approx(1.5)
+    assert parts(s) == pytest.approx(s.step_time, abs=1e-12)
+    assert account([S(EGRESS_LANE, "slot", 0.0, 6.0)], 0, 0.0, 6.0).other == 6.0  # alone it is no cause
+    rec = Recorder()
+    rec.begin_step(0)
+    with rec.wait("gradients", 3):
+        time.sleep(0.002)
+    assert rec.end_step().wait_gradients >= 0.001
+
+
+@pytest.mark.parametrize("slow", ["copies", "optimizer"])
+def test_the_egress_records_compute_waiting_for_gradients(slow: str) -> None:
+    """GradEgress with its sender thread: while the sets in flight land slowly, the computing thread's wait for a
+    place is a "gradients" wait; where the sender waits for the optimizer to free a ring slot, the optimizer's."""
+    count, n = 8, 4
+    layout = GradLayout(tuple(i % 2 * n for i in range(count)), tuple(i % 2 for i in range(count)), 2 * n) \
+        if slow == "optimizer" else GradLayout(tuple(i * n for i in range(count)), tuple(range(count)), count * n)
+    host, streams, rec = torch.zeros(layout.numel), make_streams("cpu"), Recorder()
+    egress = GradEgress(streams, layout, rec, send_thread=True)
+    pause = lambda *args: time.sleep(0.02)  # noqa: E731
+    sends = Sends(pause if slow == "copies" else lambda unit, norm_sq: None,
+                  pause if slow == "optimizer" else lambda unit: None)
+    rec.begin_step(0)
+    for i in range(count):
+        unit = Unit(i, "layer", i * n, n, (), i)
+        permit = egress.permit(sends, unit)
+        g, norm_sq = torch.ones(n), torch.tensor(float(n), dtype=torch.float64)
+        egress.emit(GradsOut(unit, [(g, layout.range_of(unit, host))], norm_sq, None, permit=permit), sends)
+    egress.wait_sent()
+    stats = rec.end_step()
+    egress.close()
+    streams.close()
+    assert parts(stats) == pytest.approx(stats.step_time, abs=1e-9)
+    if slow == "copies":
+        assert stats.wait_gradients > 0 and stats.wait_optimizer == 0
+    else:
+        assert stats.wait_optimizer > 0 and any(s.lane == EGRESS_LANE for s in rec.spans)
+
+
+def test_a_wait_before_the_step_joins_its_accounting_and_window():
+    """The driver's wait for a batch, timed before the executor began the step (pipelines/engine.py)."""
+    stats = account(hand_built(), 7, 0.0, 10.0)
+    spans = [s for s in hand_built() if 0.0 <= s.start and s.end <= 10.0] + [Span("step", "step", 7, 0.0, 10.0)]
+    record = stats.to_dict()
+    add_wait_before(record, spans, Span("wait", "data", 7, -3.0, -1.0))
+    grown = StepStats.from_dict(record)
+    assert grown.step_time == 12.0 and grown.start == -2.0 and grown.wait_data == pytest.approx(stats.wait_data + 2)
+    assert grown.stall_fraction == pytest.approx(1 - 5.0 / 12.0) and parts(grown) == pytest.approx(12.0)
+    assert (spans[-2].lane, spans[-2].start, spans[-2].end) == ("step", -2.0, 10.0)
+    assert (spans[-1].name, spans[-1].start, spans[-1].end) == ("data", -2.0, 0.0)  # just before the window
+    assert account(spans, 7, -2.0, 10.0).to_dict() == pytest.approx(grown.to_dict())  # as the trace shows it
+    untraced = stats.to_dict()
+    add_wait_before(untraced, [], Span("wait", "data", 7, 5.0, 5.5))
+    assert untraced["wait_data"] == pytest.approx(stats.wait_data + 0.5)
 
 
 # ---- the device path, with CUDA events faked on a CPU-only machine ----
@@ -335,6 +408,10 @@ def test_steps_jsonl_from_the_training_log(tmp_path):
              {"step": 5, "loss": 2.4, "stats": None}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert read_steps(path) == [stats]
+    # a record from before gradients were a cause of their own reads as no wait for them
+    older = {k: v for k, v in stats.to_dict().items() if k != "wait_gradients"}
+    path.write_text(json.dumps({"step": 4, "stats": older}) + "\n")
+    assert read_steps(path)[0].wait_gradients == 0.0
 
 
 def decode_png(data: bytes) -> tuple[dict[bytes, bytes], np.ndarray]:
@@ -388,8 +465,9 @@ def test_report_table_and_timeline(tmp_path):
     row = lines[3].split()  # step 2
     assert row[0] == "2" and float(row[1]) == pytest.approx(10000.0)
     assert float(row[2]) == pytest.approx(5000.0)
-    assert float(row[3]) == pytest.approx(2000.0) and float(row[5]) == pytest.approx(1100.0)
-    assert float(row[8]) == pytest.approx(100 / 3.8, abs=0.05) and lines[4].startswith("  mean")
+    assert float(row[3]) == pytest.approx(2000.0) and float(row[6]) == pytest.approx(1100.0)
+    assert float(row[5]) == 0.0 and "w.grads" in lines[0]
+    assert float(row[9]) == pytest.approx(100 / 3.8, abs=0.05) and lines[4].startswith("  mean")
     assert "timeline of step 2" in text
 
     _, img = decode_png((tmp_path / "timeline.png").read_bytes())

@@ -27,10 +27,6 @@ def check_batch(config: ModelConfig, input_ids: torch.Tensor, labels: torch.Tens
         raise MegatrainError(f"input_ids must be [batch, seq] with seq >= 2, got shape {tuple(input_ids.shape)}.")
     if input_ids.dtype not in TOKEN_DTYPES:
         raise MegatrainError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
-    window = config.sliding_window
-    if window and input_ids.shape[1] > window:
-        raise MegatrainError(f"sequence length {input_ids.shape[1]} exceeds the model's sliding attention window "
-                             f"{window}, which megatrain does not implement; train with seq <= {window}.")
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= config.vocab_size:
         raise MegatrainError(f"token id {hi if hi >= config.vocab_size else lo} is outside the model's "

@@ -30,7 +30,7 @@ import torch
 from megatrain.config import MegatrainError
 from megatrain.engine.streams import Streams
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, Unit
-from megatrain.telemetry import Recorder
+from megatrain.telemetry import EGRESS_LANE, Recorder
 
 UnitCallback = Callable[[Unit], None]
 LandedCallback = Callable[[Unit, float], None]  # (unit, squared norm of its gradient)
@@ -89,9 +89,10 @@ class GradEgress:
     def permit(self, sends: Sends, unit: Unit) -> threading.Semaphore:
         """Waits until fewer than GRAD_SETS_IN_FLIGHT layers' gradients are on the device (the others on their
         way to the host, held up by copies or by the optimizer freeing slots): compute stalls rather than
-        the device running out of memory. Returns the semaphore to release once `unit`'s gradients landed."""
+        the device running out of memory (a "gradients" wait; the sender's slot waits say when the optimizer held
+        it up). Returns the semaphore to release once `unit`'s gradients landed."""
         if not sends.in_flight.acquire(blocking=False):
-            with self.rec.wait("optimizer", unit.index):
+            with self.rec.wait("gradients", unit.index):
                 sends.in_flight.acquire()
         return sends.in_flight
 
@@ -154,7 +155,8 @@ class GradEgress:
         slot = self.grad_layout.slot_of[out.unit.index]
         previous = sends.slot_users.get(slot)
         if previous is not None and previous.index != out.unit.index:
-            sends.slot_free(previous)
+            with self.rec.span(EGRESS_LANE, "slot", previous.index):
+                sends.slot_free(previous)
         sends.slot_users[slot] = out.unit
         s = self.streams
         s.wait(s.d2h, out.ready)

@@ -28,6 +28,28 @@ def causal_lm_types() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+# registered as causal LMs, but not decoder-only language models: the decoders of encoder-decoder models that no
+# seq2seq mapping lists (TrOCR's, of a vision encoder-decoder), and a permutation language model (XLNet)
+OTHER_ENCODER_DECODERS = frozenset({"trocr"})
+OTHER_ENCODERS = frozenset({"bert-generation", "xlnet"})
+
+
+def encoder_decoder_types() -> frozenset[str]:
+    """Causal-LM model types that are the decoder of an encoder-decoder model (BART, Whisper, ...)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    seq2seq = {*auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, *auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES}
+    return frozenset(seq2seq) | OTHER_ENCODER_DECODERS
+
+
+def encoder_types() -> frozenset[str]:
+    """Causal-LM model types that are encoders (BERT, RoBERTa, ...): transformers has a masked LM of theirs."""
+    from transformers.models.auto import modeling_auto as auto
+
+    # Reformer's LM-head model is an autoregressive decoder, whatever else its architecture does
+    return (frozenset(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) - encoder_decoder_types() - {"reformer"}) | OTHER_ENCODERS
+
+
 def check_generic(hf: dict[str, Any]) -> None:
     """ConfigError, in one sentence, for a config.json the generic path cannot train."""
     model_type = hf.get("model_type")
@@ -35,9 +57,12 @@ def check_generic(hf: dict[str, Any]) -> None:
     if hf.get("auto_map") and model_type not in causal_lm_types():
         raise ConfigError(f"model_type {model_type!r} needs trust_remote_code (its code ships with the checkpoint), "
                           "which megatrain never runs; use a model transformers implements.")
-    if hf.get("is_encoder_decoder"):
-        raise ConfigError(f"model_type {model_type!r} is an encoder-decoder model; megatrain trains decoder-only "
-                          "causal language models.")
+    if hf.get("is_encoder_decoder") or model_type in encoder_decoder_types():
+        raise ConfigError(f"model_type {model_type!r} is an encoder-decoder model (its causal LM is the decoder alone, "
+                          "made to attend to an encoder); megatrain trains decoder-only causal language models.")
+    if model_type in encoder_types():
+        raise ConfigError(f"model_type {model_type!r} is an encoder (a masked language model, whose causal-LM head "
+                          "runs it as a decoder); megatrain trains decoder-only causal language models.")
     if model_type not in causal_lm_types():
         raise ConfigError(f"model_type {model_type!r} is no decoder-only causal language model transformers "
                           "knows; megatrain cannot train it.")

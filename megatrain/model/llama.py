@@ -36,6 +36,30 @@ def hf_number(hf: dict[str, Any], key: str, value: Any) -> float:
     raise ConfigError(f"HF config has a value of the wrong type for {key} ({value!r}); it must be a number.")
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def sliding_layers(hf: dict[str, Any]) -> list[bool]:
+    """Per layer, whether it attends to a sliding window, as Qwen2Config and Qwen3Config derive it: from
+    max_window_layers on when use_sliding_window is set, or where layer_types says so."""
+    layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    count = layers if isinstance(layers, int) and layers > 0 else 0
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == layers and all(t in (FULL, SLIDING) for t in types)):
+            raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
+                              f"num_hidden_layers ({layers!r}) layers; fix config.json.")
+        sliding = [t == SLIDING for t in types]
+        if any(sliding) and not (hf_flag(hf, "use_sliding_window") and hf.get("sliding_window")):
+            raise ConfigError("HF config's layer_types slide some layers but it sets no sliding_window with "
+                              "use_sliding_window, without which transformers cannot run them; fix config.json.")
+        return sliding
+    first = hf.get("max_window_layers", 28)  # Qwen2Config's and Qwen3Config's default
+    on = hf_flag(hf, "use_sliding_window") and hf.get("sliding_window") not in (None, 0)
+    first = first if isinstance(first, int) else 0
+    return [on and i >= first for i in range(count)]
+
+
 # what a family's layer does not implement, as NotNative names it: (the option, why)
 Missing = tuple[str, str]
 
@@ -122,8 +146,8 @@ class LlamaFamily:
     def sliding_window(self, hf: dict[str, Any], model_type: str) -> Any:
         """The attention window that applies, if any (Qwen2 carries one that is off unless use_sliding_window)."""
         window = hf.get("sliding_window")
-        if model_type == "qwen2" and not hf_flag(hf, "use_sliding_window"):
-            return None
+        if model_type == "qwen2" and not all(sliding_layers(hf)):
+            return None  # none slides, or some do (not_native)
         return window if window not in (None, 0) else None
 
     def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -182,6 +206,8 @@ class LlamaFamily:
         activation = hf.get("hidden_act") or "silu"
         if activation not in ("silu", "swish"):  # transformers' two names of one function
             return f"hidden_act={activation!r}", "its MLP is gated by SiLU"
+        if model_type == "qwen2" and len(set(sliding_layers(hf))) > 1:
+            return "sliding-window attention in some layers", "its layers all attend alike"
         return dropout_not_native(hf)
 
     # ---- checks ----

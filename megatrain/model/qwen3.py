@@ -4,7 +4,8 @@ before RoPE (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, head_dim long
 The template is templates.DecoderLayer with its q/k norm on (ModelConfig.qk_norm, from `qk_norm` below); the
 layout adds the two norm weights to every layer (not weight-decayed, as norms never are). What differs from
 Llama's config.json: head_dim is explicit (128 when absent), attention_bias puts a bias on q, k, v and o as
-Llama's does, and the sliding-window keys are Qwen2's (use_sliding_window, max_window_layers, layer_types).
+Llama's does, and the sliding-window keys are Qwen2's (use_sliding_window, max_window_layers, layer_types:
+llama.sliding_layers).
 Published Qwen3 models use full attention in every layer; a config with sliding layers is not implemented here and
 takes the generic path (transformers' own layers; NotNative).
 """
@@ -14,10 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model.llama import LlamaFamily, Missing, hf_flag
+from megatrain.model.llama import LlamaFamily, Missing, hf_flag, sliding_layers
 from megatrain.model.registry import register
-
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class Qwen3Family(LlamaFamily):
@@ -42,25 +41,9 @@ class Qwen3Family(LlamaFamily):
         return super().not_native(hf, model_type)
 
     def slides(self, hf: dict[str, Any]) -> bool:
-        """Whether some layer attends to a sliding window, as Qwen3Config derives it: from max_window_layers on when
-        use_sliding_window is set, or where layer_types says so. This family's attention is full causal, so such a
-        model takes the generic path rather than being trained as another model."""
-        layers = hf.get("num_hidden_layers")
-        types = hf.get("layer_types")
-        if types is not None:
-            if not (isinstance(types, list) and len(types) == layers and all(t in (FULL, SLIDING) for t in types)):
-                raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
-                                  f"num_hidden_layers ({layers!r}) layers; fix config.json.")
-            sliding = SLIDING in types
-            if sliding and not (hf_flag(hf, "use_sliding_window") and hf.get("sliding_window")):
-                raise ConfigError("HF config's layer_types slide some layers but it sets no sliding_window with "
-                                  "use_sliding_window, without which transformers cannot run them; fix config.json.")
-        else:
-            first = hf.get("max_window_layers", 28)  # Qwen3Config's default
-            window = hf.get("sliding_window")
-            sliding = hf_flag(hf, "use_sliding_window") and window not in (None, 0) and not (
-                isinstance(first, int) and isinstance(layers, int) and first >= layers)
-        return bool(sliding)
+        """Whether some layer attends to a sliding window (sliding_layers). This family's attention is full causal, so
+        such a model takes the generic path rather than being trained as another model."""
+        return any(sliding_layers(hf))
 
     def validate(self, c: ModelConfig) -> None:
         if c.qkv_bias != c.o_bias:

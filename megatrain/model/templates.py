@@ -74,7 +74,7 @@ class DecoderLayer:
         # attention over the whole sequence, kept for its backward below
         q, k, v = (t_.requires_grad_(True) for t_ in (q, k, v))
         with torch.enable_grad():
-            attn = ops.causal_attention(q, k, v, spans)
+            attn = self._attend(q, k, v, spans)
         attn_tokens = attn.detach().transpose(1, 2).reshape(b, t, self.config.q_size)
         # the MLP half, tile by tile over all tokens: dL/d mid
         flat_mid, flat_grad = mid.view(-1, hidden), grad_out.reshape(-1, hidden)
@@ -122,11 +122,18 @@ class DecoderLayer:
         v = torch.empty_like(k)
         for tile in self._tiles(t, b):
             q[:, :, tile], k[:, :, tile], v[:, :, tile] = self._qkv(x[:, tile], w, _rope_rows(rope, tile))
-        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2)
+        attn = self._attend(q, k, v, spans).transpose(1, 2)
         out = torch.empty_like(x)
         for tile in self._tiles(t, b):
             out[:, tile] = x[:, tile] + self._output_projection(attn[:, tile].reshape(b, -1, c.q_size), w)
         return out, q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Spans) -> torch.Tensor:
+        """Causal attention; within Mistral's / Qwen2's sliding window where the config has one (a sequence no longer
+        than the window runs the plain fused kernels)."""
+        if self.config.sliding_window is None:
+            return ops.causal_attention(q, k, v, spans)
+        return ops.windowed_attention(q, k, v, spans, window=self.config.sliding_window)
 
     def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         """x + mlp(norm(x)): token by token, so any tiling of the tokens gives the same result."""
@@ -138,7 +145,7 @@ class DecoderLayer:
         """x + attn(norm(x))."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x, w, rope)
-        attn = ops.causal_attention(q, k, v, spans).transpose(1, 2).reshape(b, t, self.config.q_size)
+        attn = self._attend(q, k, v, spans).transpose(1, 2).reshape(b, t, self.config.q_size)
         return x + self._output_projection(attn, w)
 
     def _qkv(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]

@@ -14,6 +14,7 @@
 from megatrain.telemetry.png import png_bytes, write_png
 from megatrain.telemetry.recorder import (
     DEVICE_LANES,
+    EGRESS_LANE,
     STEP_LANE,
     WAIT_CAUSES,
     WAIT_LANE,
@@ -21,6 +22,7 @@ from megatrain.telemetry.recorder import (
     Span,
     StepStats,
     account,
+    add_wait_before,
     executor_lanes,
     optimizer_lane,
 )
@@ -36,8 +38,8 @@ from megatrain.telemetry.trace import (
 )
 
 __all__ = [
-    "DEVICE_LANES", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder", "Span",
-    "StepStats", "account", "append_step", "chrome_trace_to_spans", "executor_lanes", "optimizer_lane",
-    "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
+    "DEVICE_LANES", "EGRESS_LANE", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder",
+    "Span", "StepStats", "account", "add_wait_before", "append_step", "chrome_trace_to_spans", "executor_lanes",
+    "optimizer_lane", "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
     "write_png",
 ]

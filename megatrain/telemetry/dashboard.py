@@ -80,7 +80,8 @@ STALLS = [
               "percentunit", (Query(select(m.STALL_FRACTION), PER_EXECUTOR),)),
     PanelSpec("Waits by cause", "Seconds of the last step the compute lane waited, by cause (all executors "
               "chosen, added up): weights (H2D too slow), optimizer (last step's update of a layer not done yet, or "
-              "no free gradient slot), data (no batch ready), other (gradient copies out, host overhead, launches).",
+              "no free gradient slot), gradients (earlier layers' gradients not yet off the device), data (no batch "
+              "ready), other (host overhead, launches).",
               "s", (Query(f"sum by (cause) ({select(m.WAIT_SECONDS)})", "{{cause}}"),), stack=True),
     PanelSpec("Waiting for weights", "Compute idle while a layer's weights were still crossing host to device. The "
               "link is the bound: --precision bf16 moves half the bytes (the optimizer's bf16 copy of the weights); "
@@ -92,15 +93,20 @@ STALLS = [
               "fewer updates per token (a larger batch, more --micro-batches); clipping off (--max-grad-norm 0) lets "
               "each layer's update start during backward. See update times and queue depth below.",
               "s", wait("optimizer")),
-    PanelSpec("Waiting for data", "The host waited for a batch: reading and tokenizing are slower than a step. "
-              "Tokenize ahead of time, read Parquet / Arrow rather than text, or give each step more tokens "
-              "(--batch-size, --seq-len) so the loader has longer to produce one.", "s", wait("data")),
-    PanelSpec("Gradients out, and other", "Compute idle for no cause above: mostly gradients on their way out "
-              "(device to host; see D2H GB/s), plus host overhead and kernel launches. --grads moves it: device "
-              "keeps them on the GPU until the step's norm is known and sends them out during the next forward; "
-              "stream and arena copy each layer's out as its backward ends. Here with low D2H GB/s: host overhead, "
-              "which fewer, larger steps (--batch-size) amortize.",
-              "s", wait("other")),
+    PanelSpec("Waiting for gradients", "Compute idle because the gradients of the layers before were still on "
+              "the device: the backward computes a layer's gradients only once fewer than two layers' are on their "
+              "way to the host, so the device does not run out of memory. The D2H copies are the bound (see D2H "
+              "GB/s against the link); a larger --batch-size, --seq-len or more --micro-batches give each gradient "
+              "byte more compute to hide under; --grads device keeps them on the GPU and sends them out during the "
+              "next forward. Copies held up by a host slot the optimizer has not freed count as the optimizer's.",
+              "s", wait("gradients")),
+    PanelSpec("Waiting for data", "The driver waited for the step's batch from the data loader: reading and "
+              "tokenizing are slower than a step. Tokenize ahead of time, read Parquet / Arrow rather than text, or "
+              "give each step more tokens (--batch-size, --seq-len) so the loader has longer to produce one.", "s",
+              wait("data")),
+    PanelSpec("Other", "Compute idle for none of the causes above: host overhead between kernels, kernel launches, "
+              "and on the CPU path the gradient copies themselves. Fewer, larger steps (--batch-size) amortize it; "
+              "--compile fuses a layer's kernels into fewer launches.", "s", wait("other")),
 ]
 
 STEP_TIME = [
@@ -110,7 +116,7 @@ STEP_TIME = [
                Query(select(m.WAIT_SECONDS), "{{cause}} (executor {{executor}})")), stack=True),
     PanelSpec("Transfers hidden under compute", "Fraction of the last step's transfer time (H2D or D2H busy) that "
               "overlapped compute: 1 is a fully hidden pipeline; lower means the copies show up as waits for "
-              "weights or as other.", "percentunit", (Query(select(m.OVERLAP_FRACTION), PER_EXECUTOR),)),
+              "weights or gradients, or as other.", "percentunit", (Query(select(m.OVERLAP_FRACTION), PER_EXECUTOR),)),
     PanelSpec("Step time quantiles", "Step wall time from the step histogram over Grafana's rate window. A p99 far "
               "above p50: occasional stalls (a checkpoint, an evaluation, a slow batch) rather than a steady bound.",
               "s", quantiles(m.STEP_DURATION)),

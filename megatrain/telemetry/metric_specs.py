@@ -37,7 +37,7 @@ STEP_DURATION = MetricSpec("megatrain_step_duration_seconds", "histogram", "Step
                            boundaries=STEP_SECONDS_BOUNDARIES)
 COMPUTE_SECONDS = MetricSpec("megatrain_compute_seconds", "gauge", "Compute busy time of the last step (s).")
 WAIT_SECONDS = MetricSpec("megatrain_wait_seconds", "gauge", "Compute idle time of the last step by cause: weights, "
-                          "optimizer, data, other (s).", ("cause",))
+                          "optimizer, gradients, data, other (s).", ("cause",))
 STALL_FRACTION = MetricSpec("megatrain_stall_fraction", "gauge", "1 - compute / step time of the last step.")
 OVERLAP_FRACTION = MetricSpec("megatrain_overlap_fraction", "gauge",
                               "Fraction of the last step's transfer time hidden under compute.")

@@ -2,9 +2,10 @@
 
 A `Recorder` collects `Span`s: intervals on named lanes. Device lanes ("h2d", "compute", "d2h") hold the
 work of the three CUDA streams; "host" holds host-side work; "wait" holds the times the host sat blocked
-(name = the cause); "optimizer/<worker>" holds updates that CPU optimizer workers report from their own
-processes. All times are seconds on `time.monotonic()`, which on Linux is CLOCK_MONOTONIC, one clock for
-every process on the machine, so spans from the optimizer workers line up with the executor's.
+(name = the cause); "grads-out" the gradient sender thread's waits for a free host slot; "optimizer/<worker>"
+holds updates that CPU optimizer workers report from their own processes. All times are seconds on
+`time.monotonic()`, which on Linux is CLOCK_MONOTONIC, one clock for every process on the machine, so spans
+from the optimizer workers line up with the executor's.
 
 On a GPU the device lanes are timed with CUDA events recorded on the stream that does the work. Reading
 an event's time needs the event to have completed, so nothing is read inside the step: `end_step` waits
@@ -24,7 +25,10 @@ import torch
 
 DEVICE_LANES = ("h2d", "compute", "d2h")
 WAIT_LANE = "wait"
-WAIT_CAUSES = ("weights", "optimizer", "data")
+WAIT_CAUSES = ("weights", "optimizer", "gradients", "data")
+# The gradient sender thread (megatrain/engine/grad_egress.py) waiting for the optimizer to free the host slot its
+# next unit goes to: not a cause by itself (that thread is not compute), it says why compute waits for gradients.
+EGRESS_LANE = "grads-out"
 STEP_LANE = "step"  # one span per step: its window, so a trace alone knows where steps begin and end
 
 
@@ -61,15 +65,15 @@ class Span:
 
 @dataclass
 class StepStats:
-    """Where one step's time went: compute + wait_weights + wait_optimizer + wait_data + other == step_time
-    (see `account` for how idle time is attributed)."""
+    """Where one step's time went: compute + wait_weights + wait_optimizer + wait_gradients + wait_data + other
+    == step_time (see `account` for how idle time is attributed)."""
 
     step: int
     step_time: float  # seconds, begin_step -> end_step
     compute: float  # union of the compute lane's spans
     wait_weights: float  # compute idle while weights were on their way in (or the host waited for them)
     wait_optimizer: float  # compute idle while the host waited for the optimizer to finish a layer
-    wait_data: float  # compute idle while the host waited for a batch
+    wait_data: float  # compute idle while the host (or the driver, before the step) waited for a batch
     other: float  # compute idle for none of the above: host overhead, launch latency, gradient copies
     h2d_bytes: int
     d2h_bytes: int
@@ -78,6 +82,9 @@ class StepStats:
     overlap: float  # fraction of transfer time (h2d or d2h busy) hidden under compute
     stall_fraction: float  # 1 - compute / step_time
     start: float = 0.0  # monotonic seconds of begin_step, to find the step in a trace
+    # compute idle while the host waited for earlier units' gradients to leave the device (last: records written
+    # before it existed read as 0)
+    wait_gradients: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +92,7 @@ class StepStats:
     @classmethod
     def from_dict(cls, d: dict) -> StepStats:
         names = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "start"]
+        missing = [f.name for f in fields(cls) if f.name not in d and f.name not in ("start", "wait_gradients")]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -95,7 +102,8 @@ class StepStats:
 
 # Flags a span can raise while it runs; a span may raise several (an h2d copy is both a weights cause
 # and a transfer).
-_COMPUTE, _DATA, _OPTIMIZER, _WEIGHTS, _TRANSFER, _H2D, _D2H = range(7)
+_COMPUTE, _DATA, _OPTIMIZER, _GRADIENTS, _WEIGHTS, _TRANSFER, _H2D, _D2H, _SLOT = range(9)
+_CAUSES = (_COMPUTE, _DATA, _OPTIMIZER, _GRADIENTS, _WEIGHTS)  # in the order they claim an instant
 
 
 def _flags(span: Span) -> tuple[int, ...]:
@@ -106,7 +114,10 @@ def _flags(span: Span) -> tuple[int, ...]:
     if span.lane == "d2h":
         return (_TRANSFER, _D2H)
     if span.lane == WAIT_LANE:
-        return {"data": (_DATA,), "optimizer": (_OPTIMIZER,), "weights": (_WEIGHTS,)}.get(span.name, ())
+        return {"data": (_DATA,), "optimizer": (_OPTIMIZER,), "gradients": (_GRADIENTS,),
+                "weights": (_WEIGHTS,)}.get(span.name, ())
+    if span.lane == EGRESS_LANE:
+        return (_SLOT,)
     return ()  # host work, optimizer updates, step markers: context, not causes
 
 
@@ -116,9 +127,13 @@ def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepS
     The rule, applied to every instant of the window that the compute lane is idle (in this order):
       1. "data"      if the host is waiting for a batch (a wait span named "data") at that instant;
       2. "optimizer" else if the host is waiting for the optimizer (a wait span named "optimizer");
-      3. "weights"   else if an h2d copy is running, or the host waits for weights (wait "weights"):
+      3. "gradients" else if the host is waiting for earlier units' gradients to leave the device (a wait span
+                     named "gradients": GRAD_SETS_IN_FLIGHT sets on their way out) -- counted as "optimizer"
+                     instead while the gradient sender thread waits for the optimizer to free a host slot
+                     (a span on EGRESS_LANE): then the copies are held up by the optimizer, not the link;
+      4. "weights"   else if an h2d copy is running, or the host waits for weights (wait "weights"):
                      the compute stream is waiting for the next layer's weights;
-      4. "other"     else: host overhead, kernel-launch latency, gradient copies on the CPU path.
+      5. "other"     else: host overhead, kernel-launch latency, gradient copies on the CPU path.
     Instants rather than whole gaps, so a 10 µs wait for a batch that was already there does not claim
     the 15 ms weight copy that follows it in the same gap. Spans are clipped to the window; "other" is
     computed as the remainder, so the parts add up to step_time exactly.
@@ -138,16 +153,16 @@ def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepS
             d2h_bytes += s.nbytes
     events.sort(key=lambda e: e[0])
 
-    active = [0] * 7
-    total = [0.0] * 7  # time attributed to compute/data/optimizer/weights; busy time of the transfer flags
+    active = [0] * 9
+    total = [0.0] * 9  # time attributed to the causes; busy time of the transfer flags
     hidden = 0.0  # transfer time under compute
     t_prev = start
     for t, flag, delta in events + [(end, -1, 0)]:
         dt = t - t_prev
         if dt > 0:
-            for cause in (_COMPUTE, _DATA, _OPTIMIZER, _WEIGHTS):
+            for cause in _CAUSES:
                 if active[cause]:
-                    total[cause] += dt
+                    total[_OPTIMIZER if cause == _GRADIENTS and active[_SLOT] else cause] += dt
                     break
             for busy in (_TRANSFER, _H2D, _D2H):
                 if active[busy]:
@@ -160,9 +175,10 @@ def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepS
 
     step_time = end - start
     compute, data, optimizer, weights = total[_COMPUTE], total[_DATA], total[_OPTIMIZER], total[_WEIGHTS]
+    gradients = total[_GRADIENTS]
     return StepStats(
         step=step, step_time=step_time, compute=compute, wait_weights=weights, wait_optimizer=optimizer,
-        wait_data=data, other=step_time - (compute + weights + optimizer + data),
+        wait_gradients=gradients, wait_data=data, other=step_time - (compute + weights + optimizer + gradients + data),
         h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
         h2d_gbps=h2d_bytes / total[_H2D] / 1e9 if total[_H2D] > 0 else 0.0,
         d2h_gbps=d2h_bytes / total[_D2H] / 1e9 if total[_D2H] > 0 else 0.0,
@@ -170,6 +186,26 @@ def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepS
         stall_fraction=1.0 - compute / step_time if step_time > 0 else 0.0,
         start=start,
     )
+
+
+def add_wait_before(stats: dict, spans: list[Span], wait: Span) -> None:
+    """Puts a wait that came before the step's window into the step's accounting, in place: the driver's wait for
+    the step's batch (cause wait.name), timed in its own process before the executor began the step. The window
+    grows by the wait's duration at its start, where the wait is put (the time between the two, handing the step to
+    the executor, stays out of the window as it always was); the parts still add up to step_time. `spans`: the
+    step's trace spans (empty when not tracing), where the step's window grows the same way and the wait joins it.
+    """
+    lead = wait.duration
+    stats["start"] -= lead
+    stats["step_time"] += lead
+    stats[f"wait_{wait.name}"] += lead
+    stats["stall_fraction"] = 1.0 - stats["compute"] / stats["step_time"] if stats["step_time"] > 0 else 0.0
+    if not spans:
+        return
+    for i, s in enumerate(spans):
+        if s.lane == STEP_LANE and s.step == wait.step:
+            spans[i] = Span(STEP_LANE, s.name, s.step, s.start - lead, s.end)
+    spans.append(Span(wait.lane, wait.name, wait.step, stats["start"], stats["start"] + lead))
 
 
 # ---- the recorder ----
@@ -267,7 +303,7 @@ class Recorder:
         return _HostSpan(self, s)
 
     def wait(self, cause: str, layer: int | None = None) -> contextlib.AbstractContextManager:
-        """Times the host blocked on `cause` ("weights", "optimizer" or "data")."""
+        """Times the host blocked on `cause` (one of WAIT_CAUSES)."""
         if cause not in WAIT_CAUSES:
             raise ValueError(f"wait cause must be one of {WAIT_CAUSES}, got {cause!r}")
         if not self.enabled:
@@ -287,7 +323,7 @@ class Recorder:
         if not self.enabled:  # the step time is still worth having; everything else is unknown
             start, self._t0 = self._t0, None
             t = time.monotonic() - start
-            return StepStats(self.step, t, 0.0, 0.0, 0.0, 0.0, t, 0, 0, 0.0, 0.0, 0.0, 1.0, start)
+            return StepStats(self.step, t, 0.0, 0.0, 0.0, 0.0, t, 0, 0, 0.0, 0.0, 0.0, 1.0, start, 0.0)
         if self._device.type == "cuda" or self._device_pending:
             end = self._resolve_device_spans()
         else:

@@ -17,7 +17,7 @@ import numpy as np
 
 from megatrain.config import MegatrainError
 from megatrain.telemetry.png import GLYPH_H, draw_text, fill_rect, text_width, write_png
-from megatrain.telemetry.recorder import STEP_LANE, WAIT_LANE, Span, StepStats
+from megatrain.telemetry.recorder import EGRESS_LANE, STEP_LANE, WAIT_LANE, Span, StepStats
 from megatrain.telemetry.trace import STEPS_FILE, TRACE_FILE, read_chrome_trace, read_steps
 
 TIMELINE_FILE = "timeline.png"
@@ -28,6 +28,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "embed": (121, 85, 72), "embed-backward": (240, 98, 146), "load": (15, 157, 88), "grads": (171, 71, 188),
     "update": (0, 172, 193), "sync": (158, 158, 158),
     "wait:weights": (255, 112, 67), "wait:optimizer": (55, 71, 79), "wait:data": (144, 164, 174),
+    "wait:gradients": (126, 87, 194), "slot": (96, 125, 139),
 }
 _EXTRA = [(124, 179, 66), (255, 167, 38), (92, 107, 192), (141, 110, 99), (38, 166, 154), (236, 64, 122)]
 BACKGROUND, LANE_BG, INK, GRID = (255, 255, 255), (236, 239, 241), (33, 33, 33), (200, 200, 200)
@@ -49,12 +50,12 @@ def color_of(key: str) -> tuple[int, int, int]:
 # ---- the table ----
 
 def format_table(steps: list[StepStats]) -> str:
-    head = (f"{'step':>6} {'time ms':>9} {'compute':>9} {'w.weights':>9} {'w.optim':>9} {'w.data':>9} "
-            f"{'other':>9} {'stall%':>7} {'overlap%':>8} {'H2D GB/s':>9} {'D2H GB/s':>9}")
+    head = (f"{'step':>6} {'time ms':>9} {'compute':>9} {'w.weights':>9} {'w.optim':>9} {'w.grads':>9} "
+            f"{'w.data':>9} {'other':>9} {'stall%':>7} {'overlap%':>8} {'H2D GB/s':>9} {'D2H GB/s':>9}")
 
     def row(label: str, s: StepStats) -> str:
-        ms = [1e3 * v for v in (s.step_time, s.compute, s.wait_weights, s.wait_optimizer, s.wait_data,
-                                s.other)]
+        ms = [1e3 * v for v in (s.step_time, s.compute, s.wait_weights, s.wait_optimizer, s.wait_gradients,
+                                s.wait_data, s.other)]
         return (f"{label:>6} " + " ".join(f"{v:9.1f}" for v in ms) + f" {100 * s.stall_fraction:7.1f}"
                 f" {100 * s.overlap:8.1f} {s.h2d_gbps:9.2f} {s.d2h_gbps:9.2f}")
 
@@ -90,8 +91,9 @@ def _lanes(spans: list[Span]) -> list[str]:
     present = {s.lane for s in spans}
     workers = sorted((lane for lane in present if lane.startswith("optimizer/")),
                      key=lambda lane: (len(lane), lane))
-    extra = sorted(present - {"h2d", "compute", "d2h", "host", WAIT_LANE, STEP_LANE} - set(workers))
-    return ["h2d", "compute", "d2h", *workers, *extra, *(["host"] if "host" in present else []), WAIT_LANE]
+    extra = sorted(present - {"h2d", "compute", "d2h", EGRESS_LANE, "host", WAIT_LANE, STEP_LANE} - set(workers))
+    egress = [EGRESS_LANE] if EGRESS_LANE in present else []  # beside the copies it holds up
+    return ["h2d", "compute", "d2h", *egress, *workers, *extra, *(["host"] if "host" in present else []), WAIT_LANE]
 
 
 def _ticks(span_ms: float) -> float:
@@ -238,7 +240,8 @@ def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
     if step in by_step:
         s = by_step[step]
         title += (f", compute {100 * (1 - s.stall_fraction):.0f}%, waits weights {1e3 * s.wait_weights:.1f}"
-                  f" optimizer {1e3 * s.wait_optimizer:.1f} data {1e3 * s.wait_data:.1f}"
+                  f" optimizer {1e3 * s.wait_optimizer:.1f} gradients {1e3 * s.wait_gradients:.1f}"
+                  f" data {1e3 * s.wait_data:.1f}"
                   f" other {1e3 * s.other:.1f} ms")
     img, _ = render_timeline(spans, start, end, title)
     png = run_dir / TIMELINE_FILE

@@ -8,14 +8,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatrain.telemetry.recorder import DEVICE_LANES, STEP_LANE, WAIT_LANE, Span, StepStats
+from megatrain.telemetry.recorder import DEVICE_LANES, EGRESS_LANE, STEP_LANE, WAIT_LANE, Span, StepStats
 
 TRACE_FILE = "trace.json"
 STEPS_FILE = "steps.jsonl"
 
 # Perfetto groups threads under processes: the executor's lanes in one, the optimizer workers in another.
 _EXECUTOR_PID, _OPTIMIZER_PID, _OTHER_PID = 1, 2, 3
-_EXECUTOR_LANES = (STEP_LANE, *DEVICE_LANES, "host", WAIT_LANE)
+_EXECUTOR_LANES = (STEP_LANE, *DEVICE_LANES, EGRESS_LANE, "host", WAIT_LANE)
 
 
 def _lane_order(lane: str) -> tuple[int, int, str]:

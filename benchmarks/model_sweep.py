@@ -297,8 +297,28 @@ def summary(results: list[Result]) -> dict[str, int]:
     return {outcome: sum(r.outcome == outcome for r in results) for outcome in OUTCOMES}
 
 
-def markdown(results: list[Result], transformers_version: str) -> str:
+def not_decoder_only(model_type: str) -> bool:
+    """An encoder or an encoder-decoder model that transformers registers as a causal LM (BERT, BART, Whisper)."""
+    from megatrain.model.hf_config import encoder_decoder_types, encoder_types
+
+    return model_type in encoder_types() | encoder_decoder_types()
+
+
+def decoder_only_share(results: list[Result]) -> tuple[int, int]:
+    """(exact, all) among the decoder-only types."""
+    decoders = [r for r in results if not not_decoder_only(r.model_type)]
+    return sum(r.outcome == "exact" for r in decoders), len(decoders)
+
+
+def counts_line(results: list[Result]) -> str:
+    exact, decoders = decoder_only_share(results)
     counts = ", ".join(f"{n} {outcome}" for outcome, n in summary(results).items())
+    return (f"{counts}; of the {decoders} decoder-only types (the others are encoders or encoder-decoder models "
+            f"registered as causal LMs), {exact} exact ({100 * exact / max(decoders, 1):.1f}%)")
+
+
+def markdown(results: list[Result], transformers_version: str) -> str:
+    counts = counts_line(results)
     lines = [
         "# Causal-LM model types of transformers and megatrain",
         "",
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="mtsweep-logs-"))
     start = time.monotonic()
     results = sweep(model_types, args.timeout, log_dir)
-    counts = ", ".join(f"{n} {outcome}" for outcome, n in summary(results).items())
+    counts = counts_line(results)
     print(f"\n{len(results)} model types in {time.monotonic() - start:.0f}s: {counts} (logs: {log_dir})")
     out = Path(args.out) if args.out else (DOCS_MD.parent if not args.types else None)
     if out is not None:

@@ -43,6 +43,7 @@ import torch
 
 from megatrain.config import ConfigError, MegatrainError, ModelConfig
 from megatrain.engine.executor import Executor
+from megatrain.model.hf_config import build_causal_lm
 from megatrain.model.layout import ModelLayout, Unit
 from megatrain.model.tiny_config import special_token_ids, text_config, tiny_config
 
@@ -91,12 +92,10 @@ def largest_gradient(grads: Grads) -> float:
 def build_hf(config: Any) -> torch.nn.Module:
     """The tiny HF model in fp32 from a fixed seed, every parameter moved off its init value (biases and norms get
     real gradients), in train mode; eager attention where the model has it. NoReference where it cannot be built."""
-    from transformers import AutoModelForCausalLM
-
     for attention in ("eager", "sdpa", None):
         torch.manual_seed(SEED)
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+            model = build_causal_lm(config, attn_implementation=attention, dtype=torch.float32)
             break
         except (ValueError, ImportError, NotImplementedError) as e:
             if attention is None:

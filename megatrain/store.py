@@ -118,6 +118,7 @@ class ParameterStore:
         self.versions = self.arena.versions.view(units, columns)
         self.seed = seed
         self.node_group: NodeGroup | None = None
+        self.kept: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as the checkpoint stores them
         try:
             self._init_params()
         except BaseException:
@@ -127,7 +128,7 @@ class ParameterStore:
 
     def _init_params(self) -> None:
         if self.source_dir is not None:
-            ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
+            self.kept = ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
         else:
             init_weights(self.layout, self.arena.params, self.seed)
         self._refresh_shadow()
@@ -168,7 +169,7 @@ class ParameterStore:
         return VersionTable(self.versions).range()
 
     def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
-        return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [])
+        return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept)
 
     def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
         """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""
@@ -184,7 +185,8 @@ class ParameterStore:
         directory = Path(directory)
         if state is not None:
             (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
-            ckpt.write_sharded(directory, "model", ckpt.hf_tensors(self.layout, self.arena.params))
+            ckpt.write_sharded(directory, "model", ckpt.hf_tensors(self.layout, self.arena.params)
+                               + sorted(self.kept.items()))
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
         if self.node.nodes == 1:
             moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
@@ -209,7 +211,9 @@ class ParameterStore:
         model_files = ckpt.weight_files(directory, "model")
         parts = ckpt.moment_parts(directory, self.layout)  # written by a run on several nodes
         opt_files = [] if parts else ckpt.weight_files(directory, "optimizer")
-        ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory))
+        kept: dict[str, torch.Tensor] = {}
+        ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept)
+        self.kept = kept
         self._refresh_shadow()
         moments = {"exp_avg": self.arena.exp_avg, "exp_avg_sq": self.arena.exp_avg_sq}
         if parts:

@@ -139,6 +139,7 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
     assert "OFF by more than 10%" in plan_table([host, gpu]).splitlines()[2]
 
 
+@pytest.mark.slow  # CI: the throughput and optimizer tables run the same harness
 def test_long_context_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
     """megatrain at `--seq auto` (the plan's longest, here capped by --max-seq), 128-token tiles and every layer
     checkpoint offloaded, beside FSDP2 rows that need CUDA; the JSON and the --table reprint."""

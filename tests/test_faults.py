@@ -35,6 +35,7 @@ def test_killed_actor_recovers_exactly(ray_session, fault_batches, uninterrupted
     assert not any(p.exists() for p in segments)
 
 
+@pytest.mark.slow  # CI: the same kill with clipping on (test_killed_actor_recovers_exactly)
 def test_killed_executor_with_clipping_off_recovers_exactly(ray_session, fault_batches, tmp_path) -> None:
     """Clipping off updates layers during the backward: a kill then needs the checkpoint-and-replay path."""
     losses0, params0, _, _ = train_with_faults(fault_batches, tmp_path / "a", max_grad_norm=None)

@@ -236,9 +236,10 @@ def write_config(directory: Path, hf: dict[str, Any]) -> Path:
     ({"model_type": "t5", "is_encoder_decoder": True, "vocab_size": 32, "d_model": 16}, "encoder-decoder"),
     ({"model_type": "my_private_lm", "auto_map": {"AutoModelForCausalLM": "modeling.MyLM"}}, "trust_remote_code"),
     ({"model_type": "vit"}, "no decoder-only causal language model"),
-    # an encoder registered as a causal LM: its embeddings (learned positions, token types) are a module of their own
+    # an encoder registered as a causal LM, and the decoder of an encoder-decoder model
     ({"model_type": "bert", "vocab_size": 32, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
-      "num_hidden_layers": 1, "is_decoder": True}, "lies outside the module that runs its layers"),
+      "num_hidden_layers": 1, "is_decoder": True}, "is an encoder (a masked language model"),
+    ({"model_type": "bart", "vocab_size": 32, "d_model": 16}, "is an encoder-decoder model"),
 ])
 def test_refuses_what_it_cannot_train(hf: dict[str, Any], words: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:

@@ -96,6 +96,7 @@ def test_engine_with_micro_batches_matches_transformers_and_adamw(ray_session: N
     assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
 
 
+@pytest.mark.slow  # CI: kills without micro-batches (test_faults.py), micro-batches without kills (above)
 def test_executor_killed_among_micro_batches_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path
                                                               ) -> None:
     """Steps of 2 micro-batches of 2 rows; the executor SIGKILLed at random moments of 2 of 8 steps (within their

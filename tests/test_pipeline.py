@@ -42,7 +42,9 @@ def test_default_train_learns_and_leaves_nothing(ray_session, tmp_path, flags, s
     assert dead_segments() <= before and my_segments() <= mine, "the run left shared memory behind"
 
 
-@pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+# CI: Ctrl-C; SIGTERM to the driver takes the same path (and tests/test_termination.py sends it to every actor)
+@pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted"),
+                                              pytest.param("sigterm", 143, "terminated", marks=pytest.mark.slow)])
 def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code, said) -> None:
     """Ctrl-C from a terminal, or SIGTERM from `timeout`, `kill` or a job scheduler (to the driver alone)."""
     before = dead_segments()

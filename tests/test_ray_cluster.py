@@ -70,6 +70,7 @@ def test_train_joins_a_running_ray_start_cluster(ray_env, tmp_path) -> None:
                           "--address local) starts a private one instead")
 
 
+@pytest.mark.slow  # CI: test_address_resolution decides the same in-process
 def test_train_after_a_killed_head_starts_a_private_ray(ray_env, tmp_path) -> None:
     """What a SIGKILLed head (or a rebooted container) leaves: Ray's record of an address nobody answers at."""
     record = Path(ray_env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"

@@ -152,11 +152,14 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "",
-              tensors: Iterable[tuple[str, torch.Tensor]] | None = None, shard: NodeShard | None = None) -> None:
+              tensors: Iterable[tuple[str, torch.Tensor]] | None = None, shard: NodeShard | None = None,
+              kept: dict[str, torch.Tensor] | None = None) -> None:
     """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes. `tensors`:
     the (name, tensor) pairs to load, if not those of `files` as stored. `shard`: `flat` holds only a node's part of
-    each unit, packed (Adam moments on one of several nodes): each tensor's elements in that part are copied."""
+    each unit, packed (Adam moments on one of several nodes): each tensor's elements in that part are copied.
+    `kept`: gets the layout's pass-through tensors (a vision tower), as stored; None: there are none to read."""
     slots = layout.slots_by_hf_name()
+    passthrough = set(layout.passthrough) if kept is not None else set()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
     tied_head = None
@@ -168,6 +171,9 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
             continue
         if tied and hf_name == "lm_head.weight":
             tied_head = t  # tied checkpoints may carry lm_head too: it must be the embedding
+            continue
+        if hf_name in passthrough:
+            kept[hf_name] = t  # type: ignore[index]
             continue
         if hf_name in seen:
             raise CheckpointError(f"{where or files[0].parent} holds tensor {hf_name} more than once, so "
@@ -190,7 +196,7 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
             a, b = mine
             shard.moments(unit, flat, a, b).copy_(t.reshape(-1)[a - slot.offset : b - slot.offset])
         seen.add(hf_name)
-    missing = sorted(set(slots) - seen)
+    missing = sorted(set(slots) - seen) + sorted(passthrough - set(kept or {}))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{where or files[0].parent} lacks tensor(s) {', '.join(missing[:3])}{more}; "
@@ -214,7 +220,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_hf(directory)
 
 
-def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) -> None:
+def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Loads the HF directory's weights into `params`; returns the pass-through tensors, as stored."""
     files = weight_files(directory, "model")
     tensors = None
     if layout.config.hf_config is not None:  # the generic path: names as the hub stores them, converted as
@@ -224,7 +231,9 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) 
         check_not_quantized(layout.config.hf_config, directory)
 
         tensors = checkpoint_tensors(layout.config.hf_config, iter_safetensors_lazy(files))
-    load_into(layout, params, files, where=str(directory), tensors=tensors)
+    kept: dict[str, torch.Tensor] = {}
+    load_into(layout, params, files, where=str(directory), tensors=tensors, kept=kept)
+    return kept
 
 
 def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -237,8 +246,9 @@ def is_weight_file(name: str, stem: str = "model") -> bool:
 
 
 def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
-            shard_bytes: int = SHARD_BYTES) -> Path:
-    """Writes an HF directory (config.json, safetensors weights, copies of extra_files) atomically.
+            shard_bytes: int = SHARD_BYTES, kept: dict[str, torch.Tensor] | None = None) -> Path:
+    """Writes an HF directory (config.json, safetensors weights and the pass-through tensors `kept`, copies of
+    extra_files) atomically.
 
     Into an existing directory as transformers does: what this does not write (a tokenizer, a README) is kept,
     except earlier weight shards, which the new weights replace."""
@@ -247,7 +257,7 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        write_sharded(tmp, "model", hf_tensors(layout, params), shard_bytes)
+        write_sharded(tmp, "model", hf_tensors(layout, params) + sorted((kept or {}).items()), shard_bytes)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))

@@ -49,6 +49,7 @@ from megatrain.model.hf_router import InjectGrad, RouterAux
 from megatrain.model.templates import Weights
 
 PRE = "pre."  # the first layer's unit names what runs before it "pre.<child of the base>.<tensor>"
+EXTRA = "extra."  # the head unit names the causal LM's other head parameters "extra.<the model's own name>"
 
 
 class _Recorded(Exception):
@@ -241,6 +242,9 @@ class GenericArchitecture:
         self._head_skeleton: nn.Module | None = None
         self._arity: int | None = None  # how the model's forward reads its layers' outputs (hf_parts.layer_output)
         self._head_path = parts.head
+        self._embed_child = child = parts.embed_child
+        # the embedding module itself runs with the first layer: a module after its lookup (Inkling's norm)
+        self._lookup_in_pre = child in parts.pre and parts.embed == parts.in_base(f"{child}.weight")
         self.embed_scale, through_forward = self._embed_scale()
         if through_forward:
             self.layers[0] = FirstLayer(self.layers[0], self)  # type: ignore[arg-type]
@@ -250,6 +254,8 @@ class GenericArchitecture:
         by where that is all it does; whether the forward's own code must run on them with the first layer
         (FirstLayer): modules before the first layer, XGLM's sinusoidal positions)."""
         embedding = self.model.get_input_embeddings()
+        if self._lookup_in_pre:  # its own forward, scale and all, runs in FirstLayer
+            embedding = nn.Identity()
         scale = getattr(embedding, "scalar_embed_scale", None)  # Gemma's (its embed_scale is a buffer)
         if not isinstance(scale, (int, float)):
             scale = getattr(embedding, "embed_scale", None)  # BART's, BioGPT's scaled word embeddings
@@ -275,16 +281,18 @@ class GenericArchitecture:
             base = submodule(build_meta_model(self.model_config.hf_config), parts.base)  # type: ignore[arg-type]
             if parts.final is not None and parts.final not in parts.pre:
                 setattr(base, parts.final, nn.Identity())
-            embed_child = parts.embed[len(parts.base) + 1:].split(".")[0] if parts.base else parts.embed.split(".")[0]
+            embed_child = parts.embed_child
             weighted = {child for child in parts.pre if any(True for _ in getattr(base, child).parameters())}
             kept = {parts.stack, embed_child, *weighted, *([parts.final] if parts.final else [])}
             rebuilt_on(self.model, base, kept, device)
             own_buffers_made(self.model, base, device)
-            for child in weighted:
-                module = getattr(base, child).to_empty(device=device)
-                with torch.no_grad():
-                    for t in module.parameters():
-                        t.zero_()
+            table = parts.embed[len(parts.base) + 1:] if parts.base else parts.embed
+            for child in weighted:  # zeros, all but the embedding table (an embedding module with a norm: ModernBERT)
+                for name, p in list(getattr(base, child).named_parameters()):
+                    if f"{child}.{name}" != table:
+                        owner, _, leaf = f"{child}.{name}".rpartition(".")
+                        setattr(base.get_submodule(owner), leaf, nn.Parameter(torch.zeros(p.shape, device=device),
+                                                                             requires_grad=False))
             if stop:
                 setattr(base, parts.stack, nn.ModuleList([posing_as(_Stop(), stack_of(self.model, parts)[0])]))
             self._skeleton[device, stop] = base
@@ -294,6 +302,8 @@ class GenericArchitecture:
         """What the model's forward gives its first layer from embeddings `x`: its own code (a position embedding
         from the batch's position ids, an embedding norm, dropout), with the streamed `weights` of those modules."""
         base = self._skeleton_for(x.device, stop=True)
+        if self._lookup_in_pre:
+            x = self._after_lookup(base, x, weights)
         # a copy: a forward that scales its embeddings in place (CTRL) must not write the activation checkpoint
         kwargs = {"inputs_embeds": x.clone(), "position_ids": batch.position_ids, "use_cache": False}
         try:
@@ -302,6 +312,15 @@ class GenericArchitecture:
             return reached.hidden
         raise ConfigError(f"{type(self.model).__name__}'s forward did not reach its first layer; megatrain's generic "
                           "path cannot train this model.")
+
+    def _after_lookup(self, base: nn.Module, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """The embedding module's own forward on looked-up rows `x` (Inkling's norm after the lookup): called on
+        positions 0..n-1 of a table that is `x` itself, its other weights the streamed ones."""
+        embedding, prefix = getattr(base, self._embed_child), f"{self._embed_child}."
+        b, t, h = x.shape
+        own = {name[len(prefix):]: w for name, w in weights.items() if name.startswith(prefix)}
+        ids = torch.arange(b * t, device=x.device).view(b, t)
+        return torch.func.functional_call(embedding, {**own, "weight": x.reshape(b * t, h)}, (ids,), strict=False)
 
     def _run_skeleton(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
                       fill: float = 0.0, position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
@@ -364,7 +383,8 @@ class GenericArchitecture:
         stand_in = BaseOutput(hidden.unsqueeze(0))
         # the ForCausalLM's own child that holds the base (a multimodal model's whole "model", towers and all)
         setattr(model, parts.base.split(".")[0], stand_in)
-        params = {f"{self._head_path}.{name[len('lm_head.'):]}": w for name, w in weights.items()}
+        params = {name[len(EXTRA):] if name.startswith(EXTRA) else f"{self._head_path}.{name[len('lm_head.'):]}": w
+                  for name, w in weights.items()}
         # inputs_embeds, not input_ids: the stand-in ignores them, and a multimodal forward then looks up no embedding
         kwargs = {"inputs_embeds": stand_in.hidden, "use_cache": False}
         out = torch.func.functional_call(model, params, (), kwargs, strict=False)

@@ -4,6 +4,7 @@ and transformers' config object for it. transformers is needed by the generic pa
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from megatrain.config import ConfigError
@@ -21,16 +22,51 @@ def transformers_module() -> Any:
     return transformers
 
 
-def causal_lm_types() -> dict[str, str]:
-    """model_type -> class name of every causal LM transformers knows."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def causal_lm_class(model_type: Any) -> str | None:
+    """The class name of transformers' causal LM for a config's model_type (None: no causal LM), the language models
+    of multimodal ones (Mllama's `mllama_text_model`: MllamaForCausalLM) included."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
-    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if model_type in CAUSAL:
+        return CAUSAL[model_type]
+    return _text_model_types(tuple(CAUSAL.items())).get(model_type)
+
+
+@functools.lru_cache(maxsize=1)
+def _text_model_types(mapping: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The config model_types that a causal-LM class reads though the auto mapping lists it under another type (a
+    multimodal model's language model: `mllama_text_model` for MllamaForCausalLM), from the class's config_class."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    causal = dict(mapping)
+    found = {}
+    for config_type in CONFIG_MAPPING_NAMES:
+        owner = next((t for t in causal if config_type.startswith(f"{t}_")), None)
+        if config_type in causal or owner is None:
+            continue
+        cls = getattr(transformers, causal[owner], None)
+        if getattr(getattr(cls, "config_class", None), "model_type", None) == config_type:
+            found[config_type] = causal[owner]
+    return found
+
+
+def build_causal_lm(config: Any, **kwargs: Any) -> Any:
+    """transformers' causal LM of `config` (AutoModelForCausalLM, or the class that reads a text model's config)."""
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError:
+        class_name = causal_lm_class(getattr(config, "model_type", None))
+        if class_name is None:
+            raise
+        return getattr(transformers, class_name)._from_config(config, **kwargs)
 
 
 # registered as causal LMs, but not decoder-only language models: the decoders of encoder-decoder models that no
-# seq2seq mapping lists (TrOCR's, of a vision encoder-decoder), and a permutation language model (XLNet)
-OTHER_ENCODER_DECODERS = frozenset({"trocr"})
+# seq2seq mapping lists (TrOCR's, of a vision encoder-decoder; MusicGen's), and a permutation language model (XLNet)
+OTHER_ENCODER_DECODERS = frozenset({"trocr", "musicgen", "musicgen_melody"})  # MusicGen's: of a text encoder
 OTHER_ENCODERS = frozenset({"bert-generation", "xlnet"})
 
 
@@ -54,7 +90,7 @@ def check_generic(hf: dict[str, Any]) -> None:
     """ConfigError, in one sentence, for a config.json the generic path cannot train."""
     model_type = hf.get("model_type")
     transformers_module()
-    if hf.get("auto_map") and model_type not in causal_lm_types():
+    if hf.get("auto_map") and causal_lm_class(model_type) is None:
         raise ConfigError(f"model_type {model_type!r} needs trust_remote_code (its code ships with the checkpoint), "
                           "which megatrain never runs; use a model transformers implements.")
     if hf.get("is_encoder_decoder") or model_type in encoder_decoder_types():
@@ -63,7 +99,7 @@ def check_generic(hf: dict[str, Any]) -> None:
     if model_type in encoder_types():
         raise ConfigError(f"model_type {model_type!r} is an encoder (a masked language model, whose causal-LM head "
                           "runs it as a decoder); megatrain trains decoder-only causal language models.")
-    if model_type not in causal_lm_types():
+    if causal_lm_class(model_type) is None:
         raise ConfigError(f"model_type {model_type!r} is no decoder-only causal language model transformers "
                           "knows; megatrain cannot train it.")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model.hf_architecture import PRE, GenericArchitecture
-from megatrain.model.hf_config import causal_lm_types, check_generic, hf_config_object
+from megatrain.model.hf_architecture import EXTRA, PRE, GenericArchitecture
+from megatrain.model.hf_config import causal_lm_class, check_generic, hf_config_object
 from megatrain.model.hf_model import check_layers, decayed, layer_buffers, meta_model, model_parts, stack_of
 from megatrain.model.hf_parts import submodule
 from megatrain.model.registry import register_fallback
@@ -35,7 +35,7 @@ class GenericFamily:
 
     def supports(self, model_type: str) -> bool:
         try:
-            return model_type in causal_lm_types()
+            return causal_lm_class(model_type) is not None
         except ImportError:
             return False
 
@@ -61,7 +61,7 @@ class GenericFamily:
             head_dim = None  # ModelConfig's check is for its own rotary: the generic path's rotary is the model's
         eps = getattr(text, "rms_norm_eps", None)
         return dict(
-            vocab_size=text.vocab_size, hidden_size=hidden, num_layers=text.num_hidden_layers, num_heads=heads,
+            vocab_size=text.vocab_size, hidden_size=hidden, num_layers=len(stack_of(model, parts)), num_heads=heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, intermediate_size=ffn or 4 * hidden,
             head_dim=head_dim or 2, max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
             initializer_range=getattr(text, "initializer_range", 0.02) or 0.02, tie_embeddings=tied,
@@ -104,7 +104,8 @@ class GenericFamily:
         embed = [("embed_tokens.weight", parts.embed, shapes[parts.embed], True)]
         base = submodule(model, parts.base)
         pre = [(f"{PRE}{child}.{n}", f"{parts.in_base(child)}.{n}", tuple(t.shape), decayed(base, f"{child}.{n}"))
-               for child in parts.pre for n, t in getattr(base, child).named_parameters()]
+               for child in parts.pre for n, t in getattr(base, child).named_parameters()
+               if f"{parts.in_base(child)}.{n}" != parts.embed]  # the table itself is the embedding unit's
         head: list[Tensor4] = []
         if parts.final is not None:
             final = parts.in_base(parts.final)
@@ -112,7 +113,14 @@ class GenericFamily:
                      for n, t in submodule(model, final).named_parameters()]
         head += [(f"lm_head.{n}", f"{parts.head}.{n}", shapes[f"{parts.head}.{n}"], n == "weight")
                  for n in parts.head_params]
+        head += [(f"{EXTRA}{n}", n, shapes[n], decayed(model, n)) for n in parts.head_extra]
         return embed, parts.stack_prefix, pre, head
+
+    def passthrough_tensors(self, c: ModelConfig) -> tuple[str, ...]:
+        """The model's tensors megatrain keeps as the checkpoint stores them and writes back untrained (a
+        vision-language model's vision tower and projector, which text batches never run)."""
+        assert c.hf_config is not None
+        return model_parts(c.hf_config).passthrough
 
     def architecture(self, c: ModelConfig) -> GenericArchitecture:
         return GenericArchitecture(c)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megatrain.config import ConfigError
-from megatrain.model.hf_config import hf_config_object, transformers_module
+from megatrain.model.hf_config import build_causal_lm, hf_config_object, transformers_module
 from megatrain.model.hf_parts import ModelParts, find_parts, made_at_init, plain, submodule
 
 # what transformers' Trainer leaves out of weight decay, by name: biases and norms
@@ -31,11 +31,11 @@ def meta_model(hf: dict[str, Any]) -> nn.Module:
 
 
 def build_meta_model(hf: dict[str, Any]) -> nn.Module:
-    transformers = transformers_module()
+    transformers_module()  # one sentence where transformers is missing or too old
     config = hf_config_object(hf)
     with torch.device("meta"):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = build_causal_lm(config)
         except Exception as e:  # transformers' own refusal of a config, whatever its type
             raise ConfigError(f"transformers cannot build this {hf['model_type']} model ({e}); "
                               "fix config.json.") from None

@@ -6,14 +6,15 @@ embedding and the output projection are what the model itself answers for `get_i
 `get_output_embeddings()`. What else the base holds with parameters is placed by running its forward once with
 every layer and every such module a recording stand-in: called after the last layer, it belongs to the head (the
 final norm, with its bias); called before the first (GPT-2's position embedding, BLOOM's embedding norm, an embedding
-dropout), it runs with the first layer (hf_architecture.FirstLayer). The names all stay the model's own, so
-`save_pretrained` writes them back.
+dropout), it runs with the first layer (hf_architecture.FirstLayer). Parameters outside the base (a vision-language
+model's vision tower and projector) pass through untrained: text batches never run them. The names all stay the
+model's own, so `save_pretrained` writes them back.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,10 +33,17 @@ class ModelParts:
     head: str  # the output projection module ("lm_head", "embed_out")
     tied: bool  # its weight is the token embedding's
     head_params: tuple[str, ...]  # its parameters the head unit holds ("weight", "bias"; tied: CTRL's bias alone)
+    passthrough: tuple[str, ...] = ()  # parameters outside the base the text forward does not run (a vision tower)
+    head_extra: tuple[str, ...] = ()  # the causal LM's parameters its logits use beside the output projection
 
     @property
     def stack_prefix(self) -> str:
         return f"{self.base}.{self.stack}." if self.base else f"{self.stack}."
+
+    @property
+    def embed_child(self) -> str:
+        """The base's child that holds the token embedding ("embed_tokens", "wte", "embeddings")."""
+        return (self.embed[len(self.base) + 1:] if self.base else self.embed).split(".")[0]
 
     def in_base(self, name: str) -> str:
         return f"{self.base}.{name}" if self.base else name
@@ -49,17 +57,20 @@ def _path_of(model: nn.Module, target: nn.Module | None) -> str | None:
     return next((name for name, m in model.named_modules() if m is target), None) if target is not None else None
 
 
-def _num_layers(model: nn.Module) -> int | None:
+def _layer_counts(model: nn.Module) -> list[int]:
+    """What the config says the stack holds: num_hidden_layers, or num_layers where a block holds two layers of
+    attention (LongCat-Flash's 28 blocks of its 56 layers)."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(text, "num_hidden_layers", None)
-    return n if isinstance(n, int) and n > 0 else None
+    counts = [getattr(text, key, None) for key in ("num_hidden_layers", "num_layers")]
+    return [n for n in counts if isinstance(n, int) and n > 0]
 
 
 def _stack(model: nn.Module) -> tuple[str, str]:
     """(base path, stack attribute) of the largest ModuleList with one block per layer."""
-    n = _num_layers(model)
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    counts = _layer_counts(model)
+    n = counts[0] if counts else None
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) in counts]
     if not lists:
         raise ConfigError(f"{type(model).__name__} keeps no stack of its {n} decoder layers that megatrain can find; "
                           "its generic path cannot train this model.")
@@ -91,7 +102,18 @@ def find_parts(model: nn.Module) -> ModelParts:
     # modules with weights, and the weightless ones that are not rotary tables (a final norm with no weight: OLMo)
     others = [child for child, m in base.named_children() if child not in (stack, embed_child)
               and (any(True for _ in m.parameters()) or not any(True for _ in m.buffers()))]
-    before, after = call_order(model, base_path, stack, embed_child, others) if others else ([], [])
+    # an embedding module that holds more than the table: a container the forward runs on inputs_embeds (ModernBERT's
+    # norm and dropout), or the embedding itself with a module after its lookup (Inkling's norm), which runs with
+    # the first layer (hf_architecture.FirstLayer)
+    extra = any(p is not embed_module.weight for p in getattr(base, embed_child).parameters())
+    own_lookup = extra and getattr(base, embed_child) is embed_module
+    if extra and not own_lookup:
+        others.append(embed_child)
+    before, after, whole = call_order(model, base_path, stack, embed_child, others) if others else ([], [], True)
+    if own_lookup:
+        before.insert(0, embed_child)
+    # what the forward never calls on text (Phi-4-multimodal's image and audio embedding) passes through untrained
+    uncalled = [child for child in others if whole and child not in before and child not in after]
     # what the forward runs on the embeddings before the first layer runs with that layer, weights and all (a position
     # embedding, an embedding norm, NanoChat's weightless norm, a dropout), unless it does nothing (a dropout of p = 0)
     before = list(dict.fromkeys(child for child in before if not _inert(getattr(base, child))))
@@ -104,11 +126,23 @@ def find_parts(model: nn.Module) -> ModelParts:
                           "generic path follows one final norm and cannot train this model.")
     parts = ModelParts(base_path, stack, f"{embed}.weight", after[0] if after else None, tuple(before), head, tied,
                        head_params)
-    outside = _outside(model, parts)
-    if outside:
-        raise ConfigError(f"{name} has parameters outside megatrain's decoder layout ({', '.join(outside[:4])}); "
+    # beside the language model, inside the module that wraps it: a multimodal model's towers and projectors, which
+    # pass through untrained (their persistent buffers too); the causal LM's own modules around the output projection
+    # (ModernBERT's prediction head) run with the head, in the model's own logits
+    wrapper = base_path.split(".")[0] + "." if "." in base_path else None
+    unused = tuple(parts.in_base(child) + "." for child in uncalled)
+
+    def passes(name: str) -> bool:
+        return name.startswith(unused) or (wrapper is not None and name.startswith(wrapper)
+                                           and not name.startswith(base_path + "."))
+
+    outside = [n for n in _outside(model, parts) if not passes(n)]
+    inside_base = [n for n in outside if not base_path or n.startswith(base_path + ".")]
+    if inside_base:
+        raise ConfigError(f"{name} has parameters outside megatrain's decoder layout ({', '.join(inside_base[:4])}); "
                           "its generic path cannot train this model.")
-    return parts
+    passthrough = tuple(n for n in model.state_dict(keep_vars=True) if passes(n))
+    return replace(parts, passthrough=passthrough, head_extra=tuple(outside))
 
 
 def _inert(module: nn.Module) -> bool:
@@ -132,8 +166,10 @@ class _Recorder(nn.Module):
         super().__init__()
         self.name, self.order, self.arity, self.hidden = name, order, arity, hidden
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.order.append(self.name)
+        # the input: the first tensor given (an embedding module called with input_ids=None, inputs_embeds=x)
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), args[0] if args else None)
         if self.hidden and isinstance(x, torch.Tensor) and x.dim() == 2:  # [batch, seq]: ids, positions, a mask
             return torch.zeros(*x.shape, self.hidden)
         return layer_output(x, self.arity)
@@ -217,8 +253,9 @@ def rebuilt_on(model: nn.Module, base: nn.Module, skip: set[str], device: torch.
 
 
 def call_order(model: nn.Module, base_path: str, stack: str, embed_child: str, others: list[str]
-               ) -> tuple[list[str], list[str]]:
-    """(the base's children among `others` its forward calls before the first layer, those it calls after the last),
+               ) -> tuple[list[str], list[str], bool]:
+    """(the base's children among `others` its forward calls before the first layer, those it calls after the last,
+    whether the forward ran through: False where a stand-in's output did not fit what follows it before any layer),
     from one run of a copy of the base on the CPU with every layer and each of `others` a recording stand-in."""
     base = copy.deepcopy(submodule(model, base_path))  # a meta model: copying it copies no data
     rebuilt_on(model, base, {stack, embed_child, *others}, torch.device("cpu"))
@@ -237,7 +274,7 @@ def call_order(model: nn.Module, base_path: str, stack: str, embed_child: str, o
             break
         except Exception as e:
             if order and "layer" not in order:  # a stand-in's output did not fit what follows it, before any layer
-                return order, []
+                return order, [], False
             if arity != LAYER_OUTPUT_ARITIES[-1]:
                 continue
             what = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -247,7 +284,7 @@ def call_order(model: nn.Module, base_path: str, stack: str, embed_child: str, o
         raise ConfigError(f"{type(model).__name__}'s forward called none of its layers; megatrain's generic path "
                           "cannot train this model.")
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
-    return order[:first], order[last + 1:]
+    return order[:first], order[last + 1:], True
 
 
 class _Outputs(dict):

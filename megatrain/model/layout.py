@@ -88,10 +88,13 @@ class ModelLayout:
     config: ModelConfig
     units: list[Unit] = field(default_factory=list)
     numel: int = 0
+    # the model's tensors outside the units, kept as stored and written back untrained (a vision tower): HF names
+    passthrough: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, config: ModelConfig) -> ModelLayout:
-        layout = cls(config)
+        passthrough = getattr(config.family, "passthrough_tensors", None)
+        layout = cls(config, passthrough=passthrough(config) if passthrough is not None else ())
         embed, prefix, first, head = unit_tensors(config)
         layout._add("embed", embed)
         for i in range(config.num_layers):

@@ -114,10 +114,11 @@ def layer_structures(config: Any, per_layer_keys: set[str] | None = None
     """(the key of the language model's config that counts its layers, one hashable structure per layer), from the
     model `config` builds on the meta device; (None, []) where no stack of that many layers is found."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from megatrain.model.hf_config import build_causal_lm
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = build_causal_lm(config)
     text = text_config(config)
     values = text.to_dict()
     lists = [(name, m) for name, m in model.named_modules()

@@ -21,6 +21,7 @@ from benchmarks.model_sweep import (  # noqa: E402
     Result,
     causal_lm_types,
     check_model_type,
+    decoder_only_share,
     markdown,
     read_table,
     sweep,
@@ -31,9 +32,11 @@ BY_TYPE = {r.model_type: r for r in TABLE}
 SAME_TRANSFORMERS = TABLE_VERSION == transformers.__version__
 # dense, learned positions (GPT-2), another stack layout (GPT-NeoX), a logit scale (Cohere), muP multipliers
 # (Granite), a final norm with a bias (StarCoder2), a norm without weights (OLMo), MLA + MoE with a dense prefix
-# (DeepSeek-V3), hybrid linear / full attention + MoE (Qwen3-Next), MoE (Mixtral)
+# (DeepSeek-V3), hybrid linear / full attention + MoE (Qwen3-Next), MoE (Mixtral), an embedding norm (BLOOM), a
+# vision-language model whose towers pass through (Gemma 3), an embedding container and a prediction head
+# (ModernBERT decoder), a sliding window (Mistral), an encoder refused for what it is (BERT)
 REPRESENTATIVE = ["llama", "gpt2", "gpt_neox", "cohere", "granite", "starcoder2", "olmo", "deepseek_v3", "qwen3_next",
-                  "mixtral"]
+                  "mixtral", "bloom", "gemma3", "modernbert-decoder", "mistral", "bert"]
 SILENT_OR_CRASH = ("wrong", "crash")
 needs_table_transformers = pytest.mark.skipif(
     not SAME_TRANSFORMERS, reason=f"the table is of transformers {TABLE_VERSION}, {transformers.__version__} is "
@@ -74,6 +77,17 @@ def test_representative_types_are_never_silently_wrong_or_crash(model_type: str,
 def test_table_markdown_is_written_from_the_json() -> None:
     assert DOCS_MD.read_text() == markdown(TABLE, TABLE_VERSION), "run benchmarks/model_sweep.py again"
     assert all(r.outcome in ("exact", "wrong", "crash", "refused", "unbuildable") for r in TABLE)
+
+
+def test_table_meets_the_bar() -> None:
+    """What the table of the whole sweep records: nothing wrong, nothing crashed; at least 85% of the decoder-only
+    types exact; fewer than 10 unbuildable, each with why."""
+    outcomes = [r.outcome for r in TABLE]
+    assert "wrong" not in outcomes and "crash" not in outcomes
+    exact, decoders = decoder_only_share(TABLE)
+    assert exact >= 0.85 * decoders, f"{exact} of {decoders} decoder-only types exact"
+    unbuildable = [r for r in TABLE if r.outcome == "unbuildable"]
+    assert len(unbuildable) < 10 and all(r.detail for r in unbuildable)
 
 
 @needs_table_transformers

@@ -1,8 +1,10 @@
 """Ray shell of the GPU executor: maps and registers the arena, runs the layer-streaming step, and talks
 to the optimizer workers: it waits for their updates before loading a unit, and hands them units as their
-gradients land in the host arena (with clipping off, during the backward; with gradients kept on the
-device, in forward order once the driver has the step's clip coefficient: `send_grads`, which runs in a
-concurrency group of its own so that it overlaps the next step's forward)."""
+gradients land in the host arena, during the backward: with clipping off and one executor the update is final;
+otherwise, where the driver asks for it (a Speculation), it is the update beside the backward, which the driver
+validates once the step's norm is known. With gradients kept on the device they are sent out (again) in forward
+order once the driver has the step's clip coefficient: `send_grads`, which runs in a concurrency group of its own
+so that it overlaps the next step's forward."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
 from megatrain.engine.grad_egress import GradsOut
+from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
 from megatrain.memory.versions import VersionTable
@@ -68,6 +71,7 @@ class GPUExecutor:
         self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1
         self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
+        self._speculated: dict[int, set[int]] = {}  # step -> the units updated beside its backward
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
             # page-locked: what the copy streams read (the weights the executor streams: the bf16 shadow in bf16
@@ -84,9 +88,9 @@ class GPUExecutor:
         self.versions = VersionTable(self.arena.versions.view(len(self.layout.units), -1))
         self.issued = self.arena.issued  # per unit, the update number handed to the workers
         self.workers = workers
-        # updates are handed out as gradients land in the backward only when nothing must be known first (with
-        # several executors, the other executors' slices of each unit)
-        self.eager_updates = not clipping and not self.hold_grads and world == 1
+        # updates handed out as gradients land in the backward are final only when nothing must be known first (the
+        # step's norm, other executors' slices of each unit); otherwise they are speculative where the driver asks
+        self.final_updates = not clipping and not self.hold_grads and world == 1
 
     def device(self) -> str:
         return str(self.executor.device)
@@ -95,12 +99,15 @@ class GPUExecutor:
         return os.getpid()
 
     def train_step(self, batch: dict[str, np.ndarray], step: int, expected_version: int,
-                   pending: list[ray.ObjectRef]) -> dict[str, Any]:
+                   pending: list[ray.ObjectRef], speculation: Speculation | None = None) -> dict[str, Any]:
         """Forward + backward of `batch` as update number `step`; weights are read only once every worker's
         version of a unit reaches `expected_version` (the previous step's update is in). `pending`: the
-        driver's refs of that update, watched for a worker's failure while waiting."""
+        driver's refs of that update, watched for a worker's failure while waiting. `speculation`: each unit is
+        updated beside the backward as its gradient lands, until one is not finite or the units so far clip."""
         issued: list[ray.ObjectRef] = []
         skipped_units: list[int] = []
+        speculated: list[int] = []
+        landed_sq, stopped = 0.0, False  # squared norm of the units (this executor's slices) landed so far
         rec = self.executor.rec
         rec.begin_step(step, self.executor.device)
 
@@ -112,13 +119,26 @@ class GPUExecutor:
             self._wait_for_version(unit, step + 1, issued, record=not self.executor.send_thread)
 
         def grads_landed(unit: Unit, norm_sq: float) -> None:
-            if not self.eager_updates:
-                return  # the update waits for the global norm: the driver starts it after this step
-            if np.isfinite(norm_sq):
+            nonlocal landed_sq, stopped
+            if self.final_updates:
+                if np.isfinite(norm_sq):
+                    self.issued[unit.index] = step + 1
+                    issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
+                else:
+                    skipped_units.append(unit.index)
+                    issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
+                return
+            if speculation is None:
+                return  # the update waits for the step's norm: the driver starts it after this step
+            landed_sq += norm_sq
+            stopped = stopped or not (np.isfinite(landed_sq) and  # the step will be skipped, or it clips anyway
+                                      clip_coefficient(landed_sq**0.5, speculation.max_grad_norm) == 1.0)
+            if not stopped:
                 self.issued[unit.index] = step + 1
-                issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
-            else:
-                skipped_units.append(unit.index)
+                speculated.append(unit.index)
+                issued.extend(w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
+                              for w in self.workers)
+            elif self.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
                 issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
 
         def loss_ready(loss: float) -> bool:
@@ -140,15 +160,18 @@ class GPUExecutor:
         out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
                                 hold_grads=self.hold_grads, micro_batches=self.micro_batches,
-                                schedule=self.schedule, loss_tokens=loss_tokens)
+                                schedule=self.schedule, loss_tokens=loss_tokens,
+                                also_send=speculation is not None)  # held gradients go out now as well
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
-        # and none of a step whose update the driver will skip (a non-finite norm): they go at once
-        self._held = {step: out.held} if out.held and out.finite else {}
+        # and none of a step whose update the driver will skip (a non-finite norm) unless units were updated beside
+        # its backward: putting them back reads their gradients again
+        self._held = {step: out.held} if out.held and (out.finite or speculated) else {}
+        self._speculated = {step: set(speculated)}
         out.held = []
         stats = rec.end_step()
         return {"loss": out.loss, "tokens": out.tokens, "seq": int(input_ids.shape[1]),
                 "unit_norms_sq": out.unit_grad_norms_sq,
-                "updates": issued, "skipped_units": skipped_units,
+                "updates": issued, "skipped_units": skipped_units, "speculated": speculated,
                 "stats": stats.to_dict(),
                 "spans": self._lanes([s for s in rec.spans if s.step == step]) if self.trace else []}
 
@@ -171,22 +194,36 @@ class GPUExecutor:
         return {"loss": out.loss, "tokens": out.tokens}
 
     @ray.method(concurrency_group="grads_out")
-    def send_grads(self, step: int, clip_coef: float) -> list[Span]:
+    def send_grads(self, step: int, clip_coef: float, attempt: int | None = None, put_back: bool = False
+                   ) -> list[Span]:
         """Update number `step` from the gradients its train_step kept on the device: each unit's copied to
-        the host in forward order and handed to the workers as it lands. Returns once all are applied, with
-        the workers' spans."""
+        the host in forward order and handed to the workers as it lands (OptimizerWorker.update_unit, which replaces
+        an update beside the backward of try `attempt` by the clipped one). Units whose update beside the backward
+        stands (clip_coef 1) are not sent; with put_back (a skipped step) only those are, to be put back. Returns
+        once all are applied, with the workers' spans."""
         held = self._held.pop(step, None)
         if held is None:
             raise MegatrainError(f"no gradients of step {step} are held on the device; its train_step did not "
                                  "run on this executor or was skipped.")
+        speculated = self._speculated.pop(step, set()) if attempt is not None else set()
+        if put_back:
+            held = [out for out in held if out.unit.index in speculated]
+        elif clip_coef == 1.0:  # where the step does not clip, the updates beside the backward are final
+            held = [out for out in held if out.unit.index not in speculated]
         issued: list[ray.ObjectRef] = []
+        unit_refs: dict[int, list[ray.ObjectRef]] = {}
 
         def landed(unit: Unit, norm_sq: float) -> None:
-            self.issued[unit.index] = step + 1
-            issued.extend(w.update_unit.remote(unit.index, step, clip_coef) for w in self.workers)
+            if put_back:
+                refs = [w.put_back.remote(step, attempt, unit.index) for w in self.workers]
+            else:
+                self.issued[unit.index] = step + 1
+                refs = [w.update_unit.remote(unit.index, step, clip_coef, attempt) for w in self.workers]
+            unit_refs[unit.index] = refs
+            issued.extend(refs)
 
         # not recorded as a stall: this thread waiting for a slot does not hold up the compute stream
-        self.executor.send_held(held, landed, lambda unit: self._wait_for_version(unit, step + 1, issued, False))
+        self.executor.send_held(held, landed, lambda unit: ray.get(unit_refs.pop(unit.index, [])))
         del held  # the device memory goes back to the allocator before the workers finish
         return [span for spans in ray.get(issued) for span in spans]
 

@@ -77,6 +77,7 @@ class EngineMetrics:
         self.loss = make_metric(specs.LOSS, base)
         self.steps = make_metric(specs.STEPS, base)
         self.skipped_steps = make_metric(specs.SKIPPED_STEPS, base)
+        self.rollbacks = make_metric(specs.ROLLBACKS, base)
         self.update_seconds = make_metric(specs.UPDATE_SECONDS, base)
         self.update_seconds_hist = make_metric(specs.UPDATE_DURATION, base)
         self.queue_depth = make_metric(specs.QUEUE_DEPTH, base)
@@ -125,6 +126,9 @@ class EngineMetrics:
 
     def record_skipped_step(self) -> None:
         self.skipped_steps.inc()
+
+    def record_rollbacks(self, total: int) -> None:
+        self._set(self.rollbacks, float(total))  # every step, 0 included: the series exists from the first
 
     def record_optimizer(self, worker: int, update_seconds: float, queue_depth: int) -> None:
         tags = {"worker": str(worker)}

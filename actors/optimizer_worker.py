@@ -1,10 +1,17 @@
 """Ray shell of one optimizer worker: a process with its own threads, updating its shard of the arena, and
-recording its update times and queue depth as Ray metrics from its own process."""
+recording its update times and queue depth as Ray metrics from its own process.
+
+Who calls what: the executor, as a unit's gradient lands, `update_unit` (clipping off, one executor: the update
+is final) or `speculate` (the update beside the backward, which the driver validates once the step's norm is
+known); the driver after the step `apply` (every unit, forward order: the serial update, or the validation's
+redo of what clipped), or with a non-finite gradient `put_back`; with grads = "device" the executor's
+`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import ray
 import torch
@@ -36,28 +43,48 @@ class OptimizerWorker:
         self.lane = optimizer_lane(worker, node)
         self.worker, self.metrics = worker, metrics
 
-    def _timed_update(self, unit: int, step: int, clip_coef: float) -> Span:
+    def _timed(self, unit: int, step: int, work: Callable[[], str | None]) -> list[Span]:
+        """`work` on `unit` as a span named by what it did (None: nothing, no span)."""
         depth = self.shard.queue_depth()
         t0 = time.monotonic()
-        self.shard.update(unit, step, clip_coef)
-        span = Span(self.lane, "update", step, t0, time.monotonic(), unit, self.layout.units[unit].numel * 16)
+        name = work()
+        if name is None:
+            return []
+        span = Span(self.lane, name, step, t0, time.monotonic(), unit, self.layout.units[unit].numel * 16)
         if self.metrics is not None:
             self.metrics.record_optimizer(self.worker, span.duration, depth)
-        return span
+        return [span]
 
-    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0) -> list[Span]:
-        """One unit's update (clipping off: called as soon as the unit's gradients have landed)."""
-        return [self._timed_update(unit, step, clip_coef)]
+    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0, attempt: int | None = None) -> list[Span]:
+        """Update number `step` of one unit (AdamWShard.finish: where try `attempt` of the step updated it beside
+        the backward, that update stands or is replaced by the clipped one)."""
+        return self._timed(unit, step, lambda: self.shard.finish(unit, step, clip_coef, attempt))
 
-    def apply(self, step: int, clip_coef: float) -> list[Span]:
-        """All units in forward order (clipping on: called once the global norm is known)."""
+    def speculate(self, unit: int, step: int, attempt: int, parts: int = 1) -> list[Span]:
+        """The update beside the backward of a unit whose gradient landed, once `parts` executors' slices of it have
+        (each executor of the node calls this)."""
+        return self._timed(unit, step, lambda: "update" if self.shard.speculate(unit, step, attempt, parts) else None)
+
+    def apply(self, step: int, clip_coef: float, attempt: int | None = None) -> list[Span]:
+        """All units in forward order, as update_unit (called by the driver once the global norm is known)."""
         if self.shard.issued is not None:  # every unit is handed out at once (the queue depth metric reads it)
             self.shard.issued.fill_(step + 1)
-        return [self._timed_update(u.index, step, clip_coef) for u in self.layout.units]
+        return [span for u in self.layout.units for span in self.update_unit(u.index, step, clip_coef, attempt)]
+
+    def put_back(self, step: int, attempt: int | None, unit: int | None = None) -> list[Span]:
+        """Step `step` is skipped (a non-finite gradient): what try `attempt` updated beside the backward is taken
+        out of `unit` (None: every unit); their versions are `step` again."""
+        units = [u.index for u in self.layout.units] if unit is None else [unit]
+        return [span for u in units
+                for span in self._timed(u, step, lambda u=u: "undo" if self.shard.put_back(u, step, attempt) else None)]
+
+    def unpublish(self, step: int) -> None:
+        """Every unit's version back to `step`, before clipped updates replace the ones beside the backward."""
+        self.shard.unpublish(step)
 
     def mark_skipped(self, unit: int, step: int) -> list[Span]:
         """Leaves `unit` as it is for update `step` (non-finite gradient) without stalling the executor."""
-        self.shard.versions[unit, self.shard.worker] = step + 1
+        self.shard.publish(unit, step + 1)
         return []
 
     def numel(self) -> int:

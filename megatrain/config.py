@@ -1,4 +1,5 @@
-"""Configs: the model shape, named presets, the optimizer and engine settings, and the errors a user can fix.
+"""Configs: the model shape, named presets, the optimizer and engine settings (and the errors a user can fix, from
+megatrain/errors.py).
 
 Every config is a dataclass; `validate()` turns a bad value into one sentence (ConfigError) that says
 what is wrong and how to fix it. What a model family's HF config.json holds, and what its layers add, is its
@@ -16,37 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatrain.errors import ConfigError, MegatrainError, NotNative, Terminated, cause_chain
 from megatrain.model import registry
-
-
-class MegatrainError(Exception):
-    """An error a user can fix: the message is one sentence saying what is wrong and what to do."""
-
-
-def cause_chain(e: BaseException, depth: int = 8) -> list[BaseException]:
-    """`e` and the errors Ray wrapped inside it (RayTaskError.cause, possibly nested), outermost first."""
-    chain = [e]
-    while len(chain) < depth and isinstance(getattr(chain[-1], "cause", None), BaseException):
-        chain.append(chain[-1].cause)  # type: ignore[attr-defined]
-    return chain
-
-
-class ConfigError(MegatrainError):
-    pass
-
-
-class NotNative(ConfigError):
-    """An option its native family does not implement (an invalid config is a plain ConfigError): ModelConfig.from_hf
-    trains such a model on the generic path (transformers' own layers), and refuses it so only without transformers."""
-
-    def __init__(self, model_type: str, option: str, why: str):
-        super().__init__(f"megatrain's native {model_type} layer does not implement {option} ({why}), and the generic "
-                         "path that would train it needs transformers; install it with pip install -e '.[hf]'.")
-        self.option = option
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during a run: it stops as after Ctrl-C (the CLI exits with 143 rather than 130)."""
 
 
 @dataclass
@@ -406,6 +378,9 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
 # how a step's micro-batches meet the streamed weights (megatrain/engine/executor.py: Executor.run)
 SCHEDULES = ("layer-major", "per-micro-batch")
+# the update beside the backward (pipelines/engine.py): each unit's AdamW as its gradient lands, taken back where the
+# step then clips or has a non-finite gradient; "auto": not in the step after one that clipped
+SPECULATE = ("auto", "on", "off")
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
@@ -436,6 +411,7 @@ class EngineConfig:
     # Ray nodes the run spans, each with its parameter store (the whole weights, 1/nodes of the Adam moments), its
     # optimizer workers and `executors` executors (pipelines/engine.py)
     nodes: int = 1
+    speculate: str = "auto"  # auto | on | off: the update beside the backward (SPECULATE)
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -456,6 +432,7 @@ class EngineConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
+        check_choice("speculate", self.speculate, SPECULATE)
         check_device(self.device)
 
 
@@ -497,4 +474,4 @@ def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
 
 
 __all__ = ["ConfigError", "EngineConfig", "MegatrainError", "ModelConfig", "NotNative", "OptimConfig", "PRESETS",
-           "dataclass_from_dict"]
+           "Terminated", "cause_chain", "dataclass_from_dict"]

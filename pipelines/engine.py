@@ -7,13 +7,17 @@
 
 One step, as the driver sees it:
   1. the executor runs forward + backward; before loading a unit it waits until the previous step's
-     update of that unit is in the arena (the workers' version table)
-  2. clipping on: the executor returns the per-unit squared gradient norms, the driver turns them into
-     one clip coefficient and starts the update in forward order: with grads = "arena" every worker's
-     `apply`, with grads = "device" the executor's `send_grads`, which copies each unit's gradient out of
-     the GPU into a ring of host slots and hands it to the workers; either call returns at once, so the
-     update overlaps the next step's forward
-     clipping off: the executor already handed each unit to the workers as its gradients landed
+     update of that unit is in the arena (the workers' version table). As each unit's gradient lands, the
+     workers update it at once: the update beside the backward
+  2. the executor returns the per-unit squared gradient norms, and the driver validates: where the norm does not
+     exceed max_grad_norm, the updates stand (bit for bit the serial update); where it does, each worker takes
+     the updates back and applies the clipped ones in one pass, in forward order (`apply`, or with grads =
+     "device" the executor's `send_grads`, which copies each unit's gradient out of the GPU again); where a
+     gradient is not finite, they are put back and the step is skipped. A rollback is counted in the metrics.
+     Once the units landed so far clip, the rest wait for the step's coefficient; `speculate` (EngineConfig)
+     "auto" does not speculate after a step that clipped (the serial update: all units after the backward, in
+     forward order, overlapping the next step's forward), "off" never, "on" always
+     clipping off with one executor: each unit's update is final as its gradients land
 Ray carries only control messages and token batches; weights and gradients stay in the arena.
 Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
 at 12 B/param whenever it can (megatrain/memory/plan.py: plan_run).
@@ -39,7 +43,7 @@ import torch
 from actors.executor import GPU_HOST_THREADS, gpu_free_memory
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.batch_checks import token_ids
-from megatrain.engine.optimizer import clip_coefficient
+from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
 from megatrain.memory.arena import remove_stale_segments
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
@@ -68,6 +72,7 @@ class StepResult:
     skipped: bool  # non-finite loss or gradient: no update applied
     stats: dict[str, Any] | None = None
     spans: list[Any] = field(default_factory=list)
+    rolled_back: bool = False  # the updates beside the backward were taken back (the step clipped, or was skipped)
 
 
 class Engine:
@@ -80,7 +85,7 @@ class Engine:
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
-                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1):
+                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -101,14 +106,16 @@ class Engine:
         store holding the whole weights and 1/nodes of the Adam moments, its optimizer workers and `executors`
         executors; the step's rows split over all nodes' executors, each node updates its part of every unit and
         the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
-        in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR."""
+        in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR. speculate: the update beside
+        the backward (this module's doc): "auto", "on" or "off"."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
                                           loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
                                           compile=compile, tile_tokens=tile_tokens,
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
-                                          schedule=schedule, executors=executors, nodes=nodes)
+                                          schedule=schedule, executors=executors, nodes=nodes,
+                                          speculate=speculate)
         self.config, hf_dir, self.model_name = resolve_model(model)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
@@ -118,6 +125,9 @@ class Engine:
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
+        self.rollbacks = 0  # steps whose updates beside the backward were taken back
+        self.speculating = True  # speculate "auto": whether the next step does (not after one that clipped)
+        self.attempts = 0  # train_step calls: each try of a step has its own record at the workers
         self.pending: list[ray.ObjectRef] = []  # the last step's updates
         self.resource_timeout = resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
@@ -199,8 +209,9 @@ class Engine:
 
     @property
     def updates_after_step(self) -> bool:
-        """The driver starts a step's update once the step is done (it needs the global norm, or the gradients
-        wait on the GPU); otherwise the executor handed each unit to the workers as its gradients landed."""
+        """The driver starts (or, after updates beside the backward, validates) a step's update once the step is done
+        (it needs the global norm, or the gradients wait on the GPU, or the other executors' slices); otherwise the
+        executor handed each unit to the workers as its gradients landed, final."""
         return self.optim.clipping or self.grads == "device" or len(self.executors) > 1
 
     def _on_gpu(self, node: str) -> bool:
@@ -305,32 +316,56 @@ class Engine:
         t0 = time.monotonic()
         ray.wait([batch], fetch_local=False)  # a loader's batch may not be made yet: the executors would idle for it
         data_wait = Span(WAIT_LANE, "data", step, t0, time.monotonic())
-        out = self.actors.train_step(batch, self.updates_applied, self.pending)
+        speculation = self._speculation()
+        out = self.actors.train_step(batch, self.updates_applied, self.pending, speculation)
         add_wait_before(out["stats"], out["spans"], data_wait)  # the step's accounting and trace count it
         update_spans = [span for spans in get(self.pending) for span in spans]  # done: the step waited on them
         grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
-        if self.updates_after_step:
-            self.pending = []
-            if finite:
-                coef = clip_coefficient(grad_norm, self.optim.max_grad_norm)
-                if self.grads == "device":
-                    self.pending = [self.executor.send_grads.remote(self.updates_applied, coef)]
-                else:
-                    self.pending = [w.apply.remote(self.updates_applied, coef) for w in self.workers]
-                    if len(self.stores) > 1:  # each node updated its part: the nodes exchange them
-                        self.pending += [s.sync_weights.remote(self.updates_applied) for s in self.stores]
-        else:
+        coef = clip_coefficient(grad_norm, self.optim.max_grad_norm) if finite else 0.0
+        rolled_back = False
+        if not self.updates_after_step:
             self.pending = out["updates"]
+        elif speculation is None or not out["updates"]:  # the serial update: nothing was handed out in the backward
+            self.pending = self.actors.update(self.updates_applied, coef) if finite else []
+        else:
+            rolled_back = self._validate(out, finite, coef, speculation.attempt)
+        self.speculating = finite and coef == 1.0
         # clipping off: units updated before a non-finite one was found keep their update (see README)
-        if finite or (not self.optim.clipping and out["updates"]):
+        if finite or (not self.updates_after_step and out["updates"]):
             self.updates_applied += 1
         self.steps_done += 1
         self._record(out, time.monotonic() - t0, finite)
         self._count_nonfinite(finite, out["loss"], grad_norm)
         return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
-                          out["spans"] + (update_spans if self.trace else []))
+                          out["spans"] + (update_spans if self.trace else []), rolled_back)
+
+    def _speculation(self) -> Speculation | None:
+        """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""
+        mode = self.engine_config.speculate
+        if not self.updates_after_step or mode == "off" or (mode == "auto" and not self.speculating):
+            return None
+        self.attempts += 1
+        return Speculation(self.attempts, self.optim.max_grad_norm)
+
+    def _validate(self, out: dict[str, Any], finite: bool, coef: float, attempt: int) -> bool:
+        """After a backward beside which units were handed out: their updates stand where the step does not clip (and
+        every unit was updated), else they are taken back: replaced by the clipped update, or put back (a non-finite
+        gradient), the units not updated beside the backward (versions bumped only to free a host slot, or waiting
+        for another executor's slice) updated or left. Sets `pending`; returns whether an update was taken back."""
+        if finite and coef == 1.0 and len(out["speculated"]) == len(out["unit_norms_sq"]):
+            self.pending = out["updates"] + self.actors.keep(self.updates_applied, attempt)
+            return False
+        get(out["updates"])  # every update beside the backward is in before one is taken back
+        if finite:
+            self.actors.unpublish(self.updates_applied)
+            self.pending = self.actors.update(self.updates_applied, coef, attempt)
+        else:
+            self.actors.put_back(self.updates_applied, attempt)
+            self.pending = []
+        self.rollbacks += out["speculated_any"]
+        return out["speculated_any"]
 
     def _record(self, out: dict[str, Any], seconds: float, finite: bool) -> None:
         """The step's metrics (the optimizer workers record their own, from their processes)."""
@@ -338,6 +373,7 @@ class Engine:
             return
         if not finite:
             self.metrics.record_skipped_step()
+        self.metrics.record_rollbacks(self.rollbacks)
         if out["stats"]:
             tokens_per_s = out["tokens"] / seconds if seconds > 0 else 0.0
             tflops = tokens_per_s * self.config.flops_per_token(out["seq"]) / 1e12  # attention's included
@@ -364,12 +400,15 @@ class Engine:
     # ---- save ----
     def state(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "updates_applied": self.updates_applied,
-                "skipped_steps": self.skipped_steps, "optim": {**self.optim.__dict__, "betas": list(self.optim.betas)}}
+                "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks, "speculating": self.speculating,
+                "optim": {**self.optim.__dict__, "betas": list(self.optim.betas)}}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.steps_done = int(state["steps_done"])
         self.updates_applied = int(state["updates_applied"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.speculating = bool(state.get("speculating", True))  # a resumed run decides as the run it resumes
 
     def _check_running(self) -> None:
         if self.store is None:

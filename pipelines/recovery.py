@@ -3,12 +3,13 @@
 The driver keeps the refs of the batches since the last checkpoint (`ReplayLog`). When an actor dies:
   - only the executor, and the workers' version table shows every unit at the last issued update: a new
     executor maps the same arena and redoes the interrupted step (gradients are recomputed; no update of
-    that step had started, because updates start only once a step's gradients are complete)
-  - an optimizer worker (an in-place update may be half applied), or an executor whose step had already
-    started updates (clipping off): new actors, the arena restored from the last checkpoint (or the
-    initial weights), and the steps since replayed from the kept batches. The result is bit-identical
-    to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the attention
-    backward use atomics, equal to fp32 rounding.
+    that step had been applied: an update beside the backward bumps its unit's version as any update does)
+  - an optimizer worker (an in-place update may be half applied, or half taken back: the validation of the
+    updates beside the backward included), or an executor whose step had already started updates: new actors,
+    the arena restored from the last checkpoint (or the initial weights), and the steps since replayed from the
+    kept batches, the driver's choice of whether to speculate restored with them (Engine.state). The result is
+    bit-identical to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the
+    attention backward use atomics, equal to fp32 rounding.
   - a parameter store: its arena died with it; the run stops, saying how to resume.
 """
 

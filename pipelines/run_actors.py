@@ -21,6 +21,7 @@ from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.distributed.process_group import free_port
+from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
 from megatrain.memory.versions import VersionTable
@@ -131,10 +132,51 @@ class RunActors:
     def _name(self, role: str) -> str:
         return f"megatrain/{self.run_id}/{role}#{self.restarts}"
 
-    def train_step(self, batch: ray.ObjectRef, update: int, pending: list[ray.ObjectRef]) -> dict[str, Any]:
+    def train_step(self, batch: ray.ObjectRef, update: int, pending: list[ray.ObjectRef],
+                   speculation: Speculation | None = None) -> dict[str, Any]:
         """Forward and backward of `batch` on every executor (each its rows) as update number `update`, on the
-        weights of the updates before it (`pending`: the last one's calls); their outputs as one (`merged`)."""
-        return merged(get([e.train_step.remote(batch, update, update, pending) for e in self.executors]))
+        weights of the updates before it (`pending`: the last one's calls), with the update beside the backward
+        where `speculation` asks for it; their outputs as one (`merged`)."""
+        return merged(get([e.train_step.remote(batch, update, update, pending, speculation)
+                           for e in self.executors]), len(self.placements))
+
+    # ---- the update of a step, once the driver knows its gradient norm (pipelines/engine.py: Engine.step_once) ----
+    def update(self, step: int, clip_coef: float, attempt: int | None = None) -> list[ray.ObjectRef]:
+        """Update number `step` of every unit with `clip_coef`, in forward order: each worker's `apply`, or with
+        grads = "device" the executor's `send_grads`; several nodes then exchange the updated weights. Where try
+        `attempt` of the step updated units beside the backward, each is replaced by the clipped update (the driver
+        waited for those first and took their versions back: `unpublish`). Returns the calls at once."""
+        if self.engine_config.grads == "device":
+            refs = [self.executors[0].send_grads.remote(step, clip_coef, attempt)]
+        else:
+            refs = [w.apply.remote(step, clip_coef, attempt) for w in self.workers]
+        return refs + self.exchange(step)
+
+    def keep(self, step: int, attempt: int) -> list[ray.ObjectRef]:
+        """Every unit's update beside the backward in try `attempt` stands (the step did not clip): the gradients
+        the executor held on the device go, and several nodes exchange the updated weights."""
+        if self.engine_config.grads == "device":
+            return [self.executors[0].send_grads.remote(step, 1.0, attempt)] + self.exchange(step)
+        return self.exchange(step)
+
+    def put_back(self, step: int, attempt: int) -> None:
+        """Step `step` is skipped: the units updated beside the backward in try `attempt` are put back (with grads =
+        "device" from their gradients sent again), and several nodes exchange the weights they own; returns when
+        all is done, so that nothing reads a unit before."""
+        if self.engine_config.grads == "device":
+            get(self.executors[0].send_grads.remote(step, 0.0, attempt, put_back=True))
+            self.unpublish(step)  # the units that only freed their host slot for the next one
+        else:
+            get([w.put_back.remote(step, attempt) for w in self.workers])
+        get(self.exchange(step - 1))  # the update before: the weights each node owns, as put back
+
+    def unpublish(self, step: int) -> None:
+        """Every worker's version of every unit back to `step` (the updates beside the backward are done)."""
+        get([w.unpublish.remote(step) for w in self.workers])
+
+    def exchange(self, step: int) -> list[ray.ObjectRef]:
+        """Several nodes: each sends the others its part of update number `step`, unit by unit as it is in."""
+        return [s.sync_weights.remote(step) for s in self.stores] if len(self.stores) > 1 else []
 
     def version_range(self) -> tuple[int, int]:
         """(min, max) of every node's version table."""
@@ -170,17 +212,24 @@ class RunActors:
         self.placements = []
 
 
-def merged(outs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One step's result from its executors' (data parallel): losses, tokens and each unit's squared norm (of
-    each one's slice of the summed gradient) added up; the first's stall accounting."""
+def merged(outs: list[dict[str, Any]], nodes: int = 1) -> dict[str, Any]:
+    """One step's result from its executors' (data parallel, `nodes` nodes' in rank order): losses, tokens and each
+    unit's squared norm (of each one's slice of the summed gradient) added up; the first's stall accounting. The
+    units updated beside the backward: "speculated", those every executor handed out (on every node); and
+    "speculated_any", whether some node's workers updated one (its executors all handed it out)."""
+    per_node = len(outs) // nodes
+    handed_out = [set(out["speculated"]) for out in outs]
+    speculated_any = any(set.intersection(*handed_out[m * per_node : (m + 1) * per_node]) for m in range(nodes))
     if len(outs) == 1:
-        return outs[0]
+        return {**outs[0], "speculated_any": speculated_any}
     result = dict(outs[0])
     for key in ("loss", "tokens"):
         result[key] = sum(out[key] for out in outs)
     norms = [out["unit_norms_sq"] for out in outs]
     result["unit_norms_sq"] = [sum(unit) for unit in zip(*norms, strict=True)] if all(norms) else []
     result["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
+    result["updates"] = [ref for out in outs for ref in out["updates"]]
+    result["speculated"], result["speculated_any"] = sorted(set.intersection(*handed_out)), speculated_any
     result["spans"] = [span for out in outs for span in out["spans"]]
     return result
 

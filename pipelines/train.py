@@ -348,7 +348,7 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
             if cfg.trace:
                 spans.extend(result.spans)
             progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps,
-                                                   predicted))
+                                                   predicted, engine.rollbacks))
             step += 1
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evals.append((step, evaluate(engine, loader)))
@@ -390,8 +390,9 @@ def _tokens_per_s(result: StepResult, step_time: float) -> float:
 
 
 def _progress_fields(result: StepResult, step_time: float, flops_per_token: float, skipped: int,
-                     predicted: float | None = None) -> dict[str, str]:
-    """The progress line's fields; `predicted`: the predicted step time, shown beside the measured one."""
+                     predicted: float | None = None, rollbacks: int = 0) -> dict[str, str]:
+    """The progress line's fields; `predicted`: the predicted step time, shown beside the measured one; rollbacks:
+    steps so far whose updates beside the backward were taken back."""
     tps = _tokens_per_s(result, step_time)
     stall = result.stats["stall_fraction"] if result.stats else float("nan")
     out = {"loss": f"{result.loss:.4f}", "tok/s": f"{tps:,.0f}", "TFLOP/s": f"{tps * flops_per_token / 1e12:.3g}",
@@ -401,6 +402,8 @@ def _progress_fields(result: StepResult, step_time: float, flops_per_token: floa
         out["pred s"] = f"{predicted:.3g}"
     if skipped:
         out["skipped"] = str(skipped)
+    if rollbacks:
+        out["rollbacks"] = str(rollbacks)
     return out
 
 
@@ -425,8 +428,8 @@ def keep_step_records_before(path: Path, start: int) -> None:
 def _log_step(f: Any, result: StepResult, step_time: float, flops_per_token: float) -> None:
     tps = _tokens_per_s(result, step_time)
     record = {"step": result.step, "loss": result.loss, "tokens": result.tokens, "grad_norm": result.grad_norm,
-              "lr": result.lr, "skipped": result.skipped, "step_time": step_time, "tokens_per_s": tps,
-              "tflops": tps * flops_per_token / 1e12}
+              "lr": result.lr, "skipped": result.skipped, "rolled_back": result.rolled_back, "step_time": step_time,
+              "tokens_per_s": tps, "tflops": tps * flops_per_token / 1e12}
     if result.stats:
         record["stats"] = result.stats
     f.write(json.dumps(record) + "\n")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -139,14 +139,14 @@ class Executor:
             *, wait_weights: UnitCallback = noop, grads_landed: LandedCallback = noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = noop,
             hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major",
-            loss_tokens: int | None = None) -> StepOutput:
+            loss_tokens: int | None = None, also_send: bool = False) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
         grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
         asked before the backward whether to go on (False: skip, e.g. a non-finite loss); slot_free(unit)
         blocks until the optimizer has read `unit`'s gradient, whose host slot the next unit is about to reuse.
-        hold_grads: the gradients stay on the device, returned in StepOutput.held for `send_held`.
+        hold_grads: the gradients stay on the device for `send_held` (StepOutput.held); also_send: sent now as well.
         position_ids: [batch, seq], each packed document's positions from 0 (a document attends within itself
         only, as transformers reads packed position_ids); None: 0..seq-1 in every row.
         micro_batches: the batch's rows in that many equal micro-batches; the loss is the mean over all labelled
@@ -189,7 +189,7 @@ class Executor:
         for number, ms in enumerate(passes):
             final = number == len(passes) - 1
             out = self._pass(step, ms, wait_weights, grads_landed if final else noop, loss_ready, slot_free,
-                             hold_grads, accumulate=number > 0, forward_only=not backward)
+                             hold_grads, accumulate=number > 0, forward_only=not backward, also_send=also_send)
             loss += out.loss
             backward = backward and bool(out.unit_grad_norms_sq)
         if not backward:
@@ -220,7 +220,7 @@ class Executor:
 
     def _pass(self, step: _Step, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
               loss_ready: Callable[[float], bool] | None, slot_free: UnitCallback, hold_grads: bool,
-              accumulate: bool, forward_only: bool) -> StepOutput:
+              accumulate: bool, forward_only: bool, also_send: bool = False) -> StepOutput:
         """Forward, head and backward of micro-batches `ms` of `step`, layer-major; accumulate: their gradients are
         added to those in the arena (an earlier pass's of the same step). forward_only: the loss alone."""
         batches = [step.batches[m] for m in ms]
@@ -233,7 +233,7 @@ class Executor:
             return StepOutput(float(loss), step.n_tokens)
         try:  # xs now holds each micro-batch's gradient with respect to the head's input
             return self._backward(step, ms, loss, xs, grad_norm_w, grad_lm, Sends(grads_landed, slot_free),
-                                  hold_grads, accumulate)
+                                  hold_grads, accumulate, also_send)
         except BaseException:
             self.egress.abandon()
             raise
@@ -303,7 +303,7 @@ class Executor:
 
     def _backward(self, step: _Step, ms: list[int], loss: torch.Tensor, grads: list[torch.Tensor],
                   grad_norm_w: Weights, grad_lm: torch.Tensor, sends: Sends, hold_grads: bool,
-                  accumulate: bool = False) -> StepOutput:
+                  accumulate: bool = False, also_send: bool = False) -> StepOutput:
         """The head's gradients out, then each layer's recomputed from its activation checkpoints (every
         micro-batch's, their weight gradients summed), then the embedding's; accumulate: each added to what the
         arena holds. grads: per micro-batch, the gradient with respect to the head's input."""
@@ -313,10 +313,10 @@ class Executor:
 
         def emit(out: GradsOut) -> None:
             norms[out.unit.index] = out.norm_sq
-            if hold_grads:
+            if hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
                 held.append(out)
-            else:
-                self.egress.emit(out, sends)
+            if not hold_grads or also_send:
+                self.egress.emit(replace(out, pairs=list(out.pairs)) if hold_grads else out, sends)
 
         emit(self._head_grads(grad_norm_w, grad_lm, accumulate))
 

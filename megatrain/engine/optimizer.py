@@ -4,14 +4,35 @@ Worker w of N owns the w-th contiguous shard of every unit's range. Shard bounda
 ALIGN elements from the unit start, where torch's fused CPU AdamW gives bit-identical results however a
 tensor is split, so the trained weights do not depend on N.
 
+One pass over memory per parameter: a unit's shard is walked in pieces of at most PIECE_NUMEL elements (cut on
+ALIGN boundaries, so bit for bit the update of the whole), and each piece gets the clip scale, the fused AdamW
+and the bf16 shadow while it is in the cache: 16 B read and 14 B written per parameter (18 with the clip scale,
+which writes the gradient back) where a pass per step reads and writes the parameters three times (42 B).
+
 The global gradient norm is not computed here: the executor measures each unit's squared norm on the
 device as gradients are produced, and the driver turns their sum into one clip coefficient, the same for
 every worker. After updating a unit a worker bumps its entry in the shared `versions` table; the executor
 reads that table before it loads a unit's weights for the next step.
+
+The update beside the backward (pipelines/engine.py): a unit may be updated with clip coefficient 1 as soon as its
+gradient lands (`speculate`), before the step's norm is known. If the step then clips, `finish` replaces that
+update with the clipped one, and if it has a non-finite gradient, `put_back` removes it: both invert AdamW in
+closed form from the gradient, still in the arena (m = (m' - (1-b1) g) / b1, v = (v' - (1-b2) g^2) / b2, p from
+the update term and the decay factor), in one pass with the redo. Where the step does not clip nothing is undone:
+the weights are bit for bit the serial update's. Where it does, the result differs from the serial update by the
+rounding of m' and v', relative to what the clipped update leaves: about 2^-24 |m'| / |m''| and 2^-24 v' / v'',
+at most 1/c and 1/c^2 ulps for clip coefficient c, reached where the step's gradient dwarfs the moments' history
+(a first step, a spike). Measured against fp64 with moments from earlier steps and a gradient 5x theirs: the
+weights within 2x of the serial fp32 update's own distance down to c = 0.1 (18x at c = 0.01); with moments near
+zero, lr 2^-24 / c^2 more (tests/test_speculative_update.py). A put-back unit is within a few ulps of where it
+was (its moments exactly, after update number 0, which starts from zero moments). Keeping a copy of what the
+update overwrote instead would be exact, but writes 12 B more per parameter on every step (about half the
+pass's speed, benchmarks/RESULTS.md) and holds 12 B per parameter of host memory.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -19,7 +40,12 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHADOW_SEGMENT
-from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit, aligned_split
+from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
+
+# Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
+# 16) stay in the cache between the clip scale, the fused AdamW and the shadow copy, while each torch call over the
+# piece takes long beside the call's own cost (benchmarks/optimizer.py measures pieces against whole groups).
+PIECE_NUMEL = 1024 * ALIGN
 
 
 def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
@@ -27,6 +53,14 @@ def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
     if not max_grad_norm:
         return 1.0
     return min(1.0, max_grad_norm / (grad_norm + 1e-6))
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A step whose units are updated as their gradients land (clip coefficient 1), before the norm is known."""
+
+    attempt: int  # this try of the step (a recovery tries a step again): the workers' record of what they updated
+    max_grad_norm: float | None  # once the units landed so far clip, the rest wait for the step's coefficient
 
 
 def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:
@@ -38,12 +72,18 @@ def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | No
 
 
 @dataclass
-class _Group:
+class _Piece:
+    """A piece of a unit's shard, of one decay group: the tensors each kernel of the pass takes in one call."""
+
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     shadow: list[torch.Tensor]  # bf16 copies of params (bf16 runs), rewritten after each update
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.params)
 
 
 class AdamWShard:
@@ -51,57 +91,150 @@ class AdamWShard:
 
     def __init__(self, layout: ModelLayout, tensors: dict[str, torch.Tensor], optim: OptimConfig, worker: int,
                  num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None,
-                 issued: torch.Tensor | None = None, node: NodeShard | None = None):
+                 issued: torch.Tensor | None = None, node: NodeShard | None = None, piece_numel: int = PIECE_NUMEL):
         """`node`: the part of each unit this node updates, whose moments are packed in `exp_avg`/`exp_avg_sq`
-        (several nodes); by default the whole model, moments at the weights' offsets."""
+        (several nodes); by default the whole model, moments at the weights' offsets. piece_numel: a multiple of
+        ALIGN."""
+        assert piece_numel % ALIGN == 0, "pieces must be cut where the fused kernel's result does not change"
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
         self.node = node or NodeShard.build(layout)
         self.versions = versions  # int64 [units, workers], shared
         self.issued = issued  # int64 [units], shared: the update number each unit has been handed out for
         # where each unit's gradient is read from (its slot of a ring, when gradients stream)
         self.grad_layout = grad_layout or GradLayout.full(layout)
-        # per unit: (decay group, no-decay group)
-        self.groups: list[tuple[_Group, _Group]] = [self._groups(u, tensors) for u in layout.units]
-        self.numel = sum(t.numel() for pair in self.groups for grp in pair for t in grp.params)
+        self.piece_numel = piece_numel
+        # per unit: (decay group's pieces, no-decay group's pieces)
+        self.groups: list[tuple[list[_Piece], list[_Piece]]] = [self._pieces(u, tensors) for u in layout.units]
+        self.numel = sum(p.numel for pair in self.groups for pieces in pair for p in pieces)
+        # the update beside the backward: which try of a step the record is of, the units updated in it, and how
+        # many executors' gradient slices of each unit have landed (the update waits for all of them)
+        self.attempt: int | None = None
+        self.speculated: set[int] = set()
+        self.arrivals: dict[int, int] = {}
 
-    def _groups(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[_Group, _Group]:
+    def _pieces(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[list[_Piece], list[_Piece]]:
+        """The unit's shard as pieces of at most piece_numel elements per decay group: a tensor longer than that is
+        cut every piece_numel elements from its start, shorter ones share a piece."""
         lo, hi = shard_bounds(unit, self.worker, self.num_workers, self.node)
-        decay, no_decay = _Group([], [], [], [], []), _Group([], [], [], [], [])
         grads = self.grad_layout.range_of(unit, tensors["grads"])
         shadow = tensors.get(SHADOW_SEGMENT)
+        pieces: tuple[list[_Piece], list[_Piece]] = ([], [])
         for slot in unit.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a >= b:
-                continue
-            group = decay if slot.decay else no_decay
-            start, end = unit.offset + a, unit.offset + b
-            group.params.append(tensors["params"][start:end])
-            group.grads.append(grads[a:b])
-            group.exp_avg.append(self.node.moments(unit, tensors["exp_avg"], a, b))
-            group.exp_avg_sq.append(self.node.moments(unit, tensors["exp_avg_sq"], a, b))
-            if shadow is not None:
-                group.shadow.append(shadow[start:end])
-        return decay, no_decay
+            for start in range(a, b, self.piece_numel):
+                end = min(b, start + self.piece_numel)
+                group = pieces[0 if slot.decay else 1]
+                if not group or group[-1].numel + end - start > self.piece_numel:
+                    group.append(_Piece([], [], [], [], []))
+                piece, at = group[-1], unit.offset + start
+                piece.params.append(tensors["params"][at : unit.offset + end])
+                piece.grads.append(grads[start:end])
+                piece.exp_avg.append(self.node.moments(unit, tensors["exp_avg"], start, end))
+                piece.exp_avg_sq.append(self.node.moments(unit, tensors["exp_avg_sq"], start, end))
+                if shadow is not None:
+                    piece.shadow.append(shadow[at : unit.offset + end])
+        return pieces
 
+    # ---- the pass ----
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:
         """Applies update number `step` (0-based) to this worker's shard of one unit; returns seconds taken."""
+        return self._pass(unit_index, step, clip_coef, undo=False, update=True)
+
+    def _pass(self, unit_index: int, step: int, clip_coef: float, undo: bool, update: bool) -> float:
+        """One pass over the unit's shard, piece by piece: `undo` takes the coefficient-1 update number `step` out
+        (closed form), `update` applies it with `clip_coef`; then the shadow. The unit's version is step + 1 after
+        an update, step after an undo alone."""
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
-        for group, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
-            if not group.params:
-                continue
-            if clip_coef < 1.0:
-                torch._foreach_mul_(group.grads, clip_coef)
-            steps = [torch.tensor(float(step + 1)) for _ in group.params]
-            torch._fused_adamw_(group.params, group.grads, group.exp_avg, group.exp_avg_sq, [], steps,
-                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=self.optim.eps,
-                                amsgrad=False, maximize=False)
-            for low, param in zip(group.shadow, group.params, strict=False):
-                low.copy_(param)  # round to nearest even, as a cast on the GPU would
-        if self.versions is not None:
-            self.versions[unit_index, self.worker] = step + 1
+        steps = torch.tensor(float(step + 1))  # read, not written, by the fused kernel: one for every tensor
+        for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
+            for piece in pieces:
+                if undo:
+                    self._undo(piece, step, lr, weight_decay)
+                if update:
+                    if clip_coef < 1.0:
+                        torch._foreach_mul_(piece.grads, clip_coef)
+                    torch._fused_adamw_(piece.params, piece.grads, piece.exp_avg, piece.exp_avg_sq, [],
+                                        [steps] * len(piece.params), lr=lr, beta1=beta1, beta2=beta2,
+                                        weight_decay=weight_decay, eps=self.optim.eps, amsgrad=False,
+                                        maximize=False)
+                if piece.shadow:
+                    torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
+        self.publish(unit_index, step + 1 if update else step)
         return time.perf_counter() - t0
+
+    def _undo(self, piece: _Piece, step: int, lr: float, weight_decay: float) -> None:
+        """The fused kernel's update number `step` with clip coefficient 1, inverted from what it left and the
+        gradient: p = (p' + lr / bc1 * m' / (sqrt(v' / bc2) + eps)) / (1 - lr wd), m = (m' - (1-b1) g) / b1,
+        v = max(0, (v' - (1-b2) g^2) / b2); after update number 0 the moments were zero."""
+        beta1, beta2 = self.optim.betas
+        bc1, bc2_sqrt = 1.0 - beta1 ** (step + 1), math.sqrt(1.0 - beta2 ** (step + 1))
+        denom = torch._foreach_sqrt(piece.exp_avg_sq)  # (sqrt(v') / sqrt(bc2) + eps) * sqrt(bc2)
+        torch._foreach_add_(denom, self.optim.eps * bc2_sqrt)
+        torch._foreach_addcdiv_(piece.params, piece.exp_avg, denom, lr / bc1 * bc2_sqrt)
+        if weight_decay:
+            torch._foreach_div_(piece.params, 1.0 - lr * weight_decay)
+        if step == 0:
+            torch._foreach_zero_(piece.exp_avg)
+            torch._foreach_zero_(piece.exp_avg_sq)
+            return
+        torch._foreach_lerp_(piece.exp_avg, piece.grads, -(1.0 - beta1) / beta1)  # m' (1 + w) - w g, w = (1-b1)/b1
+        torch._foreach_addcmul_(piece.exp_avg_sq, piece.grads, piece.grads, -(1.0 - beta2))
+        torch._foreach_div_(piece.exp_avg_sq, beta2)
+        torch._foreach_clamp_min_(piece.exp_avg_sq, 0.0)  # rounding must not leave a negative second moment
+
+    def publish(self, unit_index: int, version: int) -> None:
+        """This worker's shard of the unit holds update number `version` (the count of updates applied)."""
+        if self.versions is not None:
+            self.versions[unit_index, self.worker] = version
+
+    # ---- the update beside the backward ----
+    def speculate(self, unit_index: int, step: int, attempt: int, parts: int = 1) -> bool:
+        """Update number `step` with clip coefficient 1 of a unit whose gradient landed, in try `attempt` of the step,
+        once `parts` executors' slices of it have (each calls this); True if this call updated it."""
+        if attempt != self.attempt:  # a new try: what an earlier one (a failed one) recorded does not hold
+            self.attempt, self.speculated, self.arrivals = attempt, set(), {}
+        self.arrivals[unit_index] = self.arrivals.get(unit_index, 0) + 1
+        if self.arrivals[unit_index] < parts:
+            return False
+        self.update(unit_index, step)
+        self.speculated.add(unit_index)
+        return True
+
+    def was_speculated(self, unit_index: int, attempt: int | None) -> bool:
+        return attempt is not None and attempt == self.attempt and unit_index in self.speculated
+
+    def finish(self, unit_index: int, step: int, clip_coef: float, attempt: int | None = None) -> str | None:
+        """Update number `step` of the unit with `clip_coef` as the step's own: where try `attempt` updated it beside
+        the backward, that update stands (clip_coef 1) or is replaced in one pass. Returns what was done: "update",
+        "rollback" (replaced), None (it stands)."""
+        if not self.was_speculated(unit_index, attempt):
+            self.update(unit_index, step, clip_coef)
+            return "update"
+        if clip_coef < 1.0:
+            self._pass(unit_index, step, clip_coef, undo=True, update=True)
+            return "rollback"
+        self.publish(unit_index, step + 1)
+        return None
+
+    def put_back(self, unit_index: int, step: int, attempt: int | None) -> bool:
+        """Step `step` is skipped (a non-finite gradient): the unit's update beside the backward in try `attempt`, if
+        any, is taken out; its version is `step` again either way. True if there was one to take out."""
+        speculated = self.was_speculated(unit_index, attempt)
+        if speculated:
+            self._pass(unit_index, step, 1.0, undo=True, update=False)
+            self.speculated.discard(unit_index)
+        self.publish(unit_index, step)
+        if self.issued is not None:  # nothing of this step is handed out any more (the queue depth reads it)
+            self.issued[unit_index] = step
+        return speculated
+
+    def unpublish(self, step: int) -> None:
+        """Every unit's version back to `step` (from step + 1, where it was updated beside the backward): nothing
+        reads the weights of a unit until its clipped update replaced the speculative one."""
+        if self.versions is not None:
+            self.versions[:, self.worker].clamp_(max=step)
 
     def queue_depth(self) -> int:
         """Units handed to this worker whose update it has not finished (the one it is on included)."""

@@ -50,6 +50,8 @@ TFLOPS = MetricSpec("megatrain_tflops", "gauge", "Model TFLOP/s (6 N per token p
 LOSS = MetricSpec("megatrain_loss", "gauge", "Training loss of the last step.")
 STEPS = MetricSpec("megatrain_steps", "counter", "Steps run.")
 SKIPPED_STEPS = MetricSpec("megatrain_skipped_steps", "counter", "Steps skipped (non-finite loss or grads).")
+ROLLBACKS = MetricSpec("megatrain_rollbacks", "gauge", "Steps of the run so far whose updates beside the backward "
+                       "were taken back (the step clipped, or a gradient was not finite).")
 UPDATE_SECONDS = MetricSpec("megatrain_optimizer_update_seconds", "gauge",
                             "Last layer update time of an optimizer worker (s).", ("worker",))
 UPDATE_DURATION = MetricSpec("megatrain_optimizer_update_duration_seconds", "histogram",
@@ -60,5 +62,5 @@ QUEUE_DEPTH = MetricSpec("megatrain_optimizer_queue_depth", "gauge", "Units hand
 ARENA_BYTES = MetricSpec("megatrain_arena_bytes", "gauge", "Bytes of the shared-memory arena by kind.", ("kind",))
 
 METRICS = (STEP_SECONDS, STEP_DURATION, COMPUTE_SECONDS, WAIT_SECONDS, STALL_FRACTION, OVERLAP_FRACTION, TRANSFER_GBPS,
-           TRANSFER_BYTES, TOKENS_PER_SECOND, TFLOPS, LOSS, STEPS, SKIPPED_STEPS, UPDATE_SECONDS, UPDATE_DURATION,
-           QUEUE_DEPTH, ARENA_BYTES)
+           TRANSFER_BYTES, TOKENS_PER_SECOND, TFLOPS, LOSS, STEPS, SKIPPED_STEPS, ROLLBACKS, UPDATE_SECONDS,
+           UPDATE_DURATION, QUEUE_DEPTH, ARENA_BYTES)

@@ -216,12 +216,23 @@ def predicted_line(run_dir: Path, steps: list[StepStats]) -> str:
             f"{1e3 * measured:.1f} ms: predicted / measured {predicted / measured:.2f}" if measured > 0 else "")
 
 
+def rollback_line(run_dir: Path) -> str:
+    """How many of the logged steps took back their updates beside the backward (pipelines/train.py's records say
+    "rolled_back"), or "" where none did."""
+    records = [json.loads(line) for line in (run_dir / STEPS_FILE).read_text().splitlines() if line.endswith("}")]
+    logged = [r for r in records if isinstance(r, dict) and "rolled_back" in r]
+    rolled = sum(bool(r["rolled_back"]) for r in logged)
+    return (f"\nrollbacks: {rolled} of {len(logged)} steps took back their updates beside the backward (the step "
+            "clipped, or a gradient was not finite)") if rolled else ""
+
+
 def report(run_dir: str | os.PathLike, step: int | None = None) -> str:
     """The stall table of every step (and the predicted step time beside the measured one where the run recorded
-    it), and timeline.png of `step` (default: the last step the trace holds)."""
+    it, and the rollbacks where there were any), and timeline.png of `step` (default: the last step the trace
+    holds)."""
     run_dir = Path(run_dir)
     steps, spans = _load(run_dir)
-    table = format_table(steps) + predicted_line(run_dir, steps)
+    table = format_table(steps) + predicted_line(run_dir, steps) + rollback_line(run_dir)
     if spans is None:
         return f"{table}\n\nno timeline: {run_dir} has no {TRACE_FILE}; train with --trace to record one."
     windows = {s.step: (s.start, s.end) for s in spans if s.lane == STEP_LANE}

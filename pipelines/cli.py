@@ -12,7 +12,16 @@ import logging
 import sys
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, PRESETS, SCHEDULES, MegatrainError, Terminated, cause_chain
+from megatrain.config import (
+    GRAD_PLACEMENTS,
+    LINK_GBPS,
+    PRESETS,
+    SCHEDULES,
+    SPECULATE,
+    MegatrainError,
+    Terminated,
+    cause_chain,
+)
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -34,6 +43,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"))
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
+    p.add_argument("--speculate", choices=SPECULATE,
+                   help="update each unit as its gradient lands and validate the clip after the backward (auto: "
+                        "not after a step that clipped; off: the update waits for the whole backward)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)

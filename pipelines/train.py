@@ -65,6 +65,7 @@ class TrainConfig:
     precision: str = "tf32"
     device: str = "auto"
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
+    speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
     compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
     loss_chunk_tokens: int = 4096
     # long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and how many GiB of layer
@@ -160,14 +161,14 @@ class TrainConfig:
 TRAIN_INTS = ("steps", "warmup_steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
-TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule")
+TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
-             "executors", "nodes")
+             "executors", "nodes", "speculate")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

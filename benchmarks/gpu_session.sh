@@ -2,6 +2,8 @@
 # The GPU runbook: every measurement RESULTS.md is waiting for, in parts of under ~9 minutes each, one
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
+#   bash benchmarks/gpu_session.sh headline # FIRST on a lent machine (never measured): issue #25's 7b bf16 compiled at
+#                                           # K = 16, 4, 1 micro-batches (the update beside the backward on), FSDP2 alike
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu
 #   bash benchmarks/gpu_session.sh host    # pcie.py, optimizer.py (the pool of AdamW workers)
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
@@ -30,8 +32,9 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  tests | host | peers | big | long | long-1b | predict | multi) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh tests|host|peers|big|long|long-1b|predict|multi" >&2; exit 2 ;;
+  headline | tests | host | peers | big | long | long-1b | predict | multi) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi" >&2
+     exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
   OUT=${OUT:-/tmp/gpu-session-out}  # only printed: a dry run writes nothing
@@ -142,6 +145,21 @@ finish() {
 do_cmd rm -rf "$WORK"
 do_cmd mkdir -p "$WORK/logs"
 case "$PART" in
+  headline)
+    prelude
+    # Issue #25's targets on an H100 80GB: 7b in bf16 with fp32 master weights, micro-batches of 1 x 2048 tokens,
+    # compiled, the update beside the backward (speculate auto): K=16 >= 7,000 tok/s, K=4 >= 4,000, K=1 >= 1,500.
+    # Each progress line shows tok/s, TFLOP/s, stall %, rollbacks and the prediction; steps.jsonl and the run's
+    # config (GPU and host peaks against the plan) go into the logs archive. Then FSDP2 CPU offload at K=16's batch.
+    for k in 16 4 1; do
+      step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --compile --batch-size 1 \
+        --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
+        --speculate auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
+      save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
+    done
+    step fsdp2-7b-bf16 110 python3 benchmarks/throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 \
+      --peers fsdp2 --steps 2 --warmup 1 --timeout 110 --log-dir "$WORK/logs/fsdp2" --out "$OUT/fsdp2-7b-bf16.json"
+    ;;
   tests)
     prelude
     # what the machine is and whether it works, in seconds (GPU, /dev/shm, memlock, cudaHostRegister and its

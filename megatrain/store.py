@@ -185,8 +185,7 @@ class ParameterStore:
         directory = Path(directory)
         if state is not None:
             (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
-            ckpt.write_sharded(directory, "model", ckpt.hf_tensors(self.layout, self.arena.params)
-                               + sorted(self.kept.items()))
+            ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept))
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
         if self.node.nodes == 1:
             moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")

@@ -240,6 +240,12 @@ def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> lis
     return [(prefix + name, t) for name, t in layout.hf_views(flat).items()]
 
 
+def model_tensors(layout: ModelLayout, params: torch.Tensor, kept: dict[str, torch.Tensor] | None
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """What a model's weight files hold: the trained weights and the pass-through tensors `kept` (a vision tower)."""
+    return hf_tensors(layout, params) + sorted((kept or {}).items())
+
+
 def is_weight_file(name: str, stem: str = "model") -> bool:
     """`<stem>.safetensors`, a numbered shard of it, or its index: what write_sharded(stem) writes."""
     return name.startswith(stem) and (name.endswith(".safetensors") or name == f"{stem}.safetensors.index.json")
@@ -257,7 +263,7 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        write_sharded(tmp, "model", hf_tensors(layout, params) + sorted((kept or {}).items()), shard_bytes)
+        write_sharded(tmp, "model", model_tensors(layout, params, kept), shard_bytes)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))

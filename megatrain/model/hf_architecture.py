@@ -244,7 +244,7 @@ class GenericArchitecture:
         self._head_path = parts.head
         self._embed_child = child = parts.embed_child
         # the embedding module itself runs with the first layer: a module after its lookup (Inkling's norm)
-        self._lookup_in_pre = child in parts.pre and parts.embed == parts.in_base(f"{child}.weight")
+        self._lookup_in_pre = child in parts.pre and parts.embed_in_base == f"{child}.weight"
         self.embed_scale, through_forward = self._embed_scale()
         if through_forward:
             self.layers[0] = FirstLayer(self.layers[0], self)  # type: ignore[arg-type]
@@ -286,7 +286,7 @@ class GenericArchitecture:
             kept = {parts.stack, embed_child, *weighted, *([parts.final] if parts.final else [])}
             rebuilt_on(self.model, base, kept, device)
             own_buffers_made(self.model, base, device)
-            table = parts.embed[len(parts.base) + 1:] if parts.base else parts.embed
+            table = parts.embed_in_base
             for child in weighted:  # zeros, all but the embedding table (an embedding module with a norm: ModernBERT)
                 for name, p in list(getattr(base, child).named_parameters()):
                     if f"{child}.{name}" != table:

@@ -41,12 +41,22 @@ class ModelParts:
         return f"{self.base}.{self.stack}." if self.base else f"{self.stack}."
 
     @property
+    def embed_in_base(self) -> str:
+        """The token embedding's weight as the base names it ("embed_tokens.weight", "wte.weight")."""
+        return relative_to(self.embed, self.base)
+
+    @property
     def embed_child(self) -> str:
         """The base's child that holds the token embedding ("embed_tokens", "wte", "embeddings")."""
-        return (self.embed[len(self.base) + 1:] if self.base else self.embed).split(".")[0]
+        return self.embed_in_base.split(".")[0]
 
     def in_base(self, name: str) -> str:
         return f"{self.base}.{name}" if self.base else name
+
+
+def relative_to(path: str, base: str) -> str:
+    """`path` (a name in the model) as named in the module at `base`, which holds it."""
+    return path[len(base) + 1:] if base else path
 
 
 def submodule(model: nn.Module, path: str) -> nn.Module:
@@ -98,7 +108,7 @@ def find_parts(model: nn.Module) -> ModelParts:
         raise ConfigError(f"{name} has no output projection megatrain can find; its generic path cannot train it.")
     tied = head_module.weight is embed_module.weight
     head_params = tuple(n for n, p in head_module.named_parameters() if p is not embed_module.weight)
-    embed_child = embed[len(base_path) + 1:].split(".")[0] if base_path else embed.split(".")[0]
+    embed_child = relative_to(embed, base_path).split(".")[0]
     # modules with weights, and the weightless ones that are not rotary tables (a final norm with no weight: OLMo)
     others = [child for child, m in base.named_children() if child not in (stack, embed_child)
               and (any(True for _ in m.parameters()) or not any(True for _ in m.buffers()))]

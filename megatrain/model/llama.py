@@ -285,7 +285,8 @@ class LlamaFamily:
         if c.model_type == "mistral" or c.sliding_window is not None:
             hf["sliding_window"] = c.sliding_window  # MistralConfig defaults to 4096 when absent
         if c.model_type == "qwen2" and c.sliding_window is not None:
-            hf["use_sliding_window"] = True
+            # every layer slides: Qwen2Config slides those from max_window_layers on (28 when absent)
+            hf["use_sliding_window"], hf["max_window_layers"] = True, 0
         return hf
 
 

@@ -18,7 +18,7 @@ import torch
 
 from actors.metrics import EngineMetrics
 from actors.termination import exit_on_sigterm
-from megatrain.config import ModelConfig, OptimConfig
+from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
@@ -27,7 +27,7 @@ from megatrain.telemetry import Span, optimizer_lane
 
 @ray.remote
 class OptimizerWorker:
-    def __init__(self, handle: ArenaHandle, config: ModelConfig, optim: OptimConfig, worker: int, num_workers: int,
+    def __init__(self, handle: ArenaHandle, layout: ModelLayout, optim: OptimConfig, worker: int, num_workers: int,
                  threads: int, grads: str = "arena", metrics: EngineMetrics | None = None, node: int = 0,
                  nodes: int = 1):
         """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read.
@@ -35,7 +35,7 @@ class OptimizerWorker:
         exit_on_sigterm()
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = Arena.open(handle)
-        self.layout = ModelLayout.build(config)
+        self.layout = layout  # the driver's: building it again would import transformers here for a generic model
         versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
                                 GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),

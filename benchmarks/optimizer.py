@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from benchmarks.common import GiB, fmt, format_table, machine_summary, pythonpath_with_repo
-from megatrain.config import ModelConfig, OptimConfig
+from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import PIECE_NUMEL, AdamWShard
 from megatrain.memory.arena import SHADOW_SEGMENT
 from megatrain.model.layout import ALIGN, ModelLayout
@@ -173,7 +173,7 @@ def _pid_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def pool(config: ModelConfig, layout: ModelLayout, optim: OptimConfig, workers: int, repeats: int) -> Timing:
+def pool(layout: ModelLayout, optim: OptimConfig, workers: int, repeats: int) -> Timing:
     """N optimizer-worker actors on a fresh arena; the wall time of apply() on all of them."""
     import ray
 
@@ -189,7 +189,7 @@ def pool(config: ModelConfig, layout: ModelLayout, optim: OptimConfig, workers: 
     try:
         fill(arena.params, arena.grads)
         actor = OptimizerWorker.options(num_cpus=per_worker)
-        actors = [actor.remote(arena.handle, config, optim, w, workers, threads) for w in range(workers)]
+        actors = [actor.remote(arena.handle, layout, optim, w, workers, threads) for w in range(workers)]
         ray.get([a.numel.remote() for a in actors])  # all started before the clock runs
         times = []
         for step in range(repeats + 1):
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
              include_dashboard=False, configure_logging=False)
     try:
         for n in counts:
-            timings.append(pool(config, layout, optim, n, args.repeats))
+            timings.append(pool(layout, optim, n, args.repeats))
             print(progress(timings[-1], numel), flush=True)
     finally:
         ray.shutdown()

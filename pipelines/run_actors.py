@@ -25,6 +25,7 @@ from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
 from megatrain.memory.versions import VersionTable
+from megatrain.model.layout import ModelLayout
 from pipelines.cluster import NodePlacement, executor_device
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class RunActors:
 
     def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any) -> None:
         self.run_id, self.config, self.optim, self.trace, self.metrics = run_id, config, optim, trace, metrics
+        self.layout = ModelLayout.build(config)  # the workers take it as it is: no model of theirs to build
         self.placements: list[NodePlacement] = []  # one per node, the driver's first
         self.stores: list[Any] = []  # one per node, the driver's first
         self.handles: list[ArenaHandle] = []  # their arenas
@@ -105,7 +107,7 @@ class RunActors:
         p = self.placements[node]
         name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
         return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
-            self.handles[node], self.config, self.optim, worker, p.workers, p.worker_threads,
+            self.handles[node], self.layout, self.optim, worker, p.workers, p.worker_threads,
             self.engine_config.grads, self.metrics, node, len(self.placements))
 
     def new_executors(self) -> list[Any]:

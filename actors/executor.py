@@ -4,7 +4,9 @@ gradients land in the host arena, during the backward: with clipping off and one
 otherwise, where the driver asks for it (a Speculation), it is the update beside the backward, which the driver
 validates once the step's norm is known. With gradients kept on the device they are sent out (again) in forward
 order once the driver has the step's clip coefficient: `send_grads`, which runs in a concurrency group of its own
-so that it overlaps the next step's forward."""
+so that it overlaps the next step's forward. Units resident on the executor's device (megatrain/engine/resident.py) are
+never handed out: the driver has them updated here (`update_resident`) once the step's norm is known, and written
+back into the arena (`write_back`) before it reads the arena."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import ray
 import torch
 
 from actors.termination import exit_on_sigterm
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig
+from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
@@ -25,6 +27,7 @@ from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import gpu_free_here
+from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
@@ -66,7 +69,8 @@ class GPUExecutor:
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
                                  GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
                                  engine.compile, tile_tokens=engine.tile_tokens,
-                                 checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp)
+                                 checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp,
+                                 resident_units=engine.resident if isinstance(engine.resident, int) else 0)
         self.hold_grads = engine.grads == "device"
         self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1
         self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
@@ -87,6 +91,12 @@ class GPUExecutor:
         # per unit: each optimizer worker's update, and with several nodes a last column, the update every node has
         self.versions = VersionTable(self.arena.versions.view(len(self.layout.units), -1))
         self.issued = self.arena.issued  # per unit, the update number handed to the workers
+        self.resident = self.executor.resident
+        flags = self.arena.tensors.get(RESIDENT_SEGMENT)
+        if flags is not None:  # the optimizer workers leave these units
+            flags.zero_()
+            flags[: len(self.resident)] = 1
+        self.load_resident()
         self.workers = workers
         # updates handed out as gradients land in the backward are final only when nothing must be known first (the
         # step's norm, other executors' slices of each unit); otherwise they are speculative where the driver asks
@@ -164,14 +174,16 @@ class GPUExecutor:
                                 also_send=speculation is not None)  # held gradients go out now as well
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm) unless units were updated beside
-        # its backward: putting them back reads their gradients again
-        self._held = {step: out.held} if out.held and (out.finite or speculated) else {}
+        # its backward: putting them back reads their gradients again (every unit resident: none, but the step is kept)
+        kept = self.hold_grads and out.unit_grad_norms_sq and (out.finite or speculated)
+        self._held = {step: out.held} if kept else {}
         self._speculated = {step: set(speculated)}
         out.held = []
         stats = rec.end_step()
         return {"loss": out.loss, "tokens": out.tokens, "seq": int(input_ids.shape[1]),
                 "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units, "speculated": speculated,
+                "resident": [u.index for u in self.resident.units],
                 "stats": stats.to_dict(),
                 "spans": self._lanes([s for s in rec.spans if s.step == step]) if self.trace else []}
 
@@ -226,6 +238,26 @@ class GPUExecutor:
         self.executor.send_held(held, landed, lambda unit: ray.get(unit_refs.pop(unit.index, [])))
         del held  # the device memory goes back to the allocator before the workers finish
         return [span for spans in ray.get(issued) for span in spans]
+
+    def update_resident(self, step: int, clip_coef: float, units: list[int] | None, optim: OptimConfig
+                        ) -> list[Span]:
+        """Update number `step` of the resident units (or of `units` among them) with the step's clip coefficient,
+        on the device (ordered before the next step: this actor runs its calls in turn)."""
+        self.resident.update(step, clip_coef, optim, units)
+        return []
+
+    def write_back(self) -> int:
+        """The resident units' weights and Adam moments into the arena, their versions in the table with them (the
+        table says what the arena holds: a recovery that finds them behind restores a checkpoint); returns it."""
+        version = self.resident.write_back(self.arena.tensors)
+        if len(self.resident):
+            self.versions.table[: len(self.resident)] = version
+        return version
+
+    def load_resident(self) -> None:
+        """The resident units from the arena (at the start, after a checkpoint was loaded or restored)."""
+        if len(self.resident):
+            self.resident.load(self.arena.tensors, int(self.versions.table[: len(self.resident)].min()))
 
     def _wait_for_version(self, unit: Unit, expected_version: int, pending: list[ray.ObjectRef],
                           record: bool = True) -> None:

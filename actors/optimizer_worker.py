@@ -5,7 +5,9 @@ Who calls what: the executor, as a unit's gradient lands, `update_unit` (clippin
 is final) or `speculate` (the update beside the backward, which the driver validates once the step's norm is
 known); the driver after the step `apply` (every unit, forward order: the serial update, or the validation's
 redo of what clipped), or with a non-finite gradient `put_back`; with grads = "device" the executor's
-`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again."""
+`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again. Units the executor
+keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `put_back` leave them:
+the executor updates them there."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from actors.termination import exit_on_sigterm
 from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.memory.arena import Arena, ArenaHandle
+from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
 from megatrain.telemetry import Span, optimizer_lane
 
@@ -41,6 +44,7 @@ class OptimizerWorker:
                                 GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),
                                 NodeShard.build(self.layout, node, nodes))
         self.lane = optimizer_lane(worker, node)
+        self.resident = self.arena.tensors.get(RESIDENT_SEGMENT)  # written by the executor once it holds them
         self.worker, self.metrics = worker, metrics
 
     def _timed(self, unit: int, step: int, work: Callable[[], str | None]) -> list[Span]:
@@ -66,15 +70,20 @@ class OptimizerWorker:
         return self._timed(unit, step, lambda: "update" if self.shard.speculate(unit, step, attempt, parts) else None)
 
     def apply(self, step: int, clip_coef: float, attempt: int | None = None) -> list[Span]:
-        """All units in forward order, as update_unit (called by the driver once the global norm is known)."""
+        """All streamed units in forward order, as update_unit (called by the driver once the global norm is known)."""
+        units = self._streamed()
         if self.shard.issued is not None:  # every unit is handed out at once (the queue depth metric reads it)
-            self.shard.issued.fill_(step + 1)
-        return [span for u in self.layout.units for span in self.update_unit(u.index, step, clip_coef, attempt)]
+            self.shard.issued[units] = step + 1
+        return [span for u in units for span in self.update_unit(u, step, clip_coef, attempt)]
+
+    def _streamed(self) -> list[int]:
+        """The units this pool updates: all but those resident on the executor's device."""
+        return [u.index for u in self.layout.units if self.resident is None or not self.resident[u.index]]
 
     def put_back(self, step: int, attempt: int | None, unit: int | None = None) -> list[Span]:
         """Step `step` is skipped (a non-finite gradient): what try `attempt` updated beside the backward is taken
-        out of `unit` (None: every unit); their versions are `step` again."""
-        units = [u.index for u in self.layout.units] if unit is None else [unit]
+        out of `unit` (None: every streamed unit); their versions are `step` again."""
+        units = self._streamed() if unit is None else [unit]
         return [span for u in units
                 for span in self._timed(u, step, lambda u=u: "undo" if self.shard.put_back(u, step, attempt) else None)]
 

@@ -149,12 +149,15 @@ case "$PART" in
     prelude
     # Issue #25's targets on an H100 80GB: 7b in bf16 with fp32 master weights, micro-batches of 1 x 2048 tokens,
     # compiled, the update beside the backward (speculate auto): K=16 >= 7,000 tok/s, K=4 >= 4,000, K=1 >= 1,500.
+    # Units resident on the GPU (--resident auto, the default on CUDA since 2026-11-26; never run on a GPU yet): the
+    # log's "resident units:" line says which; the streamed numbers to compare with are RESULTS.md's H200 table
+    # (2026-11-26), or rerun one K with --resident none.
     # Each progress line shows tok/s, TFLOP/s and stall %; steps.jsonl (the step's compute and waits) goes into the
     # logs archive. Then FSDP2 CPU offload at K=16's batch (the H200, 2026-11-26: not done building the 7B in 110 s).
     for k in 16 4 1; do
       step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --compile --batch-size 1 \
         --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
-        --speculate auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
+        --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
     step fsdp2-7b-bf16 260 python3 benchmarks/throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 \

@@ -381,6 +381,9 @@ SCHEDULES = ("layer-major", "per-micro-batch")
 # the update beside the backward (pipelines/engine.py): each unit's AdamW as its gradient lands, taken back where the
 # step then clips or has a non-finite gradient; "auto": not in the step after one that clipped
 SPECULATE = ("auto", "on", "off")
+# units whose fp32 weights, gradient and AdamW moments stay on the executor's device, updated there (the memory plan
+# picks for "auto": as many as the GPU has room for, none on the CPU path; "none" or a count of units, forward order)
+RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer state (megatrain/memory/residency.py)"
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
@@ -412,6 +415,7 @@ class EngineConfig:
     # optimizer workers and `executors` executors (pipelines/engine.py)
     nodes: int = 1
     speculate: str = "auto"  # auto | on | off: the update beside the backward (SPECULATE)
+    resident: int | str = "auto"  # RESIDENT_HELP; resolved to a count of units by the memory plan
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -433,7 +437,13 @@ class EngineConfig:
             raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
         check_choice("speculate", self.speculate, SPECULATE)
+        check_resident(self.resident)
         check_device(self.device)
+
+
+def check_resident(value: Any) -> None:
+    if not (value in ("auto", "none") or (_is_int(value) and value >= 0)):
+        raise ConfigError(f"resident must be 'auto', 'none' or a number of units >= 0, got {value!r}.")
 
 
 def check_auto_or_positive(name: str, value: Any) -> None:

@@ -23,6 +23,7 @@ from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
+from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
 from megatrain.self_check import verify as self_check
@@ -110,7 +111,9 @@ class ParameterStore:
         # issued and not yet applied is an optimizer worker's queue)
         units = len(self.layout.units)
         columns = num_workers + (nodes > 1)
-        extra = [("versions", "int64", units * columns), ("issued", "int64", units)]
+        # resident: per unit, 1 where the executor keeps it on its device and updates it there (the optimizer workers
+        # leave it; megatrain/engine/resident.py), written by the executor
+        extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
         if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),

@@ -16,6 +16,7 @@ from megatrain.config import (
     GRAD_PLACEMENTS,
     LINK_GBPS,
     PRESETS,
+    RESIDENT_HELP,
     SCHEDULES,
     SPECULATE,
     MegatrainError,
@@ -48,6 +49,7 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                         "not after a step that clipped; off: the update waits for the whole backward)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
+    _add_resident_flag(p)
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--micro-batches", type=_auto_none_or(int),
@@ -75,6 +77,19 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                                       "another, 'local' a private Ray for this run (default: the `ray start` "
                                       "cluster if it answers, else a private one)")
     p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
+
+
+def _add_resident_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resident", type=_resident, help=RESIDENT_HELP + "; auto: as many as the GPU has room for, the "
+                   "embedding and the first layers, none on the CPU path")
+
+
+def _resident(text: str) -> int | str:
+    lowered = text.lower()
+    return lowered if lowered in ("auto", "none") else int(text)
+
+
+_resident.__name__ = "int"  # what argparse names in its "invalid value" message
 
 
 def _auto_none_or(kind: type) -> Any:
@@ -153,10 +168,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
                                          "checkpoint_budget_gib": args.checkpoint_budget_gib,
                                          "micro_batches": args.micro_batches, "schedule": args.schedule,
-                                         "nodes": args.nodes, "executors": args.executors})
+                                         "nodes": args.nodes, "executors": args.executors,
+                                         "resident": args.resident})
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
-                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib)
+                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib, resident=cfg.resident)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
     for flag, value, unit in (("--gpu-gib", args.gpu_gib, "GiB"), ("--host-gib", args.host_gib, "GiB"),
                               ("--link-gbps", args.link_gbps, "GB/s")):
@@ -177,7 +193,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     picked = None
     if cfg.micro_batches == "auto":  # --batch is the step's rows: the fewest micro-batches that fit
         picked = pick_micro_batches(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads,
-                                    clipping=optim.clipping, schedule=cfg.schedule, **long_context,
+                                    clipping=optim.clipping, schedule=cfg.schedule, resident=cfg.resident,
+                                    **long_context,
                                     **{k: v for k, v in common.items() if k != "micro_batches"})
         cfg.data.batch_size, common["micro_batches"] = picked.batch, picked.micro_batches
     cal = _calibration(on_gpu, config, cfg, fresh=args.json)
@@ -195,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             common["optimizer_workers"] = choice.optimizer_workers
             cfg.grads, long_context["tile_tokens"] = choice.plan.grads, choice.plan.tile_tokens
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
-                    schedule=cfg.schedule, **long_context, **common)
+                    schedule=cfg.schedule, resident=cfg.resident, **long_context, **common)
     longest = plan.longest_seq
     if longest is None:  # it fits: how far it would
         longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context,
@@ -375,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "machine has available)")
     _add_long_context_flags(p)
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
+    _add_resident_flag(p)
     p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
     p.add_argument("--executors", type=int, help="executors per node, each computing --batch rows (default 1)")
     p.add_argument("--nodes", type=int, help="hosts the run spans: per-node memory (1/nodes of the Adam moments) "

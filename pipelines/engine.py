@@ -18,6 +18,8 @@ One step, as the driver sees it:
      "auto" does not speculate after a step that clipped (the serial update: all units after the backward, in
      forward order, overlapping the next step's forward), "off" never, "on" always
      clipping off with one executor: each unit's update is final as its gradients land
+  3. units resident on the executor's device (EngineConfig.resident) are updated there once the norm is known; their
+     state is written back into the arena before something reads it there, and loaded again from a checkpoint
 Ray carries only control messages and token batches; weights and gradients stay in the arena.
 Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
 at 12 B/param whenever it can (megatrain/memory/plan.py: plan_run).
@@ -44,6 +46,7 @@ from actors.executor import GPU_HOST_THREADS, gpu_free_memory
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.optimizer import Speculation, clip_coefficient
+from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
 from megatrain.memory.arena import remove_stale_segments
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
@@ -85,7 +88,8 @@ class Engine:
                  metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
-                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto"):
+                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto",
+                 resident: int | str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -107,7 +111,8 @@ class Engine:
         executors; the step's rows split over all nodes' executors, each node updates its part of every unit and
         the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
         in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR. speculate: the update beside
-        the backward (this module's doc): "auto", "on" or "off"."""
+        the backward (this module's doc): "auto", "on" or "off". resident: units kept and updated on the executor's
+        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py)."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
@@ -115,7 +120,7 @@ class Engine:
                                           compile=compile, tile_tokens=tile_tokens,
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
                                           schedule=schedule, executors=executors, nodes=nodes,
-                                          speculate=speculate)
+                                          speculate=speculate, resident=resident)
         self.config, hf_dir, self.model_name = resolve_model(model)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
@@ -184,7 +189,8 @@ class Engine:
         budget = plan.checkpoint_budget
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
                                      checkpoint_budget_gib=None if budget is None else budget / 2**30,
-                                     schedule=plan.schedule, micro_batches=plan.micro_batches)
+                                     schedule=plan.schedule, micro_batches=plan.micro_batches,
+                                     resident=plan.resident_units)
         if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
             log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
                         "(%d times a step) and the gradients add up in the arena", plan.micro_batches,
@@ -244,7 +250,7 @@ class Engine:
                         executors=e.executors,
                         checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                         gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
-                        if on_gpu else None)
+                        if on_gpu else None, resident=e.resident)
         if e.micro_batches == "auto":  # batch: the step's rows
             plan = pick_micro_batches(self.config, batch, seq, **settings)
         else:
@@ -252,6 +258,7 @@ class Engine:
         log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
                                         "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
                                         }[plan.grads])
+        log.info("%s", plan.resident_note)
         if on_gpu and e.precision == "bf16" and not plan.shadow_bytes:
             log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe "
                         "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
@@ -331,9 +338,13 @@ class Engine:
             self.pending = self.actors.update(self.updates_applied, coef) if finite else []
         else:
             rolled_back = self._validate(out, finite, coef, speculation.attempt)
+        resident = resident_update(out["resident"], out["unit_norms_sq"], finite, coef, self.updates_after_step)
+        if resident is not None:  # queued on the executor before the next step (in `pending`, as the pool's)
+            self.pending = self.pending + [self.executor.update_resident.remote(self.updates_applied, *resident,
+                                                                                self.optim)]
         self.speculating = finite and coef == 1.0
         # clipping off: units updated before a non-finite one was found keep their update (see README)
-        if finite or (not self.updates_after_step and out["updates"]):
+        if finite or (not self.updates_after_step and (out["updates"] or resident)):
             self.updates_applied += 1
         self.steps_done += 1
         self._record(out, time.monotonic() - t0, finite)
@@ -354,7 +365,8 @@ class Engine:
         every unit was updated), else they are taken back: replaced by the clipped update, or put back (a non-finite
         gradient), the units not updated beside the backward (versions bumped only to free a host slot, or waiting
         for another executor's slice) updated or left. Sets `pending`; returns whether an update was taken back."""
-        if finite and coef == 1.0 and len(out["speculated"]) == len(out["unit_norms_sq"]):
+        streamed = len(out["unit_norms_sq"]) - len(out["resident"])  # the resident units are not handed out
+        if finite and coef == 1.0 and len(out["speculated"]) == streamed:
             self.pending = out["updates"] + self.actors.keep(self.updates_applied, attempt)
             return False
         get(out["updates"])  # every update beside the backward is in before one is taken back
@@ -366,6 +378,10 @@ class Engine:
             self.pending = []
         self.rollbacks += out["speculated_any"]
         return out["speculated_any"]
+
+    def _write_back_resident(self) -> None:  # before something reads the arena (after wait_for_updates)
+        if self.engine_config.resident:
+            get(self.executor.write_back.remote())
 
     def _record(self, out: dict[str, Any], seconds: float, finite: bool) -> None:
         """The step's metrics (the optimizer workers record their own, from their processes)."""
@@ -432,6 +448,7 @@ class Engine:
         node's: also the weights and the trainer state) into one directory, and the manifest comes last. With
         several hosts the directory must be on a file system they share."""
         self.wait_for_updates()
+        self._write_back_resident()
         state = {**self.state(), **(extra_state or {})}
         path = Path(save_target(directory))
         with atomic_directory(checkpoint_target(path)) as tmp:
@@ -446,12 +463,14 @@ class Engine:
         self.wait_for_updates()
         directory = absolute(directory)
         state = get([s.load_checkpoint.remote(directory) for s in self.stores])[0]
+        get([e.load_resident.remote() for e in self.executors])
         self.set_state(state)
         self.recovery.replay.restart_at(Path(directory))
         return state
 
     def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:
         self.wait_for_updates()
+        self._write_back_resident()
         extra = [absolute(f) for f in extra_files or []]
         return Path(get(self.store.save_pretrained.remote(save_target(directory), extra)))
 
@@ -460,6 +479,7 @@ class Engine:
         from megatrain.model.layout import ModelLayout
 
         self.wait_for_updates()
+        self._write_back_resident()
         return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self.actors.arena.params).items()}
 
     # ---- stop ----

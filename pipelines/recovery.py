@@ -11,6 +11,9 @@ The driver keeps the refs of the batches since the last checkpoint (`ReplayLog`)
     bit-identical to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the
     attention backward use atomics, equal to fp32 rounding.
   - a parameter store: its arena died with it; the run stops, saying how to resume.
+Units resident on the executor's device die with it: the version table holds what the arena's copy of them holds
+(written back at the last checkpoint), so a lost executor with steps since restores and replays, and the new
+executors load them from the restored arena.
 """
 
 from __future__ import annotations
@@ -200,4 +203,5 @@ class Recovery:
         else:
             get([s.reinitialize.remote() for s in stores])
             self.run.set_state({"steps_done": 0, "updates_applied": 0, "skipped_steps": 0})
+        get([e.load_resident.remote() for e in self.actors.executors])  # units resident on a device: from the arena
         self.run.nonfinite_in_row = 0

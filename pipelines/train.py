@@ -33,6 +33,7 @@ from megatrain.config import (
     MegatrainError,
     Terminated,
     check_auto_or_positive,
+    check_resident,
     check_tiling,
     dataclass_from_dict,
 )
@@ -66,6 +67,7 @@ class TrainConfig:
     device: str = "auto"
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
+    resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
     compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
     loss_chunk_tokens: int = 4096
     # long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and how many GiB of layer
@@ -148,6 +150,7 @@ class TrainConfig:
             raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
                               "or eval_count in the config file's [data] table, or eval_every = 0.")
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
+        check_resident(self.resident)
         for name in ("optimizer_workers", "micro_batches", "executors"):
             check_auto_or_positive(f"train config: {name}", getattr(self, name))
         if self.max_nonfinite_steps < 0:
@@ -168,7 +171,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
-             "executors", "nodes", "speculate")
+             "executors", "nodes", "speculate", "resident")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

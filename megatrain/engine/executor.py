@@ -11,7 +11,9 @@
 
 The rooms beside this one: the two rotating weight buffers (weight_slots.py), the layer inputs kept for the
 backward (activation_checkpoints.py), the gradients' way to the host and its waits for slots
-(grad_egress.py), and what a batch must be (batch_checks.py).
+(grad_egress.py), what a batch must be (batch_checks.py), the units resident on the device with their
+optimizer state, whose weights are bound and gradients written there, never crossing (resident.py), and what a
+step is made of and returns (step_state.py).
 
 The embedding never crosses PCIe whole: the rows a batch uses are gathered on the host and only their
 gradient rows come back. On the CPU path the "buffers" are views of the arena and every copy is a plain
@@ -23,10 +25,9 @@ This file knows nothing of Ray or of the optimizer: it is told when a unit's wei
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,8 @@ from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.activation_checkpoints import ActivationCheckpoints
 from megatrain.engine.batch_checks import check_batch, check_extra_loss, check_micro_batches, check_positions
 from megatrain.engine.grad_egress import GradEgress, GradsOut, LandedCallback, Sends, UnitCallback, noop
+from megatrain.engine.resident import ResidentUnits
+from megatrain.engine.step_state import PreparedStep, StepOutput
 from megatrain.engine.streams import make_streams
 from megatrain.engine.torch_settings import COMPILED_SHAPES_LIMIT, allow_recompiles, set_matmul_precision
 from megatrain.engine.weight_slots import WeightSlots
@@ -45,38 +48,6 @@ from megatrain.model.templates import Weights, embed, embed_backward, head_loss_
 from megatrain.telemetry import Recorder
 
 
-@dataclass
-class _Step:
-    """A step's batch, prepared once for every pass over it: micro-batches, embedding rows, targets."""
-
-    batches: list[Batch]  # per micro-batch, what its layers take (rotary tables, documents)
-    micro: list[slice]  # per micro-batch, its rows of the step's batch
-    rows: torch.Tensor  # the embedding rows the step's tokens use, on the device
-    rows_idx: torch.Tensor  # their indices in the table (host)
-    row_of_token: torch.Tensor  # per token, its row in `rows` (device)
-    targets: torch.Tensor  # shifted labels (device)
-    host_targets: torch.Tensor  # the same on the host
-    n_tokens: int  # labelled tokens of the whole step: every micro-batch's loss is divided by it
-    table: torch.Tensor  # the embedding table in the arena (a tied head's weights)
-
-
-@dataclass
-class StepOutput:
-    loss: float
-    tokens: int  # tokens that carried a label
-    unit_grad_norms_sq: list[float] = field(default_factory=list)  # per unit, in layout order
-    held: list[GradsOut] = field(default_factory=list)  # hold_grads: the gradients still on the device
-
-    @property
-    def grad_norm(self) -> float:
-        return sum(self.unit_grad_norms_sq) ** 0.5
-
-    @property
-    def finite(self) -> bool:
-        """The loss and every gradient are finite: the step's update may be applied."""
-        return math.isfinite(self.loss) and math.isfinite(sum(self.unit_grad_norms_sq))
-
-
 class Executor:
     """Runs one forward+backward of a batch over a model whose fp32 weights live in `params` (host)."""
 
@@ -85,7 +56,7 @@ class Executor:
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
                  shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
                  tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                 data_parallel: DataParallel | None = None):
+                 data_parallel: DataParallel | None = None, resident_units: int = 0):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
         simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer;
         with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
@@ -97,7 +68,8 @@ class Executor:
         layer inputs the backward recomputes from; the rest wait in host memory (None: all on the device;
         megatrain/engine/activation_checkpoints.py). data_parallel: this executor is one of several, each running
         its share of a step's rows; every unit's gradient is summed over them and this one writes its slice of
-        the sum (megatrain/distributed/data_parallel.py)."""
+        the sum (megatrain/distributed/data_parallel.py). resident_units: the first that many units live on the
+        device with their optimizer state (`resident`, loaded and updated by the caller), never crossing."""
         self.config, self.layout, self.params, self.grads = config, layout, params, grads
         self.grad_layout = grad_layout or GradLayout.full(layout)
         check_choice("precision", precision, PRECISIONS)
@@ -126,7 +98,11 @@ class Executor:
         if compile:
             allow_recompiles(COMPILED_SHAPES_LIMIT)
         self._compiled: dict[int, LayerFn] = {}  # id of a structure's layer function -> its compiled form
-        self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec)
+        if resident_units and self.dp is not None:
+            raise MegatrainError("resident units are kept by one executor; with several, set resident = none.")
+        self.resident = ResidentUnits(layout, resident_units, self.device, self.dtype)
+        self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
+                                 self.resident)
         self.egress = GradEgress(self.streams, self.grad_layout, self.rec, self.send_thread)
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
         self._host_buffers: dict[str, torch.Tensor] = {}  # see _host_buffer
@@ -180,6 +156,9 @@ class Executor:
                                  "the device (grads = 'device'); use grads = 'arena'.")
         if position_ids is not None:
             position_ids = check_positions(position_ids, input_ids)
+        if len(self.resident):  # their weights are on the device, updated by this process: nothing to wait for
+            wait_streamed = wait_weights
+            wait_weights = lambda unit: None if self.resident.holds(unit) else wait_streamed(unit)  # noqa: E731
 
         step = self._prepare(input_ids, host_targets, position_ids, k, loss_tokens, wait_weights)
         passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
@@ -197,7 +176,7 @@ class Executor:
         return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held)
 
     def _prepare(self, input_ids: torch.Tensor, host_targets: torch.Tensor, position_ids: torch.Tensor | None,
-                 k: int, loss_tokens: int, wait_weights: UnitCallback) -> _Step:
+                 k: int, loss_tokens: int, wait_weights: UnitCallback) -> PreparedStep:
         """The step's k micro-batches, and the embedding rows its tokens use, gathered on the host (every
         micro-batch's: one gather) and brought to the device with the targets."""
         rows_per_micro = input_ids.shape[0] // k
@@ -210,15 +189,19 @@ class Executor:
         wait_weights(embed_unit)
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
-            table = embed_unit.bind(embed_unit.range_of(self.weights))["embed_tokens.weight"]
-            # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
-            rows = self._host_buffer("rows", rows_idx.numel(), table.shape[1], table.dtype)
-            rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
+            resident = self.resident.holds(embed_unit)  # then the table is on the device, and gathered there
+            weights = self.resident.weights_of(embed_unit) if resident else embed_unit.range_of(self.weights)
+            table = embed_unit.bind(weights)["embed_tokens.weight"]
+            if resident:
+                rows = torch.index_select(table, 0, self._to_device(rows_idx)).to(self.dtype)
+            else:  # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
+                rows = self._host_buffer("rows", rows_idx.numel(), table.shape[1], table.dtype)
+                rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
-        return _Step(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, loss_tokens, table)
+        return PreparedStep(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, loss_tokens, table)
 
-    def _pass(self, step: _Step, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
+    def _pass(self, step: PreparedStep, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
               loss_ready: Callable[[float], bool] | None, slot_free: UnitCallback, hold_grads: bool,
               accumulate: bool, forward_only: bool, also_send: bool = False) -> StepOutput:
         """Forward, head and backward of micro-batches `ms` of `step`, layer-major; accumulate: their gradients are
@@ -240,7 +223,7 @@ class Executor:
         finally:
             self.activation_checkpoints.end()
 
-    def _forward(self, step: _Step, ms: list[int], wait_weights: UnitCallback) -> list[torch.Tensor]:
+    def _forward(self, step: PreparedStep, ms: list[int], wait_weights: UnitCallback) -> list[torch.Tensor]:
         """Every layer over micro-batches `ms`, layer-major: x[l] of the j-th micro-batch kept as activation
         checkpoint l * k + j. Returns each micro-batch's output of the last layer."""
         s, layers = self.streams, self.layout.layers
@@ -266,7 +249,7 @@ class Executor:
                 self.slots.fetch(layers[i + 1], keep=unit)
         return xs
 
-    def _embedded(self, step: _Step, m: int) -> torch.Tensor:
+    def _embedded(self, step: PreparedStep, m: int) -> torch.Tensor:
         """Micro-batch m's token embeddings: the first layer's input."""
         with self.rec.span("compute", "embed", self.layout.embed.index, self.streams.compute):
             x = embed(step.rows, step.row_of_token[step.micro[m]])
@@ -274,7 +257,7 @@ class Executor:
                 x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         return x
 
-    def _head(self, step: _Step, ms: list[int], xs: list[torch.Tensor], wait_weights: UnitCallback,
+    def _head(self, step: PreparedStep, ms: list[int], xs: list[torch.Tensor], wait_weights: UnitCallback,
               extra_loss: torch.Tensor | None) -> tuple[torch.Tensor, Weights, torch.Tensor]:
         """The head's forward and backward at once, micro-batch by micro-batch, each scaled by the whole step's
         tokens: xs[j] becomes the gradient with respect to its input. Returns the loss (plus `extra_loss`, a
@@ -301,7 +284,7 @@ class Executor:
                 loss = loss + extra_loss
         return loss, grad_norm_w, grad_lm  # the head's device weights (a tied table's device copy too) go here
 
-    def _backward(self, step: _Step, ms: list[int], loss: torch.Tensor, grads: list[torch.Tensor],
+    def _backward(self, step: PreparedStep, ms: list[int], loss: torch.Tensor, grads: list[torch.Tensor],
                   grad_norm_w: Weights, grad_lm: torch.Tensor, sends: Sends, hold_grads: bool,
                   accumulate: bool = False, also_send: bool = False) -> StepOutput:
         """The head's gradients out, then each layer's recomputed from its activation checkpoints (every
@@ -313,7 +296,9 @@ class Executor:
 
         def emit(out: GradsOut) -> None:
             norms[out.unit.index] = out.norm_sq
-            if hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
+            if self.resident.holds(out.unit):  # written where it stays: neither sent nor held
+                self.resident.land(out)
+            elif hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
                 held.append(out)
             if not hold_grads or also_send:
                 self.egress.emit(replace(out, pairs=list(out.pairs)) if hold_grads else out, sends)
@@ -325,13 +310,13 @@ class Executor:
         self.slots.fetch(layers[last], keep=None)
         for i in range(last, -1, -1):
             unit = layers[i]
-            permit = None if hold_grads else self.egress.permit(sends, unit)
+            permit = None if hold_grads or self.resident.holds(unit) else self.egress.permit(sends, unit)
             slot, w = self.slots.acquire(unit)
             wgrads = self._layer_grads(i, w, batches, grads)
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
-            dst = self.grad_layout.bind(unit, self.grads)
+            dst = self._grad_dst(unit)
             emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()], permit=permit,
                                  accumulate=accumulate))
             del wgrads  # only the GradsOut keeps them, so they go once they have landed
@@ -348,7 +333,7 @@ class Executor:
         """The head's gradients with their places in the arena: the final norm's, and the lm_head's unless it is
         the embedding table (tied: those join the embedding's)."""
         head_unit = self.layout.head
-        head_dst = self.grad_layout.bind(head_unit, self.grads)
+        head_dst = self._grad_dst(head_unit)
         head_grads = [(g, head_dst[name]) for name, g in grad_norm_w.items()]
         if not self.config.tie_embeddings:
             head_grads.append((grad_lm, head_dst["lm_head.weight"]))
@@ -380,7 +365,7 @@ class Executor:
                 del micro_wgrads
         return wgrads
 
-    def _embed_grads(self, step: _Step, ms: list[int], grads: list[torch.Tensor], grad_lm: torch.Tensor,
+    def _embed_grads(self, step: PreparedStep, ms: list[int], grads: list[torch.Tensor], grad_lm: torch.Tensor,
                      accumulate: bool) -> GradsOut:
         """The embedding's backward: the gradient rows of the step's tokens (plus the whole table when tied, the
         lm_head's gradient `grad_lm`). grads: per micro-batch, the gradient with respect to the first layer's
@@ -399,13 +384,14 @@ class Executor:
             pad = self.config.pad_token_id
             if pad is not None:  # transformers' embedding (padding_idx) gives the padding row no gradient
                 grad_rows.masked_fill_(self._to_device(rows_idx == pad).unsqueeze(1), 0.0)
-        embed_grad = self.grad_layout.bind(embed_unit, self.grads)["embed_tokens.weight"]
+        embed_grad = self._grad_dst(embed_unit)["embed_tokens.weight"]
         if self.config.tie_embeddings or self.dp is not None:  # data parallel: the executors' rows differ
             full = grad_lm.float() if self.config.tie_embeddings else grad_rows.new_zeros(embed_grad.shape)
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
             return self._gradients(embed_unit, [(full, embed_grad)], accumulate=accumulate)
-        if accumulate:  # this step's rows, which an earlier pass wrote
-            grad_rows += self._to_device(embed_grad.index_select(0, rows_idx))
+        if accumulate:  # this step's rows, which an earlier pass wrote (resident: on the device)
+            idx = self._to_device(rows_idx) if self.resident.holds(embed_unit) else rows_idx
+            grad_rows += self._to_device(embed_grad.index_select(0, idx))
         return self._embed_rows(grad_rows, rows_idx, embed_grad, embed_unit)
 
     def send_held(self, held: list[GradsOut], landed: LandedCallback = noop, slot_free: UnitCallback = noop
@@ -429,6 +415,8 @@ class Executor:
 
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """H2D of a small host tensor (token ids, gathered rows) on the h2d stream, ordered before compute."""
+        if self.resident.owns(t):  # a resident unit's, already there
+            return t if dtype is None else t.to(dtype)
         s = self.streams
         out = s.to_device(t, s.h2d)
         s.wait(s.compute, s.record(s.h2d))
@@ -471,7 +459,13 @@ class Executor:
             buf = self._host_buffers[name] = self.streams.pinned(rows, cols, dtype=dtype)
         return buf[:rows]
 
+    def _grad_dst(self, unit: Unit) -> Weights:
+        """Where the unit's gradient tensors go: its range of the arena's gradients, or on the device if resident."""
+        return self.resident.grads_of(unit) if self.resident.holds(unit) else self.grad_layout.bind(unit, self.grads)
+
     def _head_weights(self, head_unit: Unit) -> torch.Tensor:
+        if self.resident.holds(head_unit):
+            return self.resident.weights_of(head_unit)
         src = head_unit.range_of(self.weights)
         if not self.streams.asynchronous and self.dtype == src.dtype:
             return src
@@ -481,7 +475,11 @@ class Executor:
     def _embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
                     unit: Unit) -> GradsOut:
         """The gradient rows of this batch's tokens, to be written into the (otherwise zero) embedding
-        gradient in the arena once they have landed."""
+        gradient in the arena once they have landed (resident: on the device, from where they are)."""
+        if self.resident.holds(unit):
+            on_device = self._to_device(rows_idx)
+            return self._gradients(unit, [(grad_rows, grad_rows)],
+                                   lambda: embed_grad.zero_().index_copy_(0, on_device, grad_rows))
         host_rows = self._host_buffer("grad_rows", grad_rows.shape[0], grad_rows.shape[1], torch.float32)
 
         def scatter() -> None:

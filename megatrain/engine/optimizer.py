@@ -103,6 +103,7 @@ class AdamWShard:
         # where each unit's gradient is read from (its slot of a ring, when gradients stream)
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.piece_numel = piece_numel
+        self.device = tensors["params"].device
         # per unit: (decay group's pieces, no-decay group's pieces)
         self.groups: list[tuple[list[_Piece], list[_Piece]]] = [self._pieces(u, tensors) for u in layout.units]
         self.numel = sum(p.numel for pair in self.groups for pieces in pair for p in pieces)
@@ -147,7 +148,8 @@ class AdamWShard:
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
-        steps = torch.tensor(float(step + 1))  # read, not written, by the fused kernel: one for every tensor
+        # read, not written, by the fused kernel: one for every tensor, on their device (resident units': the GPU)
+        steps = torch.tensor(float(step + 1), device=self.device)
         for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
             for piece in pieces:
                 if undo:

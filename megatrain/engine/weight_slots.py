@@ -1,6 +1,7 @@
 """The weights' way onto the device: two buffers that decoder layers rotate through, each filled on the H2D
 stream while compute runs the layer in the other (on the CPU path, where nothing needs copying, the arena's
-views themselves)."""
+views themselves). A resident unit (megatrain/engine/resident.py) takes no buffer: its weights are bound where
+they live on the device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megatrain.engine.resident import ResidentUnits
 from megatrain.engine.streams import Streams
 from megatrain.model.layout import Unit
 from megatrain.telemetry import Recorder
@@ -17,8 +19,10 @@ class WeightSlots:
     """Two device buffers that decoder layers rotate through; a unit stays resident until evicted, so the
     top two layers of the forward are reused by the backward without a second copy."""
 
-    def __init__(self, numel: int, weights: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder):
+    def __init__(self, numel: int, weights: torch.Tensor, streams: Streams, dtype: torch.dtype, rec: Recorder,
+                 resident: ResidentUnits | None = None):
         self.weights, self.streams, self.dtype, self.rec = weights, streams, dtype, rec  # weights: host, flat
+        self.resident_units = resident
         self.copy_needed = streams.asynchronous or dtype != weights.dtype
         n = 2 if self.copy_needed else 0
         dev = streams.device
@@ -32,7 +36,7 @@ class WeightSlots:
 
     def fetch(self, unit: Unit, keep: Unit | None) -> None:
         """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
-        if not self.copy_needed or unit.index in self.resident:
+        if not self.copy_needed or unit.index in self.resident or self._on_device(unit):
             return
         slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
         src = unit.range_of(self.weights)
@@ -49,12 +53,19 @@ class WeightSlots:
 
     def acquire(self, unit: Unit) -> tuple[int, dict[str, torch.Tensor]]:
         """Makes the compute stream wait for `unit`'s weights and binds them."""
+        if self._on_device(unit):
+            w = self.resident_units.weights_of(unit)  # type: ignore[union-attr]
+            self.streams.compute_uses(w)
+            return -1, unit.bind(w)
         if not self.copy_needed:
             return -1, unit.bind(unit.range_of(self.weights))
         slot = self.resident.index(unit.index)
         self.streams.wait(self.streams.compute, self.ready[slot])
         self.streams.compute_uses(self.buffers[slot])
         return slot, unit.bind(self.buffers[slot][: unit.numel])
+
+    def _on_device(self, unit: Unit) -> bool:
+        return self.resident_units is not None and self.resident_units.holds(unit)
 
     def release(self, slot: int) -> None:
         if slot >= 0:

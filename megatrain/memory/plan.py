@@ -6,7 +6,8 @@ stream, see GRAD_PLACEMENTS in megatrain/config.py) and the resident size of the
 parameter store, optimizer workers, data loader, executor).
 GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the
 step's gradients when they stay on the device), the layer-input checkpoints, one layer's recompute
-working set, and one chunk of logits.
+working set, and one chunk of logits; then, in what is left, the units kept resident with their optimizer
+state (megatrain/memory/residency.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
+from megatrain.memory.residency import Residency, choose_resident
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout
 
 GiB = 2**30
@@ -81,6 +83,11 @@ class MemoryPlan:
     d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out
     nodes: int = 1  # hosts the run spans; every number above is one node's (the batch: one executor's)
     network_bytes: int = 0  # per step, what each node sends (and receives) to the others
+    # the first resident_units units (forward order) live on the device with their optimizer state, updated there
+    resident_units: int = 0
+    resident_params: int = 0
+    gpu_resident: int = 0  # their device bytes (on the CPU path part of process_bytes too: the device is the host)
+    resident_note: str = ""  # which units and why (Residency.describe)
 
     @property
     def step_tokens(self) -> int:
@@ -102,7 +109,8 @@ class MemoryPlan:
 
     @property
     def gpu_total(self) -> int:
-        return int(CUDA_CONTEXT) + self.gpu_weights + self.gpu_grads + self.gpu_activations + self.gpu_loss
+        return (int(CUDA_CONTEXT) + self.gpu_weights + self.gpu_grads + self.gpu_activations + self.gpu_loss
+                + self.gpu_resident)
 
     def _shorter(self) -> str:
         if self.longest_seq is None or self.longest_seq >= self.seq:
@@ -136,7 +144,8 @@ class MemoryPlan:
             tiles = f" in {self.tile_tokens}-token tiles" if self.tile_tokens else ""
             return (f"training {self.model} on {self.batch} x {self.seq} tokens{tiles}{offload} needs about "
                     f"{self.gpu_total / GiB:.1f} GiB of GPU memory but {self.gpu_free / GiB:.1f} GiB is free; "
-                    f"lower the batch size or sequence length{self._shorter()}.")
+                    f"lower the batch size or sequence length{self._shorter()}"
+                    + (", or keep fewer units resident." if self.resident_units else "."))
         return None
 
     def check_host(self) -> None:
@@ -172,8 +181,10 @@ class MemoryPlan:
                   row(f"layer checkpoints kept ({kept})", self.gpu_checkpoints)]
         if self.gpu_transfer:
             lines.append(row("checkpoint transfer buffers (2)", self.gpu_transfer))
-        lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss),
-                  row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total)]
+        lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss)]
+        if self.gpu_resident:
+            lines.append(row(f"{self.resident_units} resident units and their Adam state", self.gpu_resident))
+        lines.append(row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total))
         if self.gpu_free is not None:
             lines.append(row("free", self.gpu_free))
         if self.nodes > 1:
@@ -182,6 +193,8 @@ class MemoryPlan:
         if self.on_gpu:
             lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
                          f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
+        if self.resident_note:
+            lines.append(self.resident_note)
         problem = self.host_problem() or self.gpu_problem()
         lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
         return "\n".join(lines)
@@ -328,7 +341,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
              find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
-             executors: int = 1) -> MemoryPlan:
+             executors: int = 1, resident: int | str = "none") -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
     wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
     for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -337,8 +350,9 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     while the GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU
     path, whose device is the host), else as many as fit beside everything else, the rest offloaded.
     schedule: "layer-major" where it fits (or more than one micro-batch is not asked for), else "per-micro-batch"
-    with the gradients in the arena, where that fits. Where the result does not fit, its `longest_seq` says the
-    longest sequence that would (find_longest)."""
+    with the gradients in the arena, where that fits. resident: units kept on the device with their optimizer state,
+    in what is left (with_resident; the Engine and `megatrain plan` pass theirs, "auto" by default). Where the
+    result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     if schedule != AUTO:
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
@@ -361,13 +375,36 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
             plan.host_problem() or plan.gpu_problem()):
         fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
                             checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
+                            resident=resident,
                             **{k: v for k, v in kwargs.items() if k != "schedule"})
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback
     if find_longest and (plan.host_problem() or plan.gpu_problem()):
         plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
                                        checkpoint_budget=checkpoint_budget, **kwargs)
-    return plan
+    return with_resident(plan, config, resident, precision, executors * nodes)
+
+
+def with_resident(plan: MemoryPlan, config: ModelConfig, requested: int | str, precision: str, world: int
+                  ) -> MemoryPlan:
+    """The plan with `requested` resident units placed in what the device has left (megatrain/memory/residency.py),
+    and what no longer crosses PCIe: their weights (in twice a pass), gradients (out once), and the embedding's
+    rows; on the CPU path their bytes are host memory."""
+    room = plan.gpu_free - plan.gpu_total if plan.on_gpu and plan.gpu_free is not None else None
+    r: Residency = choose_resident(config, requested, room=room, on_gpu=plan.on_gpu, precision=precision,
+                                   world=world)
+    if not r.units:
+        return replace(plan, resident_note=r.describe())
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    streamed = 2 if precision == "bf16" and plan.shadow_bytes else 4
+    rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size * 4 if r.embed else 0
+    grads = (r.layers_numel + r.head_numel) * 4
+    h2d = passes * (2 * r.layers_numel + r.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
+    d2h = passes * (grads + rows)
+    return replace(plan, resident_units=r.units, resident_params=r.params, gpu_resident=r.bytes,
+                   resident_note=r.describe(), h2d_bytes=max(0, plan.h2d_bytes - h2d),
+                   d2h_bytes=max(0, plan.d2h_bytes - d2h),
+                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else r.bytes))
 
 
 def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:

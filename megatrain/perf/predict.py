@@ -16,7 +16,9 @@ What each lane costs per step:
   h2d, d2h   plan.h2d_bytes / d2h_bytes at the calibrated copy rates (a GPU's registered arena). On the CPU path
              the weights are read in place (no H2D); gradients are still copied into the arena, by the compute
              thread, and that copy is inside the timed layers.
-  optimizer  every parameter's fused AdamW update at the calibrated rate of that many workers.
+  optimizer  every streamed parameter's fused AdamW update at the calibrated rate of that many workers: units resident
+             on the device (plan.resident_params) are updated there in milliseconds, and their weights, gradients
+             and embedding rows are already out of plan.h2d_bytes / d2h_bytes.
   data       tokens x the calibrated per-token data time (0 where not measured: the loader prefetches).
   network    several nodes: plan.network_bytes (each node's gradients summed with the others', its updated part
              of the weights sent to them) at `link_gbps` (given: one machine cannot measure the link between two;
@@ -97,7 +99,8 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
     h2d = plan.h2d_bytes / (cal.h2d_gbps * 1e9) if on_gpu else 0.0
     d2h = plan.d2h_bytes / (cal.d2h_gbps * 1e9) if on_gpu and cal.d2h_gbps else 0.0
     tokens = plan.step_tokens * executors * plan.nodes  # a step's, over every executor of the run
-    optimizer = plan.params / plan.nodes / (cal.adamw_rate(optimizer_workers) * 1e9)
+    streamed = max(0, plan.params - plan.resident_params)  # resident units: updated on the device
+    optimizer = streamed / plan.nodes / (cal.adamw_rate(optimizer_workers) * 1e9)
     data = tokens * cal.data_s_per_token  # one loader feeds every executor of the run
     network = plan.network_bytes / (link_gbps * 1e9)
     overhead = STEP_OVERHEAD_S

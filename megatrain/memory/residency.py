@@ -1,0 +1,109 @@
+"""Which units stay resident on the executor's device: their fp32 weights, gradient and AdamW moments kept there and
+updated there, so they skip PCIe and the CPU optimizer pool (megatrain/engine/resident.py holds them).
+
+The memory plan calls `choose_resident` once everything else is placed (the pipeline's weight buffers, gradients,
+layer checkpoints): what the device has left, less a margin, takes units in forward order, the embedding first,
+then layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
+otherwise gate them. Each costs 16 B a parameter (weights, gradient, m, v in fp32) plus, in bf16 runs, a bf16 copy
+of its weights for compute (2 B).
+
+"auto" keeps units resident on a GPU whose free memory is known; on the CPU path the "device" is host memory the
+arena already holds, so none unless a count is asked for. Several executors or nodes keep none: each executor
+would hold its own copy of the state, and the nodes' weight exchange reads the arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from megatrain.config import ConfigError, ModelConfig, check_resident
+from megatrain.model.layout import ModelLayout
+
+GiB = 2**30
+RESIDENT_SEGMENT = "resident"  # the arena's int64 [units]: 1 where a unit is resident (the workers leave it)
+MARGIN_BYTES = 2 * GiB  # at least this much of the device stays free: the allocator's slack, compiled kernels' space
+MARGIN_FRACTION = 0.1  # ... or this share of its free memory, where that is more
+
+
+def bytes_per_param(precision: str) -> int:
+    """Device bytes of a resident parameter: fp32 weight, gradient, m and v; a bf16 copy for compute in bf16 runs."""
+    return 16 + (2 if precision == "bf16" else 0)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """The first `units` units in forward order are resident (0: none)."""
+
+    units: int = 0
+    params: int = 0  # their elements (padded ranges)
+    bytes: int = 0  # device bytes they take
+    embed: bool = False  # the embedding is among them (its rows then never cross PCIe)
+    layers: int = 0  # decoder layers among them (0 .. layers-1)
+    head: bool = False
+    layers_numel: int = 0  # the resident decoder layers' elements
+    head_numel: int = 0  # the head's, where it is resident
+    total_units: int = 0
+    why: str = ""  # one line for the plan's report
+
+    def describe(self) -> str:
+        if not self.units:
+            return f"resident units: none ({self.why})"
+        parts = (["the embedding"] if self.embed else []) + (
+            ["layer 0" if self.layers == 1 else f"layers 0-{self.layers - 1}"] if self.layers else []) + (
+            ["the head"] if self.head else [])
+        return (f"resident units: {' + '.join(parts)} ({self.units} of {self.total_units} units, "
+                f"{self.params / 1e9:.2f} G params, {self.bytes / GiB:.2f} GiB): updated on the device, no PCIe, no "
+                f"CPU pool; {self.why}")
+
+
+def unit_numels(config: ModelConfig) -> Iterator[int]:
+    """Each unit's elements in forward order (embedding, layers, head), without building a layout of every layer
+    where the layers are alike (a config may claim absurdly many)."""
+    if config.family.uniform_layers:
+        one = ModelLayout.build(replace(config, num_layers=1))
+        yield one.embed.numel
+        for _ in range(config.num_layers):
+            yield one.max_layer_numel()
+        yield one.head.numel
+    else:
+        yield from (u.numel for u in ModelLayout.build(config).units)
+
+
+def choose_resident(config: ModelConfig, requested: int | str, *, room: int | None, on_gpu: bool, precision: str,
+                    world: int = 1) -> Residency:
+    """The units to keep resident: `requested` ("auto", "none" or a count) given `room`, the device bytes left
+    beyond everything else (None: not known). world: executors of the run, all nodes'."""
+    check_resident(requested)
+    total = config.num_layers + 2
+    if not on_gpu and requested in ("auto", "none", 0):
+        return Residency(total_units=total, why="the CPU path; ask for a count with resident = N")
+    if requested in ("none", 0):
+        return Residency(total_units=total, why="resident = none")
+    if world > 1:
+        if requested != "auto":
+            raise ConfigError(f"resident units are kept by one executor; with {world} executors set resident = none "
+                              "(or auto).")
+        return Residency(total_units=total, why=f"{world} executors: each would hold its own copy")
+    if requested == "auto":
+        if room is None:
+            return Residency(total_units=total, why="the GPU's free memory is not known")
+        budget = room - max(MARGIN_BYTES, int(MARGIN_FRACTION * room))
+        count = None
+    else:
+        budget, count = None, min(int(requested), total)
+    per_param = bytes_per_param(precision)
+    numels: list[int] = []
+    for numel in unit_numels(config):
+        if (count is not None and len(numels) == count) or (
+                budget is not None and (sum(numels) + numel) * per_param > budget):
+            break
+        numels.append(numel)
+    if not numels:
+        return Residency(total_units=total, why="no room on the device beyond the pipeline's buffers and checkpoints")
+    units, params, head = len(numels), sum(numels), len(numels) == total
+    layers = min(units - 1, config.num_layers)
+    why = ("the first units the next forward needs, which the CPU pool's update would gate" if requested == "auto"
+           else f"resident = {requested}")
+    return Residency(units, params, params * per_param, True, layers, head, sum(numels[1 : 1 + layers]),
+                     numels[-1] if head else 0, total, why)

@@ -1,0 +1,227 @@
+"""LoRA adapters on a frozen, streamed base: their tensors and names, and the LoRA linear inside the layer math.
+
+    y = F.linear(x, W, b) + scaling * F.linear(F.linear(dropout(x), A), B)     A: (r, in), B: (out, r), W frozen
+
+How it enters the native layers without touching them. A layer's weights arrive as a dict of views (Weights);
+for a LoRA run that dict also holds the layer's adapters under PEFT's names inside the layer
+(`self_attn.q_proj.lora_A.weight`). LoraLayer wraps a family's layer function: before calling it, it puts a
+LoraWeight where each target's base weight stood. A LoraWeight is no tensor but a small object with
+`__torch_function__`, so the template's own `F.linear(h, w["self_attn.q_proj.weight"], bias)` dispatches to
+lora_linear; every other projection, norm and the attention run as they always do, and a run without adapters
+never meets a LoraWeight. The math knows nothing of adapters' storage, actors or streams: whoever binds a
+layer's weights adds its adapters to the dict.
+
+Gradients: LoraLayer.backward reruns the layer from its input with only the adapters (and the input) as autograd
+leaves (templates.recompute_grads), so the base gets no gradient (none is computed, none allocated) and the
+result holds the adapters' gradients alone, by their names in the layer. It recomputes the layer whole, not tile by
+tile. Dropout must draw the same mask in the forward and in that recompute: LoraArchitecture gives every batch a
+seed (LoraBatch appends it to each layer's arguments) and each target's mask is drawn from it; the tiled forward
+would draw per tile, so tiling is refused with dropout on. A LoraWeight is opaque to torch.compile (LoraLayer says
+so with `compilable = False`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.config import ConfigError
+from megatrain.lora.config import LoraConfig
+from megatrain.model.architecture import Architecture, Batch, LayerFn
+from megatrain.model.layout import ModelLayout
+from megatrain.model.templates import Weights, recompute_grads
+
+LORA = ".lora_"  # in every adapter tensor's name, and in no base tensor's
+PEFT_PREFIX = "base_model.model."  # PEFT's prefix on the transformers model's names
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """One adapted projection: decoder layer `layer`'s `module` (e.g. "self_attn.q_proj"), its base weight's HF name
+    and its shape (out_features, in_features)."""
+
+    layer: int
+    module: str
+    base_hf_name: str  # "model.layers.0.self_attn.q_proj.weight"
+    out_features: int
+    in_features: int
+
+    def name(self, which: str) -> str:
+        """Name inside the layer's weights of the A or B matrix ("A" | "B"): "self_attn.q_proj.lora_A.weight"."""
+        return f"{self.module}{LORA}{which}.weight"
+
+    def peft_name(self, which: str) -> str:
+        """The name PEFT saves it under: "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"."""
+        return f"{PEFT_PREFIX}{self.base_hf_name.removesuffix('weight')}lora_{which}.weight"
+
+    def shape(self, which: str, r: int) -> tuple[int, int]:
+        return (r, self.in_features) if which == "A" else (self.out_features, r)
+
+
+def adapter_slots(layout: ModelLayout, lora: LoraConfig) -> list[AdapterSlot]:
+    """Every adapted projection of the model, layer by layer in layout order; lora's targets must be the model's
+    (LoraConfig.for_model)."""
+    targets = set(lora.for_model(layout.config).target_modules)
+    slots = []
+    for unit in layout.layers:
+        for s in unit.slots:
+            parts = s.name.split(".")
+            if len(s.shape) == 2 and parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in targets:
+                slots.append(AdapterSlot(unit.layer, s.name.removesuffix(".weight"), s.hf_name, *s.shape))
+    return slots
+
+
+@dataclass
+class Adapters:
+    """A model's adapter tensors by PEFT name (fp32 masters), their slots and the LoraConfig they were made for."""
+
+    lora: LoraConfig
+    slots: list[AdapterSlot]
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def init(cls, layout: ModelLayout, lora: LoraConfig, seed: int = 0) -> Adapters:
+        """PEFT's initialisation: A as nn.Linear's weight (kaiming-uniform, a = sqrt(5)), B zeros, so the adapted
+        model starts as the base. Drawn slot by slot in layout order from one generator seeded with `seed`."""
+        lora = lora.for_model(layout.config)
+        gen = torch.Generator().manual_seed(seed)
+        slots, tensors = adapter_slots(layout, lora), {}
+        for slot in slots:
+            a = torch.empty(slot.shape("A", lora.r))
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            tensors[slot.peft_name("A")] = a
+            tensors[slot.peft_name("B")] = torch.zeros(slot.shape("B", lora.r))
+        return cls(lora, slots, tensors)
+
+    def layer(self, index: int) -> Weights:
+        """Decoder layer `index`'s adapters by their names inside the layer (the tensors themselves, not copies):
+        what a LoRA run adds to the layer's bound weights."""
+        return {slot.name(which): self.tensors[slot.peft_name(which)]
+                for slot in self.slots if slot.layer == index for which in "AB"}
+
+    def from_layer_names(self, index: int, by_layer_name: Weights) -> dict[str, torch.Tensor]:
+        """Layer `index`'s tensors (its adapters' gradients, say) renamed from names inside the layer to PEFT's."""
+        return {slot.peft_name(which): by_layer_name[slot.name(which)]
+                for slot in self.slots if slot.layer == index for which in "AB"}
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float, dropout: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """The LoRA linear, in PEFT's order of operations: the base projection, plus B(A(dropout(x))) * scaling. The
+    adapters are cast to x's dtype (bf16 compute on fp32 masters, as PEFT casts); dropout's mask comes from `seed`."""
+    y = F.linear(x, weight, bias)
+    h = x
+    if dropout > 0:
+        gen = torch.Generator(device=x.device).manual_seed(seed)
+        keep = torch.rand(x.shape, generator=gen, device=x.device) >= dropout
+        h = x * keep.to(x.dtype) / (1.0 - dropout)
+    return y + F.linear(F.linear(h, lora_a.to(x.dtype)), lora_b.to(x.dtype)) * scaling
+
+
+class LoraWeight:
+    """A frozen base weight and its adapter, standing where the base weight stood in a layer's weights: F.linear on
+    it is lora_linear. It is no tensor, so anything else done to it fails loudly instead of dropping the adapter."""
+
+    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                 dropout: float, seed: int):
+        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
+        self.scaling, self.dropout, self.seed = scaling, dropout, seed
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear or not isinstance(args[1], LoraWeight) or isinstance(args[0], LoraWeight):
+            raise TypeError(f"a LoRA-adapted weight only goes through F.linear as its weight, not {func}")
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return lora_linear(x, w.base, bias, w.lora_a, w.lora_b, w.scaling, w.dropout, w.seed)
+
+
+def with_adapters(w: Weights, lora: LoraConfig, seed: int = 0) -> dict[str, Any]:
+    """A layer's weights (base and adapters, as LoraLayer gets them) as its template takes them: each adapted
+    projection's weight a LoraWeight, the adapters' own entries gone. Target k's dropout mask is seeded seed + k."""
+    out: dict[str, Any] = {n: t for n, t in w.items() if LORA not in n}
+    modules = [n.removesuffix(".lora_A.weight") for n in w if n.endswith(".lora_A.weight")]
+    for k, module in enumerate(modules):
+        out[f"{module}.weight"] = LoraWeight(w[f"{module}.weight"], w[f"{module}.lora_A.weight"],
+                                             w[f"{module}.lora_B.weight"], lora.scaling, lora.dropout, seed + k)
+    return out
+
+
+class LoraLayer:
+    """A family's layer function with adapters: fn(x, weights with adapters, *the layer's args, dropout seed)."""
+
+    compilable = False  # torch.compile(fullgraph=True) cannot trace through a LoraWeight
+
+    def __init__(self, layer: LayerFn, lora: LoraConfig):
+        self.layer, self.lora = layer, lora
+
+    def __call__(self, x: torch.Tensor, w: Weights, *args: Any) -> torch.Tensor:
+        *layer_args, seed = args
+        return self.layer(x, with_adapters(w, self.lora, seed), *layer_args)
+
+    def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, *args: Any
+                 ) -> tuple[torch.Tensor, Weights]:
+        """(dL/dx, {adapter name in the layer: dL/d adapter}) by rerunning the layer with only x and the adapters as
+        leaves: the base weights get no gradient."""
+        base = {n: t.detach() for n, t in w.items() if LORA not in n}
+        adapters = {n: t for n, t in w.items() if LORA in n}
+        return recompute_grads(lambda x_, leaves, *a: self(x_, {**base, **leaves}, *a), x, adapters, grad_out, *args)
+
+
+class LoraBatch:
+    """A family's batch with a dropout seed after each layer's arguments: the same in the forward and the recompute."""
+
+    def __init__(self, batch: Batch, seed: int):
+        self.inner, self.seed = batch, seed
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        return (*self.inner.layer_args(index), hash((self.seed, index)) & 0x7FFF_FFFF_FFFF)
+
+    def forward_done(self) -> torch.Tensor | None:
+        return self.inner.forward_done()
+
+
+class LoraArchitecture:
+    """A family's Architecture with adapters in its layers (LoraLayer); the embedding, final norm and head are the
+    family's. Batches are seeded from (seed, step, how many batches this step made before): start_step(step) before a
+    step's batches, so that a replayed step draws the same dropout masks."""
+
+    def __init__(self, arch: Architecture, lora: LoraConfig, seed: int = 0):
+        self.arch, self.lora, self.seed = arch, lora, seed
+        self.embed_scale, self.logit_softcap = arch.embed_scale, arch.logit_softcap
+        if hasattr(arch, "logits"):
+            self.logits = arch.logits
+        self._layers: dict[int, LoraLayer] = {}  # id of the family's layer function -> its LoRA form
+        self.step, self._batches = 0, 0
+
+    def start_step(self, step: int) -> None:
+        self.step, self._batches = step, 0
+
+    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
+              position_ids: torch.Tensor | None = None) -> LoraBatch:
+        self._batches += 1
+        inner = self.arch.batch(batch_size, seq, device, dtype, position_ids)
+        return LoraBatch(inner, hash((self.seed, self.step, self._batches)))
+
+    def layer(self, index: int) -> LoraLayer:
+        fn = self.arch.layer(index)
+        if id(fn) not in self._layers:  # one LoraLayer per structure, as the family has one function per structure
+            self._layers[id(fn)] = LoraLayer(fn, self.lora)
+        return self._layers[id(fn)]
+
+    def tile(self, tile_tokens: int) -> None:
+        if self.lora.dropout > 0:
+            raise ConfigError("LoRA dropout cannot run over sequence tiles (the recompute would draw other masks); "
+                              "set the LoRA dropout to 0 or leave tile_tokens unset.")
+        self.arch.tile(tile_tokens)
+
+    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        return self.arch.final_norm(x, weights)

@@ -1,0 +1,133 @@
+"""LoraConfig: which projections get low-rank adapters, their rank, alpha, dropout and scaling, read from the command
+line (`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05,rslora=true`) or a TOML table, and checked against a model.
+
+Target modules are spelled as PEFT spells them: the last part of a projection's name inside a decoder layer
+(`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, as transformers names them), or
+PEFT's `all-linear` for every projection of the layers (never lm_head, as PEFT).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatrain.config import ConfigError, ModelConfig
+
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the decoder layers
+# the keys the command line and TOML take, with PEFT's own spelling of each beside it
+KEYS = {"r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout", "lora_dropout": "dropout",
+        "targets": "targets", "target_modules": "targets", "rslora": "rslora", "use_rslora": "rslora"}
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int  # rank of each adapter: A is (r, in), B is (out, r)
+    alpha: float  # the update B @ A is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)
+    target_modules: tuple[str, ...]  # projection names as PEFT spells them, e.g. ("q_proj", "v_proj")
+    dropout: float = 0.0  # on the adapter's input only, as PEFT's lora_dropout
+    use_rslora: bool = False  # rank-stabilised scaling (Kalajdzievski 2023): alpha / sqrt(r)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ConfigError(f"LoRA rank r must be a positive whole number, got {self.r!r}; try r=16.")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ConfigError(f"LoRA alpha must be a positive number, got {self.alpha!r}; try alpha=32 (twice r).")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"LoRA dropout must be a number in [0, 1), got {self.dropout!r}; try dropout=0.05.")
+        targets = self.target_modules
+        if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError(f"LoRA targets must name one or more projections, got {targets!r}; "
+                              "try targets=q_proj,v_proj.")
+        object.__setattr__(self, "target_modules", tuple(dict.fromkeys(targets)))  # in order, once each
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B @ A x, as PEFT computes it."""
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    @classmethod
+    def parse(cls, text: str) -> LoraConfig:
+        """The command line's form: comma-separated key=value pairs; the names after targets= run on, comma-separated,
+        to the next key=value (`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05`)."""
+        values: dict[str, Any] = {}
+        key = None
+        for part in (p.strip() for p in text.split(",")):
+            if "=" in part:
+                key, _, value = (s.strip() for s in part.partition("="))
+                values[key] = [value] if KEYS.get(key) == "targets" else value
+            elif part and key is not None and KEYS.get(key) == "targets":
+                values[key].append(part)
+            elif part:
+                raise ConfigError(f"--lora has {part!r} without a key; write key=value pairs, e.g. "
+                                  "r=16,alpha=32,targets=q_proj,v_proj.")
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LoraConfig:
+        """A TOML table (or parse's pairs): keys r, alpha, targets, dropout, rslora, or PEFT's spelling of them
+        (lora_alpha, target_modules, lora_dropout, use_rslora); numbers and flags may be strings."""
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            field = KEYS.get(key)
+            if field is None:
+                raise ConfigError(f"LoRA setting {key!r} is unknown; use r, alpha, targets, dropout and rslora.")
+            if field in kwargs:
+                raise ConfigError(f"LoRA setting {field!r} is given twice (as {key!r} too); give it once.")
+            kwargs[field] = value
+        missing = [k for k in ("r", "alpha", "targets") if k not in kwargs]
+        if missing:
+            raise ConfigError(f"LoRA settings lack {', '.join(missing)}; e.g. r=16,alpha=32,targets=q_proj,v_proj.")
+        targets = kwargs["targets"]
+        return cls(r=_number(kwargs["r"], "r", int), alpha=_number(kwargs["alpha"], "alpha", float),
+                   target_modules=tuple(targets.split(",")) if isinstance(targets, str) else tuple(targets),
+                   dropout=_number(kwargs.get("dropout", 0.0), "dropout", float),
+                   use_rslora=_flag(kwargs.get("rslora", False)))
+
+    def to_cli(self) -> str:
+        """The command line's form, which parse reads back as this config."""
+        return (f"r={self.r},alpha={self.alpha:g},targets={','.join(self.target_modules)},"
+                f"dropout={self.dropout:g},rslora={str(self.use_rslora).lower()}")
+
+    def for_model(self, config: ModelConfig) -> LoraConfig:
+        """This config with its targets checked against the model's projections and put in their order (all-linear:
+        every one of them); a target the model does not have is refused in one sentence."""
+        available = projections(config)
+        if ALL_LINEAR in self.target_modules:
+            return replace(self, target_modules=available)
+        unknown = [t for t in self.target_modules if t not in available]
+        if unknown:
+            raise ConfigError(f"LoRA targets {', '.join(unknown)} are no projections of this {config.model_type} "
+                              f"model; its decoder layers have {', '.join(available)} (or use targets=all-linear).")
+        return replace(self, target_modules=tuple(t for t in available if t in self.target_modules))
+
+
+def projections(config: ModelConfig) -> tuple[str, ...]:
+    """The names PEFT gives the decoder layers' linear projections (`q_proj` of `self_attn.q_proj.weight`), in layer
+    order: the 2-D weights of every layer."""
+    names: dict[str, None] = {}
+    for i in range(config.num_layers):
+        for name, shape, _ in config.family.layer_tensors(config, i):
+            parts = name.split(".")
+            if len(shape) == 2 and len(parts) >= 2 and parts[-1] == "weight":
+                names[parts[-2]] = None
+    return tuple(names)
+
+
+def _number(value: Any, key: str, kind: type) -> Any:
+    """int or float from a TOML number or a command-line string; anything else is left for LoraConfig to refuse."""
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"LoRA setting {key} must be a number, got {value!r}.") from None
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in TRUE + FALSE:
+        return value.lower() in TRUE
+    raise ConfigError(f"LoRA setting rslora must be true or false, got {value!r}.")

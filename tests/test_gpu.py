@@ -167,10 +167,13 @@ def test_registered_arena_h2d_bandwidth() -> None:
         arena.destroy()
 
 
-@pytest.mark.parametrize(("grads", "max_grad_norm"), [("arena", 1.0), ("device", 1.0), ("stream", None),
-                                                      ("arena", None)],
-                         ids=["arena-clipped", "device-clipped", "stream-unclipped", "arena-unclipped"])
-def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_grad_norm: float | None) -> None:
+@pytest.mark.parametrize(("grads", "max_grad_norm", "resident"),
+                         [("arena", 1.0, "none"), ("device", 1.0, "none"), ("stream", None, "none"),
+                          ("arena", None, "none"), ("arena", 1.0, 3), ("device", None, "auto")],
+                         ids=["arena-clipped", "device-clipped", "stream-unclipped", "arena-unclipped",
+                              "3-resident-arena-clipped", "auto-resident-device-unclipped"])
+def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_grad_norm: float | None,
+                                  resident: int | str) -> None:
     """The CUDA stream path (three streams, two weight buffers, gradients out through the sender thread or
     held on the GPU and sent by the grads_out concurrency group) against the CPU path, 3 AdamW steps. With
     clipping off each layer is handed to the optimizer workers as soon as its gradients land, during the
@@ -180,7 +183,10 @@ def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_g
     Adam's eps is 1e-5 here, not 1e-8: its update lr * g / (|g| + eps) turns a gradient difference d at an
     element with |g| below eps into an update difference of up to lr * d / eps. cuBLAS and the CPU's BLAS sum
     in different orders (differences ~1e-9), so with eps 1e-8 near-zero gradients alone could move weights
-    by a tenth of lr apart, which says nothing about the pipeline; at 1e-5 the update stays linear there."""
+    by a tenth of lr apart, which says nothing about the pipeline; at 1e-5 the update stays linear there.
+
+    `resident`: "none" streams every unit; 3 keeps the embedding and layers 0-1 on the GPU, updated there by the
+    fused AdamW's CUDA kernel, and "auto" as many as the plan finds room for (all of this small model)."""
     hf_models()["llama-gqa"].save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 512, (2, 128), generator=gen) for _ in range(3)]
@@ -188,7 +194,8 @@ def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_g
     for device in ("cpu", "cuda"):
         with megatrain.Engine(tmp_path, device=device, precision="fp32", optimizer_workers=2, lr=1e-3, eps=1e-5,
                               max_grad_norm=max_grad_norm, warmup_steps=1, total_steps=3,
-                              grads="arena" if device == "cpu" else grads) as engine:
+                              grads="arena" if device == "cpu" else grads,
+                              resident="none" if device == "cpu" else resident) as engine:
             assert engine.grads == ("arena" if device == "cpu" else grads)
             losses = [engine.step(b) for b in batches]
             results[device] = (losses, engine.parameters())
@@ -242,7 +249,7 @@ def test_engine_gpu_peak_memory_within_plan(ray_session, grads: str) -> None:
     gen = torch.Generator().manual_seed(0)
     with megatrain.Engine("125m", device="cuda", precision="tf32", optimizer_workers=2, lr=1e-4,
                           max_grad_norm=None, grads=grads, batch_size=batch, seq_len=seq,
-                          loss_chunk_tokens=chunk) as engine:
+                          loss_chunk_tokens=chunk, resident="none") as engine:  # the streamed path's peak
         assert engine.grads == grads
         losses = [engine.step(torch.randint(0, engine.config.vocab_size, (batch, seq), generator=gen))
                   for _ in range(2)]

@@ -18,6 +18,7 @@ import numpy as np
 import ray
 import torch
 
+from actors.arena_handle import HandleArg, open_arena
 from actors.termination import exit_on_sigterm
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.distributed.data_parallel import DataParallel
@@ -25,7 +26,7 @@ from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import Speculation, clip_coefficient
-from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.arena import SHADOW_SEGMENT
 from megatrain.memory.plan import gpu_free_here
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
@@ -53,13 +54,13 @@ def checkpoint_budget_bytes(engine: EngineConfig) -> int | None:
 
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
 class GPUExecutor:
-    def __init__(self, handle: ArenaHandle, config: ModelConfig, engine: EngineConfig, workers: list[Any],
+    def __init__(self, handle: HandleArg, config: ModelConfig, engine: EngineConfig, workers: list[Any],
                  clipping: bool, trace: bool = False, rank: int = 0, world: int = 1, rendezvous: str | None = None):
         """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
         the arena), tile_tokens, checkpoint_budget_gib and schedule. rank, world: this executor's place among the
         run's executors (data parallel over a step's rows), which meet at `rendezvous` (tcp://host:port)."""
         exit_on_sigterm()
-        self.arena = Arena.open(handle)
+        self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
         self.layout = ModelLayout.build(config)
         self.dp = None
         if world > 1:

@@ -18,11 +18,11 @@ from collections.abc import Callable
 import ray
 import torch
 
+from actors.arena_handle import HandleArg, open_arena
 from actors.metrics import EngineMetrics
 from actors.termination import exit_on_sigterm
 from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import AdamWShard
-from megatrain.memory.arena import Arena, ArenaHandle
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
 from megatrain.telemetry import Span, optimizer_lane
@@ -30,14 +30,14 @@ from megatrain.telemetry import Span, optimizer_lane
 
 @ray.remote
 class OptimizerWorker:
-    def __init__(self, handle: ArenaHandle, layout: ModelLayout, optim: OptimConfig, worker: int, num_workers: int,
+    def __init__(self, handle: HandleArg, layout: ModelLayout, optim: OptimConfig, worker: int, num_workers: int,
                  threads: int, grads: str = "arena", metrics: EngineMetrics | None = None, node: int = 0,
                  nodes: int = 1):
         """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read.
         node, nodes: the worker updates its share of node `node`'s part of each unit (NodeShard)."""
         exit_on_sigterm()
         torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
-        self.arena = Arena.open(handle)
+        self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
         self.layout = layout  # the driver's: building it again would import transformers here for a generic model
         versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,

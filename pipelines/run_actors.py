@@ -64,6 +64,7 @@ class RunActors:
         self.placements: list[NodePlacement] = []  # one per node, the driver's first
         self.stores: list[Any] = []  # one per node, the driver's first
         self.handles: list[ArenaHandle] = []  # their arenas
+        self.handle_refs: list[ray.ObjectRef] = []  # the stores' `handle` calls: what workers and executors are given
         self.executors: list[Any] = []  # rank order: the first also evaluates and holds gradients on the device
         self.workers: list[Any] = []
         self.arena: Arena | None = None  # the driver's map of its node's arena: the version table and the weights
@@ -91,14 +92,18 @@ class RunActors:
                                                                    f"parameter-store/{m}"), **p.pinned()
                                                    ).remote(*self.store_args, node=m, nodes=nodes)
                        for m, p in enumerate(self.placements)]
-        self.handles = get([s.handle.remote() for s in self.stores])
+        # The workers and executors start while the stores build their arenas (their processes' imports are a second
+        # or more each): each gets its node's handle as a reference inside a list, which Ray hands over as it is
+        # (a reference passed as an argument itself would hold the actor back until the store is done)
+        self.handle_refs = [s.handle.remote() for s in self.stores]
+        self.workers = [self.new_worker(w) for w in range(nodes * self.placements[0].workers)]
+        self.executors = self.new_executors()
+        self.handles = get(self.handle_refs)
         if nodes > 1:  # the stores' own group, to keep the nodes' weights equal (distributed/node_exchange.py)
             address = f"tcp://{get(self.stores[0].node_ip.remote())}:{free_port()}"
             get([s.join_nodes.remote(address) for s in self.stores])
         self.arena = Arena.open(self.handles[0])  # the driver reads the version table and, on request, weights
         self.versions = VersionTable(self.arena.versions.view(-1, self.placements[0].workers + (nodes > 1)))
-        self.workers = [self.new_worker(w) for w in range(nodes * self.placements[0].workers)]
-        self.executors = self.new_executors()
         get([w.numel.remote() for w in self.workers])  # all up before the first step
 
     def new_worker(self, index: int) -> Any:
@@ -107,7 +112,7 @@ class RunActors:
         p = self.placements[node]
         name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
         return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
-            self.handles[node], self.layout, self.optim, worker, p.workers, p.worker_threads,
+            [self.handle_refs[node]], self.layout, self.optim, worker, p.workers, p.worker_threads,
             self.engine_config.grads, self.metrics, node, len(self.placements))
 
     def new_executors(self) -> list[Any]:
@@ -127,7 +132,7 @@ class RunActors:
             name = "executor" if world == 1 else f"executor/{rank}"
             workers = self.workers[node * workers_per_node : (node + 1) * workers_per_node]
             executors.append(GPUExecutor.options(name=self._name(name), **self.placements[node].executor(local)).remote(
-                self.handles[node], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
+                [self.handle_refs[node]], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
                 rendezvous))
         return executors
 

@@ -36,6 +36,7 @@ from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.activation_checkpoints import ActivationCheckpoints
 from megatrain.engine.batch_checks import check_batch, check_extra_loss, check_micro_batches, check_positions
 from megatrain.engine.grad_egress import GradEgress, GradsOut, LandedCallback, Sends, UnitCallback, noop
+from megatrain.engine.host_buffers import HostBuffers
 from megatrain.engine.resident import ResidentUnits
 from megatrain.engine.step_state import PreparedStep, StepOutput
 from megatrain.engine.streams import make_streams
@@ -105,7 +106,7 @@ class Executor:
                                  self.resident)
         self.egress = GradEgress(self.streams, self.grad_layout, self.rec, self.send_thread)
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
-        self._host_buffers: dict[str, torch.Tensor] = {}  # see _host_buffer
+        self.host_buffers = HostBuffers(self.streams)  # gathered embedding rows, their gradients
 
     # ---- the step ----
     def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
@@ -195,7 +196,7 @@ class Executor:
             if resident:
                 rows = torch.index_select(table, 0, self._to_device(rows_idx)).to(self.dtype)
             else:  # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
-                rows = self._host_buffer("rows", rows_idx.numel(), table.shape[1], table.dtype)
+                rows = self.host_buffers.get("rows", rows_idx.numel(), table.shape[1], table.dtype)
                 rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
             row_of_token = self._to_device(row_of_token)
             targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
@@ -211,12 +212,16 @@ class Executor:
         xs = self._forward(step, ms, wait_weights)
         extra_loss = batches[0].forward_done() if len(ms) == 1 else None  # several: refused by run
         loss, grad_norm_w, grad_lm = self._head(step, ms, xs, wait_weights, extra_loss)
-        if forward_only or (loss_ready is not None and not loss_ready(float(loss))):
+        if forward_only:
             self.activation_checkpoints.end()
             return StepOutput(float(loss), step.n_tokens)
+        go_on = None  # asked by the backward once its top layer is queued, the loss copied out on the D2H stream
+        if loss_ready is not None:  # (float(loss) now would drain the device before the backward is queued)
+            read_loss = self.host_buffers.read_later("loss", loss)
+            go_on = lambda: loss_ready(read_loss())  # noqa: E731
         try:  # xs now holds each micro-batch's gradient with respect to the head's input
             return self._backward(step, ms, loss, xs, grad_norm_w, grad_lm, Sends(grads_landed, slot_free),
-                                  hold_grads, accumulate, also_send)
+                                  hold_grads, accumulate, also_send, go_on)
         except BaseException:
             self.egress.abandon()
             raise
@@ -286,10 +291,12 @@ class Executor:
 
     def _backward(self, step: PreparedStep, ms: list[int], loss: torch.Tensor, grads: list[torch.Tensor],
                   grad_norm_w: Weights, grad_lm: torch.Tensor, sends: Sends, hold_grads: bool,
-                  accumulate: bool = False, also_send: bool = False) -> StepOutput:
+                  accumulate: bool = False, also_send: bool = False, go_on: Callable[[], bool] | None = None
+                  ) -> StepOutput:
         """The head's gradients out, then each layer's recomputed from its activation checkpoints (every
         micro-batch's, their weight gradients summed), then the embedding's; accumulate: each added to what the
-        arena holds. grads: per micro-batch, the gradient with respect to the head's input."""
+        arena holds. grads: per micro-batch, the gradient with respect to the head's input. go_on, if given, is
+        asked once the top layer's backward is queued and before any gradient leaves (False: the loss alone)."""
         layers, batches = self.layout.layers, [step.batches[m] for m in ms]
         held: list[GradsOut] = []
         norms: dict[int, torch.Tensor] = {}
@@ -303,7 +310,7 @@ class Executor:
             if not hold_grads or also_send:
                 self.egress.emit(replace(out, pairs=list(out.pairs)) if hold_grads else out, sends)
 
-        emit(self._head_grads(grad_norm_w, grad_lm, accumulate))
+        head: GradsOut | None = self._head_grads(grad_norm_w, grad_lm, accumulate)  # emitted once go_on agrees
 
         # the layers from the top, each with its weights bound again
         last = len(layers) - 1
@@ -316,6 +323,11 @@ class Executor:
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
+            if head is not None:
+                if go_on is not None and not go_on():
+                    return StepOutput(float(loss), step.n_tokens)
+                emit(head)
+                head = None
             dst = self._grad_dst(unit)
             emit(self._gradients(unit, [(g, dst[name]) for name, g in wgrads.items()], permit=permit,
                                  accumulate=accumulate))
@@ -434,7 +446,8 @@ class Executor:
         if accumulate:
             pairs = [(g.float() + self._to_device(dst), dst) for g, dst in pairs]
         # a unit with no gradient (OpenAI GPT's head: tied, no final norm) still gives a norm tensor
-        norm_sq = sum((self._norm_sq(g) for g, _ in pairs), torch.zeros((), dtype=torch.float64, device=self.device))
+        norm_sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64).square() for g, _ in pairs),
+                      torch.zeros((), dtype=torch.float64, device=self.device))
         self.streams.compute_uses(norm_sq, *(g for g, _ in pairs))
         return GradsOut(unit, pairs, norm_sq, self.streams.record(self.streams.compute), scatter, permit)
 
@@ -450,14 +463,6 @@ class Executor:
             start = (dst.data_ptr() - whole.data_ptr()) // whole.element_size()
             flat[start : start + dst.numel()] = g.reshape(-1)
         return [(self.dp.reduce(flat), whole[self.dp.shard(whole.numel())])]
-
-    def _host_buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, cols] view of a host buffer kept from step to step (page-locked on a GPU), grown when a
-        batch needs more: page-locked blocks allocated per step would stay cached by torch's host allocator."""
-        buf = self._host_buffers.get(name)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.dtype != dtype:
-            buf = self._host_buffers[name] = self.streams.pinned(rows, cols, dtype=dtype)
-        return buf[:rows]
 
     def _grad_dst(self, unit: Unit) -> Weights:
         """Where the unit's gradient tensors go: its range of the arena's gradients, or on the device if resident."""
@@ -480,7 +485,7 @@ class Executor:
             on_device = self._to_device(rows_idx)
             return self._gradients(unit, [(grad_rows, grad_rows)],
                                    lambda: embed_grad.zero_().index_copy_(0, on_device, grad_rows))
-        host_rows = self._host_buffer("grad_rows", grad_rows.shape[0], grad_rows.shape[1], torch.float32)
+        host_rows = self.host_buffers.get("grad_rows", grad_rows.shape[0], grad_rows.shape[1], torch.float32)
 
         def scatter() -> None:
             if self._embed_rows_written is None:
@@ -491,7 +496,3 @@ class Executor:
             self._embed_rows_written = rows_idx
 
         return self._gradients(unit, [(grad_rows, host_rows)], scatter)
-
-    @staticmethod
-    def _norm_sq(g: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(g, dtype=torch.float64).square()

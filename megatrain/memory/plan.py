@@ -19,7 +19,7 @@ from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.memory.residency import Residency, choose_resident
-from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
 GiB = 2**30
 # Resident memory (VmRSS less shared memory) of each process besides the arena. Measured on the CPU path
@@ -220,15 +220,8 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
-    # Where decoder layers are alike, plan from a one-layer layout, so a config claiming 10^9 layers is refused at
-    # once instead of after building a layout of 10^9 units; layers that differ (MoE beside dense layers, hybrid
-    # stacks) are planned from the whole layout, sized per structure.
-    if config.family.uniform_layers:
-        layout = ModelLayout.build(replace(config, num_layers=1))
-        arena_numel = layout.numel + (config.num_layers - 1) * layout.max_layer_numel()
-    else:
-        layout = ModelLayout.build(config)
-        arena_numel = layout.numel
+    layout = planning_layout(config)  # one layer's where layers are alike: a config may claim 10^9 of them
+    arena_numel = layout.numel + (config.num_layers - len(layout.layers)) * layout.max_layer_numel()
     act_bytes = 2 if precision == "bf16" else 4
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.kv_size

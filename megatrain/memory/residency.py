@@ -14,11 +14,10 @@ would hold its own copy of the state, and the nodes' weight exchange reads the a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatrain.config import ConfigError, ModelConfig, check_resident
-from megatrain.model.layout import ModelLayout
+from megatrain.model.layout import planned_unit_numels
 
 GiB = 2**30
 RESIDENT_SEGMENT = "resident"  # the arena's int64 [units]: 1 where a unit is resident (the workers leave it)
@@ -57,19 +56,6 @@ class Residency:
                 f"CPU pool; {self.why}")
 
 
-def unit_numels(config: ModelConfig) -> Iterator[int]:
-    """Each unit's elements in forward order (embedding, layers, head), without building a layout of every layer
-    where the layers are alike (a config may claim absurdly many)."""
-    if config.family.uniform_layers:
-        one = ModelLayout.build(replace(config, num_layers=1))
-        yield one.embed.numel
-        for _ in range(config.num_layers):
-            yield one.max_layer_numel()
-        yield one.head.numel
-    else:
-        yield from (u.numel for u in ModelLayout.build(config).units)
-
-
 def choose_resident(config: ModelConfig, requested: int | str, *, room: int | None, on_gpu: bool, precision: str,
                     world: int = 1) -> Residency:
     """The units to keep resident: `requested` ("auto", "none" or a count) given `room`, the device bytes left
@@ -94,7 +80,7 @@ def choose_resident(config: ModelConfig, requested: int | str, *, room: int | No
         budget, count = None, min(int(requested), total)
     per_param = bytes_per_param(precision)
     numels: list[int] = []
-    for numel in unit_numels(config):
+    for numel in planned_unit_numels(config):
         if (count is not None and len(numels) == count) or (
                 budget is not None and (sum(numels) + numel) * per_param > budget):
             break

@@ -11,7 +11,8 @@ boundaries where torch's fused AdamW gives bit-identical results however the ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,6 +137,25 @@ class ModelLayout:
         """HF name -> view into a full-model flat buffer (params, grads, or an optimizer state)."""
         return {s.hf_name: arena_flat[u.offset + s.offset : u.offset + s.offset + s.numel].view(s.shape)
                 for u in self.units for s in u.slots}
+
+
+def planning_layout(config: ModelConfig) -> ModelLayout:
+    """The layout sizes are planned from without building every layer: where the decoder layers are alike
+    (family.uniform_layers), a one-layer model's, so a config claiming 10^9 layers is sized at once; where they
+    differ (MoE beside dense layers, hybrid stacks), the whole model's."""
+    return ModelLayout.build(replace(config, num_layers=1) if config.family.uniform_layers else config)
+
+
+def planned_unit_numels(config: ModelConfig) -> Iterator[int]:
+    """Each unit's elements in forward order (embedding, layers, head), from planning_layout's layout."""
+    layout = planning_layout(config)
+    if len(layout.layers) == config.num_layers:
+        yield from (u.numel for u in layout.units)
+        return
+    yield layout.embed.numel
+    for _ in range(config.num_layers):
+        yield layout.max_layer_numel()
+    yield layout.head.numel
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,21 @@ class Residency:
     units: int = 0
     params: int = 0  # their elements (padded ranges)
     bytes: int = 0  # device bytes they take
-    embed: bool = False  # the embedding is among them (its rows then never cross PCIe)
     layers: int = 0  # decoder layers among them (0 .. layers-1)
-    head: bool = False
     layers_numel: int = 0  # the resident decoder layers' elements
     head_numel: int = 0  # the head's, where it is resident
     total_units: int = 0
     why: str = ""  # one line for the plan's report
+
+    @property
+    def embed(self) -> bool:
+        """The embedding is among them (it comes first): its rows then never cross PCIe."""
+        return self.units > 0
+
+    @property
+    def head(self) -> bool:
+        """Every unit is resident, the head (the last) too."""
+        return 0 < self.units == self.total_units
 
     def describe(self) -> str:
         if not self.units:
@@ -91,5 +99,5 @@ def choose_resident(config: ModelConfig, requested: int | str, *, room: int | No
     layers = min(units - 1, config.num_layers)
     why = ("the first units the next forward needs, which the CPU pool's update would gate" if requested == "auto"
            else f"resident = {requested}")
-    return Residency(units, params, params * per_param, True, layers, head, sum(numels[1 : 1 + layers]),
+    return Residency(units, params, params * per_param, layers, sum(numels[1 : 1 + layers]),
                      numels[-1] if head else 0, total, why)

@@ -26,12 +26,14 @@ from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import Speculation, clip_coefficient
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.lora.layout import training_layout
+from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.plan import gpu_free_here
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
-from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.model.layout import GradLayout, Unit
+from megatrain.perf.compile_choice import compile_choice
 from megatrain.telemetry import Recorder, Span, executor_lanes
 
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
@@ -61,17 +63,22 @@ class GPUExecutor:
         run's executors (data parallel over a step's rows), which meet at `rendezvous` (tcp://host:port)."""
         exit_on_sigterm()
         self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
-        self.layout = ModelLayout.build(config)
+        self.layout = training_layout(config, engine.lora)  # what trains: a LoRA run's adapters
         self.dp = None
         if world > 1:
             device = torch.device("cuda" if engine.device.startswith("cuda") else "cpu")
             self.dp = DataParallel.join(rank, world, rendezvous or "", device)
+        # compile "auto" resolved here, on the executor's own device and its GPU's calibration
+        self.compile = compile_choice(engine.compile, engine.device, config, engine.precision)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
                                  engine.precision, engine.loss_chunk_tokens, Recorder(),
                                  GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
-                                 engine.compile, tile_tokens=engine.tile_tokens,
+                                 self.compile.on, tile_tokens=engine.tile_tokens,
                                  checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp,
-                                 resident_units=engine.resident if isinstance(engine.resident, int) else 0)
+                                 resident_units=engine.resident if isinstance(engine.resident, int) else 0,
+                                 kept_layers=engine.keep_activations if isinstance(engine.keep_activations, int) else 0,
+                                 frozen=self.arena.tensors.get(FROZEN_SEGMENT))
+        self.seed = engine.seed  # a LoRA run's dropout masks are drawn from it and the step (LoraStep.start_step)
         self.hold_grads = engine.grads == "device"
         self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1
         self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
@@ -80,9 +87,9 @@ class GPUExecutor:
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
             # page-locked: what the copy streams read (the weights the executor streams: the bf16 shadow in bf16
-            # runs, else params) and write (grads)
-            read = SHADOW_SEGMENT if self.executor.weights is not self.arena.params else "params"
-            self.arena.register_cuda((read, "grads"))
+            # runs, a LoRA run's frozen base and its adapters, else params) and write (grads)
+            read = next(name for name, t in self.arena.tensors.items() if t is self.executor.weights)
+            self.arena.register_cuda((read, "grads") if read != FROZEN_SEGMENT else (read, "grads", "params"))
             # Ray sets OMP_NUM_THREADS=1 in an actor without CPUs; the embedding rows are gathered and their
             # gradients scattered on the host, on the step's critical path: a few threads, leaving the
             # rest of the cores to the optimizer workers
@@ -106,6 +113,10 @@ class GPUExecutor:
     def device(self) -> str:
         return str(self.executor.device)
 
+    def compiled(self) -> str:
+        """Whether the layers and the head run compiled, and why: one line for the run's log."""
+        return self.compile.why
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -121,6 +132,8 @@ class GPUExecutor:
         landed_sq, stopped = 0.0, False  # squared norm of the units (this executor's slices) landed so far
         rec = self.executor.rec
         rec.begin_step(step, self.executor.device)
+        if self.executor.lora is not None:
+            self.executor.lora.start_step(step, seed=self.seed)
 
         def wait_weights(unit: Unit) -> None:
             self._wait_for_version(unit, expected_version, pending)
@@ -197,6 +210,8 @@ class GPUExecutor:
         input_ids, labels, position_ids = _batch_tensors(batch)
         rec = self.executor.rec
         rec.begin_step(rec.step, self.executor.device)
+        if self.executor.lora is not None:  # no dropout
+            self.executor.lora.start_step(expected_version, training=False)
         try:
             out = self.executor.run(input_ids, labels, position_ids,
                                     wait_weights=lambda unit: self._wait_for_version(unit, expected_version, pending),

@@ -11,6 +11,7 @@ import ray
 
 from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, ModelConfig
+from megatrain.lora.config import LoraConfig
 from megatrain.memory.arena import ArenaHandle
 from megatrain.store import ParameterStore
 
@@ -22,6 +23,7 @@ class ParameterStoreActor:
     def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
                  run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False,
                  tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1,
+                 lora: LoraConfig | None = None, lora_base_dtype: str = "bf16", adapter: str | None = None,
                  node: int = 0, nodes: int = 1):
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
@@ -33,7 +35,8 @@ class ParameterStoreActor:
             self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
                                         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-                                        micro_batches=micro_batches, node=node, nodes=nodes,
+                                        micro_batches=micro_batches, node=node, nodes=nodes, lora=lora,
+                                        lora_base_dtype=lora_base_dtype, adapter=adapter,
                                         verify=False)  # the driver's resolve_model made the self-check
         except MegatrainError as e:
             self.init_error = e
@@ -80,8 +83,8 @@ class ParameterStoreActor:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return self.store.load_checkpoint(directory)
 
-    def save_pretrained(self, directory: str, extra_files: list[str] | None = None) -> str:
-        return str(self.store.save_pretrained(directory, [Path(f) for f in extra_files or []]))
+    def save_pretrained(self, directory: str, extra_files: list[str] | None = None, merge: bool = False) -> str:
+        return str(self.store.save_pretrained(directory, [Path(f) for f in extra_files or []], merge))
 
     def close(self) -> None:
         if self.store is not None:

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh long-1b # long_context.py, bf16: megatrain 1b at the plan's longest, up to 512k
 #   bash benchmarks/gpu_session.sh predict # issue #17: calibrate, then 7b tf32 at K = 16, 1, 4 micro-batches, predicted vs measured
 #   bash benchmarks/gpu_session.sh multi   # several GPUs (the lent machines have one): NCCL test, 7b at 1/2/4/8 executors
+#   bash benchmarks/gpu_session.sh lora    # issue #27: LoRA on a streamed bf16 base, 32b (Qwen2.5-32B's shape) at 1 x 4096
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -32,8 +33,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  headline | tests | host | peers | big | long | long-1b | predict | multi) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi" >&2
+  headline | tests | host | peers | big | long | long-1b | predict | multi | lora) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora" >&2
      exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
@@ -149,13 +150,16 @@ case "$PART" in
     prelude
     # Issue #25's targets on an H100 80GB: 7b in bf16 with fp32 master weights, micro-batches of 1 x 2048 tokens,
     # compiled, the update beside the backward (speculate auto): K=16 >= 7,000 tok/s, K=4 >= 4,000, K=1 >= 1,500.
+    # Compiled by the default, compile auto: from this GPU's calibration where one timed the 7b layer compiled
+    # (`megatrain calibrate --model 7b --precision bf16 --batch 1 --seq 2048`, a minute or two), else compiled with
+    # a notice; the log's "layers compiled:" / "layers eager:" line says which and why.
     # Units resident on the GPU (--resident auto, the default on CUDA since 2026-11-26; never run on a GPU yet): the
     # log's "resident units:" line says which; the streamed numbers to compare with are RESULTS.md's H200 table
     # (2026-11-26), or rerun one K with --resident none.
     # Each progress line shows tok/s, TFLOP/s and stall %; steps.jsonl (the step's compute and waits) goes into the
     # logs archive. Then FSDP2 CPU offload at K=16's batch (the H200, 2026-11-26: not done building the 7B in 110 s).
     for k in 16 4 1; do
-      step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --compile --batch-size 1 \
+      step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
         --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
         --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
@@ -169,8 +173,9 @@ case "$PART" in
     # GB/s, Ray, the AdamW kernel, a tiny step on the GPU against the CPU path): so a failure below can be told
     # from a machine problem
     step doctor 90 "${MEGATRAIN[@]}" doctor
-    # correctness of the CUDA paths (24 tests, 17 Engines with the two resident-unit cases; the compiled bf16 ones
-    # compile for a minute or so). Measured on the H100 (2026-11-25): all 21 then passed, ~440 s in all; on the H200
+    # correctness of the CUDA paths (27 tests, 17 Engines with the two resident-unit cases; the compiled bf16 ones
+    # compile for a minute or so, and so may the three compile ones, never run on a GPU yet: if the part
+    # runs out of time, GPU_TESTS_K="compile" runs them alone). Measured on the H100 (2026-11-25): all 21 then passed, ~440 s in all; on the H200
     # (2026-11-26) 21 passed in 307 s; so the part's budget is theirs; pcie and the optimizer pool are part host. GPU_TESTS_K (a pytest -k expression) runs a subset, e.g. what a timed-out
     # run left: GPU_TESTS_K="long_sequence or micro_batches". Only tests/test_gpu.py is collected: the machine
     # has no hypothesis, which test_fuzz.py imports, and one module failing to import stops a whole pytest run.
@@ -207,8 +212,9 @@ case "$PART" in
       "${compile_7b[@]}" --out "$OUT/tp-7b-bf16.json"
     # A traced run, as users run it: no checkpoints and no HF export (the 1b checkpoint would be ~13 GB, and
     # the run tool brings back 8 files); trace, step log and config go into the logs archive, the timeline to $OUT.
+    # Eager (--compile off), as its earlier timelines were: compiling would take most of its 120 s.
     step train-1b 120 "${MEGATRAIN[@]}" train --model 1b --steps 6 --trace --log-every 1 --batch-size 8 \
-      --seq-len 2048 --optimizer-workers 8 --checkpoint-every 0 --no-save-final --out "$WORK/run-1b"
+      --seq-len 2048 --optimizer-workers 8 --checkpoint-every 0 --no-save-final --compile off --out "$WORK/run-1b"
     step report-1b 30 "${MEGATRAIN[@]}" report "$WORK/run-1b"
     save "$OUT/timeline-1b.png" "$WORK/run-1b/timeline.png"
     save "$WORK/logs/" "$WORK/run-1b/trace.json" "$WORK/run-1b/steps.jsonl" "$WORK/run-1b/config.json"
@@ -254,15 +260,31 @@ case "$PART" in
     # tokens, AdamW per worker count), then one run per K of 1 x 2048-token micro-batches; each progress line
     # shows the measured step ("step s") beside the prediction ("pred s"). K=16 first: it is the target (within 5%
     # of the layer's compute ceiling, 141 TFLOP/s eager) and 32k tokens a step, against FSDP2 offload's 2,380
-    # tok/s. K=1 is bound by the optimizer or PCIe, K=4 and 16 by compute.
+    # tok/s. K=1 is bound by the optimizer or PCIe, K=4 and 16 by compute. Eager throughout (--no-compiled,
+    # --compile off): the prediction is of the eager layer, and compiling the 7b would take a step's timeout.
     step calibrate-7b 100 "${MEGATRAIN[@]}" calibrate --model 7b --batch 1 --seq 2048 --precision tf32 \
-      --max-seconds 45
+      --max-seconds 45 --no-compiled
     for k in 16 1 4; do
       step "train-7b-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision tf32 --batch-size 1 --seq-len 2048 \
         --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 --checkpoint-every 0 \
-        --no-save-final --out "$WORK/run-7b-k$k"
+        --no-save-final --compile off --out "$WORK/run-7b-k$k"
       save "$WORK/logs/steps-7b-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
+    ;;
+  lora)
+    prelude
+    # Issue #27: a 32B-class LoRA step on one GPU. The preset 32b (Qwen2.5-32B's shape, a random base: no weights
+    # to download) with its base frozen in bf16 in the arena (61 GiB: /dev/shm must hold it, `df -h /dev/shm`),
+    # adapters r=16 on q_proj,v_proj resident on the GPU with their Adam state, bf16 compute, 1 x 4096 tokens.
+    # The plan first (host and GPU bytes); the run's progress lines give tok/s, its log the plan's GPU total to set
+    # the measured peak against (nvidia-smi in a second shell, or the steps' stats). Filling a random 32B base
+    # takes a minute or two of the step's budget.
+    step plan-32b-lora 60 "${MEGATRAIN[@]}" plan --model 32b --lora r=16,alpha=32,targets=q_proj,v_proj \
+      --batch 1 --seq 4096 --precision bf16 --device cuda
+    step train-32b-lora 440 "${MEGATRAIN[@]}" train --model 32b --lora r=16,alpha=32,targets=q_proj,v_proj \
+      --precision bf16 --batch-size 1 --seq-len 4096 --steps 3 --warmup-steps 1 --log-every 1 \
+      --optimizer-workers 4 --checkpoint-every 0 --no-save-final --compile off --out "$WORK/run-32b-lora"
+    save "$WORK/logs/steps-32b-lora.jsonl" "$WORK/run-32b-lora/steps.jsonl"
     ;;
   multi)
     prelude

@@ -381,8 +381,8 @@ SCHEDULES = ("layer-major", "per-micro-batch")
 # the update beside the backward (pipelines/engine.py): each unit's AdamW as its gradient lands, taken back where the
 # step then clips or has a non-finite gradient; "auto": not in the step after one that clipped
 SPECULATE = ("auto", "on", "off")
-# units whose fp32 weights, gradient and AdamW moments stay on the executor's device, updated there (the memory plan
-# picks for "auto": as many as the GPU has room for, none on the CPU path; "none" or a count of units, forward order)
+COMPILE = ("auto", "on", "off")  # torch.compile: megatrain/perf/compile_choice.py says what auto does
+# what stays on the executor's device (the memory plan picks for "auto": what the GPU has room for; none on CPUs)
 RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer state (megatrain/memory/residency.py)"
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
@@ -398,7 +398,7 @@ class EngineConfig:
     loss_chunk_tokens: int = 4096  # tokens per lm_head + cross-entropy chunk
     seed: int = 0
     grads: str = "auto"  # auto | arena | stream | device: where gradients wait for the optimizer (GRAD_PLACEMENTS)
-    compile: bool = False  # torch.compile the decoder layer template (minutes of compiling at the first step)
+    compile: str | bool = "auto"  # COMPILE: torch.compile the layers and the head (minutes at the first step)
     # long sequences (megatrain/memory/plan.py picks what is "auto"): the layers' token-wise work in tiles of this
     # many tokens (None: whole), and GiB of device memory for the layer checkpoints (None: all of them; 0: every
     # one in host memory)
@@ -416,6 +416,11 @@ class EngineConfig:
     nodes: int = 1
     speculate: str = "auto"  # auto | on | off: the update beside the backward (SPECULATE)
     resident: int | str = "auto"  # RESIDENT_HELP; resolved to a count of units by the memory plan
+    keep_activations: int | str = "auto"  # auto | none | all | N top layers not recomputed (memory/kept_activations.py)
+    # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is kept
+    # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
+    lora: Any = None
+    lora_base_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
@@ -433,17 +438,25 @@ class EngineConfig:
             raise ConfigError(f"loss_chunk_tokens must be a positive integer, got {self.loss_chunk_tokens!r}.")
         if not (_is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}.")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be true or false, got {self.compile!r}.")
+        self.compile = compile_setting(self.compile)
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
         check_choice("speculate", self.speculate, SPECULATE)
         check_resident(self.resident)
+        check_resident(self.keep_activations, "keep_activations", ("auto", "none", "all"), "layers")
         check_device(self.device)
+        check_choice("lora_base_dtype", self.lora_base_dtype, ("bf16", "fp32"))
 
 
-def check_resident(value: Any) -> None:
-    if not (value in ("auto", "none") or (_is_int(value) and value >= 0)):
-        raise ConfigError(f"resident must be 'auto', 'none' or a number of units >= 0, got {value!r}.")
+def compile_setting(value: Any) -> str:
+    """The compile setting as one of COMPILE (true / false, the older setting: "on" / "off"), or one sentence."""
+    value = ("on" if value else "off") if isinstance(value, bool) else value
+    check_choice("compile", value, COMPILE)
+    return value
+
+
+def check_resident(value: Any, name: str = "resident", words: tuple = ("auto", "none"), what: str = "units") -> None:
+    if not (value in words or (_is_int(value) and value >= 0)):
+        raise ConfigError(f"{name} must be {', '.join(map(repr, words))} or a number of {what} >= 0, got {value!r}.")
 
 
 def check_auto_or_positive(name: str, value: Any) -> None:

@@ -3,7 +3,9 @@ megatrain/io/checkpoint.py).
 
 Plain class; `actors/parameter_store.py` is its Ray shell. Checkpoints are HF-named safetensors (so
 `model.safetensors` of a training checkpoint is also a loadable HF model) plus the Adam moments, the
-trainer's state as JSON, and a manifest written last.
+trainer's state as JSON, and a manifest written last. A LoRA run's arena holds the frozen base in a segment of its own
+and the adapters as what trains (megatrain/lora/layout.py); its checkpoints and exports hold the adapter in PEFT's
+format (adapter_config.json, adapter_model.safetensors) where a full run's hold the model's weights.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +24,11 @@ import torch
 from megatrain.config import PRESETS, ConfigError, ModelConfig
 from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
-from megatrain.memory.arena import SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
+from megatrain.lora.config import BASE_DTYPES, LoraConfig
+from megatrain.lora.layout import training_layout
+from megatrain.lora.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
+from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
@@ -87,7 +94,8 @@ class ParameterStore:
                  run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
                  grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
                  checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1,
-                 verify: bool = True):
+                 verify: bool = True, lora: LoraConfig | None = None, lora_base_dtype: str = "bf16",
+                 adapter: str | Path | None = None):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
@@ -95,15 +103,17 @@ class ParameterStore:
         the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
         executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
         whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal).
-        verify: the generic path's self-check first (resolve_model); False where a driver made it already."""
+        verify: the generic path's self-check first (resolve_model); False where a driver made it already.
+        lora: train these adapters (PEFT's init, or those of the PEFT directory `adapter`) beside the frozen base,
+        which is kept in `lora_base_dtype` ("bf16" or "fp32") with no gradient or moments (megatrain/lora/)."""
         self.config, self.source_dir, self.name = resolve_model(model, verify)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
             plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
                         grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
                         checkpoint_budget=checkpoint_budget, micro_batches=micro_batches,
-                        nodes=nodes).check_host()
-        self.layout = ModelLayout.build(self.config)
+                        nodes=nodes, lora=lora, lora_base_dtype=lora_base_dtype).check_host()
+        self.layout = training_layout(self.config, lora)  # a LoRA run's: the adapters, its `frozen` the base
         self.grad_layout = GradLayout.build(self.layout, grads)
         self.node = NodeShard.build(self.layout, node, nodes)
         # versions: per unit and worker, the updates applied (several nodes: and a last column, the update whose
@@ -116,10 +126,12 @@ class ParameterStore:
         extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
         if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
+        if self.layout.frozen is not None:
+            extra.append((FROZEN_SEGMENT, BASE_DTYPES[lora_base_dtype], self.layout.frozen.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
                                   grads_numel=self.grad_layout.numel, moments_numel=self.node.numel)
         self.versions = self.arena.versions.view(units, columns)
-        self.seed = seed
+        self.seed, self.adapter = seed, adapter
         self.node_group: NodeGroup | None = None
         self.kept: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as the checkpoint stores them
         try:
@@ -129,11 +141,19 @@ class ParameterStore:
             self.close()
             raise
 
-    def _init_params(self) -> None:
-        if self.source_dir is not None:
-            self.kept = ckpt.load_hf_weights(self.source_dir, self.layout, self.arena.params)
-        else:
-            init_weights(self.layout, self.arena.params, self.seed)
+    def _init_params(self, base: bool = True) -> None:
+        """The model's weights from its directory (or initialised); a LoRA run's into the frozen segment (base False:
+        they are there, never written since), and its adapters' initial values into the trainable ranges."""
+        frozen = self.layout.frozen
+        model, weights = (self.layout, self.arena.params) if frozen is None else (frozen, self.arena.frozen)
+        if base or frozen is None:
+            if self.source_dir is not None:
+                self.kept = ckpt.load_hf_weights(self.source_dir, model, weights)
+            else:
+                init_weights(model, weights, self.seed)
+        if frozen is not None:
+            adapters = initial_adapters(self.layout, self.seed, self.adapter)
+            write_adapters(self.layout, self.arena.params, adapters, str(self.adapter or "the initial adapters"))
         self._refresh_shadow()
 
     def _refresh_shadow(self) -> None:
@@ -144,7 +164,7 @@ class ParameterStore:
 
     def reinitialize(self) -> None:
         """Back to the state before the first step: initial weights, zero moments, version 0."""
-        self._init_params()
+        self._init_params(base=False)
         for name in ("grads", "exp_avg", "exp_avg_sq"):
             self.arena.tensors[name].zero_()
         self.set_version(0)
@@ -171,8 +191,27 @@ class ParameterStore:
         """(min, max) of the version table: the update every unit has, and the newest any part of one has."""
         return VersionTable(self.versions).range()
 
-    def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None) -> Path:
-        return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept)
+    def save_pretrained(self, directory: str | Path, extra_files: list[Path] | None = None, merge: bool = False
+                        ) -> Path:
+        """An HF model directory; a LoRA run's: its adapter in PEFT's format, or with `merge` the base with the
+        adapter merged in (an HF model directory)."""
+        if self.layout.frozen is None:
+            return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept)
+        if merge:
+            tensors = merged_tensors(self.layout, self.arena.frozen, self.arena.params, self.kept)
+            return ckpt.save_hf(Path(directory), self.layout.frozen, self.arena.frozen, extra_files or [],
+                                tensors=tensors)
+        with ckpt.atomic_directory(Path(directory), keep=lambda name: name not in (ADAPTER_CONFIG,
+                                                                                    ADAPTER_WEIGHTS)) as tmp:
+            self._write_adapter(tmp)
+            for f in extra_files or []:
+                shutil.copy2(f, tmp / Path(f).name)
+        return Path(os.path.abspath(directory))
+
+    def _write_adapter(self, directory: Path) -> None:
+        """A LoRA run's adapter in PEFT's format (adapter_config.json and adapter_model.safetensors)."""
+        save_adapter(arena_adapters(self.layout, self.arena.params), directory,
+                     None if self.source_dir is None else str(self.source_dir))
 
     def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
         """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""
@@ -188,7 +227,10 @@ class ParameterStore:
         directory = Path(directory)
         if state is not None:
             (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
-            ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept))
+            if self.layout.frozen is not None:  # the adapter, as PEFT loads it; the frozen base is the model's own
+                self._write_adapter(directory)
+            else:
+                ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept))
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
         if self.node.nodes == 1:
             moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
@@ -210,12 +252,19 @@ class ParameterStore:
         ckpt.check_config_matches(directory, self.config)
         state = ckpt.read_json(directory / "trainer_state.json", "trainer state")
         # every check that can fail comes before the arena changes
-        model_files = ckpt.weight_files(directory, "model")
+        frozen = self.layout.frozen
+        if frozen is None:
+            model_files = ckpt.weight_files(directory, "model")
+        else:  # a LoRA run's checkpoint holds its adapter (the base is the model's own, unchanged)
+            adapters = load_adapter(directory, frozen, getattr(self.layout, "lora", None))
         parts = ckpt.moment_parts(directory, self.layout)  # written by a run on several nodes
         opt_files = [] if parts else ckpt.weight_files(directory, "optimizer")
-        kept: dict[str, torch.Tensor] = {}
-        ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept)
-        self.kept = kept
+        if frozen is None:
+            kept: dict[str, torch.Tensor] = {}
+            ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept)
+            self.kept = kept
+        else:
+            write_adapters(self.layout, self.arena.params, adapters, str(directory))
         self._refresh_shadow()
         moments = {"exp_avg": self.arena.exp_avg, "exp_avg_sq": self.arena.exp_avg_sq}
         if parts:

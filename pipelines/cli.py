@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from megatrain.config import (
+    COMPILE,
     GRAD_PLACEMENTS,
     LINK_GBPS,
     PRESETS,
@@ -23,6 +24,7 @@ from megatrain.config import (
     Terminated,
     cause_chain,
 )
+from pipelines.plan_prediction import add_prediction_flags, calibration_json
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -47,9 +49,14 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--speculate", choices=SPECULATE,
                    help="update each unit as its gradient lands and validate the clip after the backward (auto: "
                         "not after a step that clipped; off: the update waits for the whole backward)")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the decoder layer (faster steps on a GPU after minutes of compiling)")
-    _add_resident_flag(p)
+    p.add_argument("--compile", nargs="?", const="on", choices=COMPILE,
+                   help="torch.compile the layers and the head: auto (default: on a GPU where the calibration measured "
+                        "it faster, or nothing was measured; off on the CPU path), on (the flag alone), off")
+    _add_on_device_flags(p)
+    _add_lora_flags(p)
+    p.add_argument("--adapter", help="a PEFT adapter directory to start the LoRA run from (its settings unless --lora)")
+    p.add_argument("--merge", action="store_true", default=None,
+                   help="LoRA: besides the adapter in OUT/final, write the base with it merged in to OUT/merged")
     p.add_argument("--batch-size", dest="data.batch_size", type=int)
     p.add_argument("--seq-len", dest="data.seq_len", type=int)
     p.add_argument("--micro-batches", type=_auto_none_or(int),
@@ -79,17 +86,28 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
 
 
-def _add_resident_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--resident", type=_resident, help=RESIDENT_HELP + "; auto: as many as the GPU has room for, the "
-                   "embedding and the first layers, none on the CPU path")
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", help="train LoRA adapters on the frozen base: r=16,alpha=32,targets=q_proj,v_proj "
+                                  "[,dropout=0.05,rslora=true] (targets as PEFT names them, or all-linear)")
+    p.add_argument("--lora-base-dtype", choices=("bf16", "fp32"), help="LoRA: the frozen base's precision on the "
+                                                                       "host (default bf16: 2 B/param)")
 
 
-def _resident(text: str) -> int | str:
-    lowered = text.lower()
-    return lowered if lowered in ("auto", "none") else int(text)
+def _add_on_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resident", type=_word_or_count("auto", "none"), help=RESIDENT_HELP + "; auto: as many as the GPU "
+                   "has room for, the embedding and the first layers, none on the CPU path")
+    p.add_argument("--keep-activations", type=_word_or_count("auto", "none", "all"),
+                   help="auto | none | all | N: the top N decoder layers keep their activations for the backward "
+                        "instead of recomputing (megatrain/memory/kept_activations.py); auto: as many as the GPU has "
+                        "room for after the resident units, none on the CPU path")
 
 
-_resident.__name__ = "int"  # what argparse names in its "invalid value" message
+def _word_or_count(*words: str) -> Any:
+    def parse(text: str) -> int | str:
+        lowered = text.lower()
+        return lowered if lowered in words else int(text)
+    parse.__name__ = "int"  # what argparse names in its "invalid value" message
+    return parse
 
 
 def _auto_none_or(kind: type) -> Any:
@@ -150,15 +168,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
     for step, loss in summary.get("evals", []):
         print(f"  eval loss at step {step}: {loss:.4f}")
     if summary.get("final"):
-        print(f"model written to {summary['final']} (loads with transformers)")
+        what = "LoRA adapter" if summary.get("lora") else "model"
+        print(f"{what} written to {summary['final']} (loads with {'peft' if summary.get('lora') else 'transformers'})")
+    if summary.get("merged"):
+        print(f"merged model written to {summary['merged']} (loads with transformers)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The plan of the run `megatrain train` would make with the same config file and flags."""
     from megatrain.config import ConfigError, EngineConfig, OptimConfig
     from megatrain.memory.plan import gpu_free_here, longest_seq, pick_micro_batches, plan_run
-    from megatrain.perf.predict import choose, predict
+    from megatrain.perf.predict import choose
     from megatrain.store import resolve_model
+    from pipelines.lora import as_lora_config
+    from pipelines.plan_prediction import plan_calibration, plan_prediction
     from pipelines.train import TrainConfig
 
     workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
@@ -169,10 +192,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "checkpoint_budget_gib": args.checkpoint_budget_gib,
                                          "micro_batches": args.micro_batches, "schedule": args.schedule,
                                          "nodes": args.nodes, "executors": args.executors,
-                                         "resident": args.resident})
+                                         "resident": args.resident, "lora": args.lora,
+                                         "keep_activations": args.keep_activations,
+                                         "lora_base_dtype": args.lora_base_dtype, "speculate": args.speculate,
+                                         "compile": args.compile})
+    lora = dict(lora=as_lora_config(cfg.lora), lora_base_dtype=cfg.lora_base_dtype)  # adapters on a frozen base
+    on_device = dict(resident=cfg.resident, keep_activations=cfg.keep_activations)  # in what the GPU has left
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
-                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib, resident=cfg.resident)
+                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib, resident=cfg.resident,
+                 keep_activations=cfg.keep_activations)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
     for flag, value, unit in (("--gpu-gib", args.gpu_gib, "GiB"), ("--host-gib", args.host_gib, "GiB"),
                               ("--link-gbps", args.link_gbps, "GB/s")):
@@ -193,11 +222,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     picked = None
     if cfg.micro_batches == "auto":  # --batch is the step's rows: the fewest micro-batches that fit
         picked = pick_micro_batches(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads,
-                                    clipping=optim.clipping, schedule=cfg.schedule, resident=cfg.resident,
-                                    **long_context,
+                                    clipping=optim.clipping, schedule=cfg.schedule, **on_device,
+                                    **long_context, **lora,
                                     **{k: v for k, v in common.items() if k != "micro_batches"})
         cfg.data.batch_size, common["micro_batches"] = picked.batch, picked.micro_batches
-    cal = _calibration(on_gpu, config, cfg, fresh=args.json)
+    cal = plan_calibration(args, on_gpu, config, cfg)
     choice = None
     if args.optimizer_workers == "auto":  # the fastest predicted settings among those left auto
         if cal is None:
@@ -212,18 +241,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             common["optimizer_workers"] = choice.optimizer_workers
             cfg.grads, long_context["tile_tokens"] = choice.plan.grads, choice.plan.tile_tokens
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
-                    schedule=cfg.schedule, resident=cfg.resident, **long_context, **common)
+                    schedule=cfg.schedule, **on_device, **long_context, **common, **lora)
     longest = plan.longest_seq
     if longest is None:  # it fits: how far it would
         longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context,
-                              **{**common, "schedule": plan.schedule})
-    prediction = None if cal is None else predict(plan, config, cal, precision=cfg.precision,
-                                                  optimizer_workers=common["optimizer_workers"],
-                                                  clipping=optim.clipping, executors=executors,
-                                                  link_gbps=args.link_gbps or LINK_GBPS)
+                              **{**common, "schedule": plan.schedule}, **lora)
+    prediction = plan_prediction(args, plan, config, cal, cfg, optim.clipping, common["optimizer_workers"], executors)
     fits = (plan.host_problem() or plan.gpu_problem()) is None
     if args.json:
-        print(json.dumps(_plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"]), indent=2))
+        out = _plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"])
+        print(json.dumps({**out, "calibration": calibration_json(cal, args)}, indent=2))
         return 0 if fits else 1
     print(plan.report())
     if picked is not None:
@@ -243,36 +270,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
-def _calibration(on_gpu: bool, config: Any, cfg: Any, fresh: bool) -> Any:
-    """The cached calibration of the device the plan is for; with `fresh`, where none is cached (or it lacks this
-    model's layers), a quick one (~20 s), cached. None on a GPU plan made without a GPU here."""
-    from megatrain.perf.calibrate import Calibration, calibrate, device_name, layer_key
-
-    if on_gpu and not _cuda():
-        return None
-    device = "cuda" if on_gpu else "cpu"
-    name = device_name(device)
-    cal = Calibration.load(name)
-    key = layer_key(config, cfg.data.batch_size, cfg.data.seq_len, cfg.precision)
-    if fresh and (cal is None or key not in cal.layers):
-        logging.getLogger("megatrain").info("calibrating %s for the prediction (megatrain calibrate does it once)",
-                                            name)
-        cal = calibrate(device, config, batch=cfg.data.batch_size, seq=cfg.data.seq_len, precision=cfg.precision,
-                        max_seconds=QUICK_CALIBRATION_S, base=cal)
-        cal.save()
-    return cal
-
-
-QUICK_CALIBRATION_S = 20.0
-
-
 def _plan_json(plan: Any, prediction: Any, cal: Any, longest: int, fits: bool, workers: int) -> dict[str, Any]:
     from dataclasses import asdict
 
     out: dict[str, Any] = {"predicted_step_s": None, "predicted_tokens_per_s": None, "bound": None}
     if prediction is not None:
         out.update(prediction.to_dict())
-    out["plan"] = {**asdict(plan), "step_tokens": plan.step_tokens, "host_total": plan.host_total,
+    out["plan"] = {**asdict(plan), "kept_note": plan.kept.describe(), "step_tokens": plan.step_tokens,
+                   "host_total": plan.host_total,
                    "gpu_total": plan.gpu_total, "optimizer_workers": workers, "longest_seq": longest}
     out["fits"] = fits
     out["problem"] = plan.host_problem() or plan.gpu_problem()
@@ -289,7 +294,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     config = resolve_model(args.model, verify=False)[0] if args.model else None  # timings only
     base = Calibration.load(device_name(device))
     cal = calibrate(device, config, batch=args.batch, seq=args.seq, precision=args.precision,
-                    max_seconds=args.max_seconds, base=base)
+                    max_seconds=args.max_seconds, base=base, time_compile=args.compiled)
     path = cal.save()
     if args.json:
         from dataclasses import asdict
@@ -301,10 +306,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"calibrated {cal.device} ({cal.cores} cores, {cal.compute_threads} compute threads): {copies}, host "
           f"memcpy {cal.memcpy_gbps:.1f} GB/s")
     print("matmul TFLOP/s: " + ", ".join(f"{p} {r:.3g}" for p, r in cal.matmul_tflops.items()))
-    print("fused AdamW G params/s by optimizer workers: "
-          + ", ".join(f"{w}: {r:.2f}" for w, r in cal.adamw_gparams.items()))
+    for what, rates in (("alone", cal.adamw_gparams), (f"beside {cal.copies_kind} at {cal.copies_gbps or 0:.1f} GB/s",
+                         cal.adamw_beside_copies_gparams), ("its rollback pass, beside them", cal.rollback_gparams)):
+        print(f"optimizer pool G params/s by workers, {what}: " + ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
     for key, timing in cal.layers.items():
         print(f"layers {key}: {1e3 * timing.layer_s:.1f} ms a layer, {1e3 * timing.rest_s:.1f} ms the rest")
+    for key, c in cal.compiled.items():
+        print(f"compiled {key}: {1e3 * c.compiled_layer_s:.1f} ms a layer (eager {1e3 * c.eager_layer_s:.1f}), "
+              f"{1e3 * c.compiled_rest_s:.1f} ms the rest (eager {1e3 * c.eager_rest_s:.1f}), {c.compile_s:.0f} s "
+              "compiling")
     print(f"cached in {path}")
     return 0
 
@@ -392,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "machine has available)")
     _add_long_context_flags(p)
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
-    _add_resident_flag(p)
+    _add_on_device_flags(p)
+    _add_lora_flags(p)
     p.add_argument("--max-grad-norm", type=float, help="0: clipping off (lets gradients stream)")
     p.add_argument("--executors", type=int, help="executors per node, each computing --batch rows (default 1)")
     p.add_argument("--nodes", type=int, help="hosts the run spans: per-node memory (1/nodes of the Adam moments) "
@@ -401,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "100 Gb Ethernet)")
     p.add_argument("--json", action="store_true", help="the plan and its predicted step time as JSON (calibrates "
                                                        "this machine first where no calibration is cached)")
+    add_prediction_flags(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine (copies, matmul, AdamW, a model's layers) for "
@@ -411,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
     p.add_argument("--max-seconds", type=float, default=60.0, help="about how long to measure (default 60)")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, with --model, also time its layers compiled, for compile auto (a minute or more "
+                        "of compiling beyond --max-seconds; default on)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=cmd_calibrate)
 

@@ -42,21 +42,22 @@ import numpy as np
 import ray
 import torch
 
-from actors.executor import GPU_HOST_THREADS, gpu_free_memory
+from actors.executor import GPU_HOST_THREADS
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
 from megatrain.memory.arena import remove_stale_segments
-from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
 from megatrain.perf.calibrate import Calibration
 from megatrain.perf.predict import auto_optimizer_workers
 from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
+from pipelines.lora import lora_settings, record_lora_arena
 from pipelines.recovery import Recovery, is_actor_death, is_cuda_error
 from pipelines.run_actors import RunActors, absolute, get, save_target
+from pipelines.run_plan import run_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,12 @@ class Engine:
                  optimizer_workers: int | str = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
                  loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
                  seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True, grads: str = "auto", compile: bool = False, max_replay_steps: int = 1000,
+                 metrics: bool = True, grads: str = "auto", compile: str | bool = "auto", max_replay_steps: int = 1000,
                  resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
                  schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto",
-                 resident: int | str = "auto"):
+                 resident: int | str = "auto", lora: Any = None, lora_base_dtype: str = "bf16",
+                 adapter: str | Path | None = None, keep_activations: int | str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -112,7 +114,14 @@ class Engine:
         the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
         in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR. speculate: the update beside
         the backward (this module's doc): "auto", "on" or "off". resident: units kept and updated on the executor's
-        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py)."""
+        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py).
+        keep_activations: the top layers keep their activations for the backward instead of recomputing: "auto" (what
+        the GPU has room for; none on the CPU path), "none", "all" or a count (megatrain/memory/kept_activations.py).
+        lora: train LoRA adapters on the frozen base instead of every weight: a LoraConfig, its command-line form
+        ("r=16,alpha=32,targets=q_proj,v_proj") or a table of it; the base is kept in lora_base_dtype ("bf16" or
+        "fp32"); adapter: a PEFT adapter directory to start from (pipelines/lora.py, megatrain/lora/). compile:
+        torch.compile the layers and the head, "auto", "on" or "off" (True / False: on / off); auto compiles on a GPU
+        where its calibration measured it faster or measured nothing (megatrain/perf/compile_choice.py)."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
         self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
@@ -120,8 +129,11 @@ class Engine:
                                           compile=compile, tile_tokens=tile_tokens,
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
                                           schedule=schedule, executors=executors, nodes=nodes,
-                                          speculate=speculate, resident=resident)
+                                          speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
+                                          keep_activations=keep_activations)
         self.config, hf_dir, self.model_name = resolve_model(model)
+        lora = lora_settings(lora, adapter, self.config, self.engine_config)  # one sentence on a bad setting, now
+        self.engine_config, self.adapter = replace(self.engine_config, lora=lora), adapter and absolute(adapter)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
@@ -146,7 +158,7 @@ class Engine:
             self.metrics = EngineMetrics(run=self.run_id)
             self.metrics.start_repeating()  # Ray drops gauges not set again for two report intervals: long steps
             write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
-        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
+        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics, lora)
         self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
         try:
             self._start(model_arg, seed, batch_size, seq_len)
@@ -155,6 +167,7 @@ class Engine:
             raise
         if self.metrics is not None:
             self.metrics.record_arena(self.handle.nbytes())
+            record_lora_arena(self.metrics, self.handle)  # a LoRA run's frozen base and adapters, by kind
 
     # ---- start ----
     def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
@@ -182,7 +195,8 @@ class Engine:
             placement = NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
                                               f"megatrain/{self.run_id}/node{m}", executors=executors)
             self.actors.placements.append(placement)
-        plan = self._plan(batch, seq, on_gpu)
+        plan = run_plan(self.config, self.model_name, self.engine_config, self.optim, self.placements, batch, seq,
+                        on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if self.engine_config.micro_batches == "auto":
             log.info("micro_batches auto: %d micro-batch(es) of %d rows a step", plan.micro_batches, plan.batch)
@@ -190,7 +204,7 @@ class Engine:
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
                                      checkpoint_budget_gib=None if budget is None else budget / 2**30,
                                      schedule=plan.schedule, micro_batches=plan.micro_batches,
-                                     resident=plan.resident_units)
+                                     resident=plan.resident_units, keep_activations=len(plan.kept.indices))
         if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
             log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
                         "(%d times a step) and the gradients add up in the arena", plan.micro_batches,
@@ -204,9 +218,11 @@ class Engine:
             log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",
                      len(nodes), ", ".join(n[:8] for n in nodes), n, executors)
         store_args = (model_arg, n, seed, plan.batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu,
-                      plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches)
+                      plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches, self.engine_config.lora,
+                      self.engine_config.lora_base_dtype, self.adapter)
         self.actors.start(self.engine_config, on_gpu, store_args)
         self.device = get(self.executor.device.remote())
+        log.info("%s", get(self.executor.compiled.remote()))  # compile auto: decided on the executor's device
 
     @property
     def grads(self) -> str:
@@ -238,31 +254,6 @@ class Engine:
         (a data loader: `DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy)`)."""
         self._check_running()
         return self.placement.scheduling_strategy
-
-    def _plan(self, batch: int, seq: int, on_gpu: bool) -> MemoryPlan:
-        """This run's memory plan: where gradients wait, whether a bf16 copy of the weights fits, the tiles and the
-        device budget of layer checkpoints. On a GPU its free memory is measured first, in a throwaway process."""
-        e = self.engine_config
-        budget = e.checkpoint_budget_gib
-        settings = dict(grads=e.grads, clipping=self.optim.clipping, name=self.model_name, precision=e.precision,
-                        optimizer_workers=e.optimizer_workers, on_gpu=on_gpu, loss_chunk_tokens=e.loss_chunk_tokens,
-                        tile_tokens=e.tile_tokens, schedule=e.schedule, nodes=len(self.actors.placements),
-                        executors=e.executors,
-                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
-                        gpu_free=get(gpu_free_memory.options(**self.placement.executor()).remote())
-                        if on_gpu else None, resident=e.resident)
-        if e.micro_batches == "auto":  # batch: the step's rows
-            plan = pick_micro_batches(self.config, batch, seq, **settings)
-        else:
-            plan = plan_run(self.config, batch, seq, micro_batches=e.micro_batches, **settings)
-        log.info("gradients wait %s", {"arena": "in the host arena", "stream": "in a ring of host slots",
-                                        "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"
-                                        }[plan.grads])
-        log.info("%s", plan.resident_note)
-        if on_gpu and e.precision == "bf16" and not plan.shadow_bytes:
-            log.warning("no room on the host for a bf16 copy of the weights (%.1f GiB): fp32 weights cross PCIe "
-                        "and are cast on the GPU, twice the bytes", plan.arena_numel * 2 / 2**30)
-        return plan
 
     # ---- the run's actors (pipelines/run_actors.py) and the faults they survived (pipelines/recovery.py) ----
     stores = property(lambda self: self.actors.stores)  # one parameter store per node, the driver's first
@@ -468,19 +459,19 @@ class Engine:
         self.recovery.replay.restart_at(Path(directory))
         return state
 
-    def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, extra_files: list[str | Path] | None = None, merge: bool = False
+                        ) -> Path:
+        """An HF model directory; a LoRA run's: its adapter in PEFT's format, or with `merge` the merged model."""
         self.wait_for_updates()
         self._write_back_resident()
         extra = [absolute(f) for f in extra_files or []]
-        return Path(get(self.store.save_pretrained.remote(save_target(directory), extra)))
+        return Path(get(self.store.save_pretrained.remote(save_target(directory), extra, merge)))
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """HF name -> copy of the current fp32 weights."""
-        from megatrain.model.layout import ModelLayout
-
+        """HF name -> copy of the current fp32 weights (a LoRA run's: its adapters', by PEFT name)."""
         self.wait_for_updates()
         self._write_back_resident()
-        return {k: v.clone() for k, v in ModelLayout.build(self.config).hf_views(self.actors.arena.params).items()}
+        return {k: v.clone() for k, v in self.actors.layout.hf_views(self.actors.arena.params).items()}
 
     # ---- stop ----
     def shutdown(self) -> None:

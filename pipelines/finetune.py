@@ -11,6 +11,10 @@ What it adds to `pipelines.train.run` (which runs the loop, evaluation, checkpoi
   - fine-tuning defaults: a small LR, short warmup, cosine decay to zero, clipping 1.0, no weight decay
   - OUT_DIR/final/: an HF directory with the tokenizer files and generation_config.json copied alongside
     the weights, so `AutoModelForCausalLM/AutoTokenizer.from_pretrained(OUT_DIR/final)` just work
+  - with --lora (or a [lora] table): adapters on the frozen base (bf16 on the host unless --lora-base-dtype fp32),
+    at LoRA's default LR (LORA_LR); OUT_DIR/final/ then holds the adapter in PEFT's format with the tokenizer
+    files (`peft.PeftModel.from_pretrained(base, OUT_DIR/final)`), and with --merge OUT_DIR/merged/ the base with
+    the adapter merged in, an HF model directory
   - checks in the driver before any actor starts, so a wrong path or a mismatched tokenizer is one line
     (an error in an actor's constructor reaches the driver only as an opaque "actor died")
 
@@ -47,6 +51,7 @@ FINETUNE_DEFAULTS: dict[str, Any] = {
     "data.batch_size": 8,
     "data.eval_fraction": 0.1,
 }
+LORA_LR = 2e-4  # LoRA's adapters start at zero and learn at PEFT recipes' rates, 10x a full fine-tune's
 WARMUP_FRACTION = 0.03  # of the steps (HF's warmup_ratio in SFT recipes), at least one step
 EVALS_PER_RUN = 10  # eval_every defaults to steps / 10
 MAX_SEQ_LEN = 1024  # the default seq_len, capped at the model's max_position_embeddings
@@ -89,6 +94,8 @@ def finetune_config(model_dir: str | Path | None, data_path: str | Path | None, 
         cfg.data.tokenizer = _default_tokenizer(Path(cfg.model), model_config)
     if "data.seq_len" not in given:
         cfg.data.seq_len = min(MAX_SEQ_LEN, model_config.max_position_embeddings)
+    if (cfg.lora is not None or cfg.adapter is not None) and "lr" not in given:
+        cfg.lr = LORA_LR
     if "warmup_steps" not in given:
         cfg.warmup_steps = max(1, math.ceil(WARMUP_FRACTION * cfg.steps))
     held_out = bool(cfg.data.eval_fraction or cfg.data.eval_count)

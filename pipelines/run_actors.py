@@ -23,9 +23,10 @@ from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimCon
 from megatrain.distributed.process_group import free_port
 from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
+from megatrain.lora.config import LoraConfig
+from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
 from megatrain.memory.versions import VersionTable
-from megatrain.model.layout import ModelLayout
 from pipelines.cluster import NodePlacement, executor_device
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ class RunActors:
     """The actors of one run, node by node: node m's parameter store, optimizer workers and executors live in
     placement m (the driver's node first)."""
 
-    def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any) -> None:
+    def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any,
+                 lora: LoraConfig | None = None) -> None:
         self.run_id, self.config, self.optim, self.trace, self.metrics = run_id, config, optim, trace, metrics
-        self.layout = ModelLayout.build(config)  # the workers take it as it is: no model of theirs to build
+        # what trains (a LoRA run's adapters): the workers take it as it is, no model of theirs to build
+        self.layout = training_layout(config, lora)
         self.placements: list[NodePlacement] = []  # one per node, the driver's first
         self.stores: list[Any] = []  # one per node, the driver's first
         self.handles: list[ArenaHandle] = []  # their arenas

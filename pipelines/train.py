@@ -35,12 +35,15 @@ from megatrain.config import (
     check_auto_or_positive,
     check_resident,
     check_tiling,
+    compile_setting,
     dataclass_from_dict,
 )
 from megatrain.data import DataConfig, find_data_files
 from megatrain.io.checkpoint import CheckpointError
+from megatrain.memory.kept_activations import check_keep_activations
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
+from pipelines.lora import as_lora_config
 
 log = logging.getLogger("megatrain")
 
@@ -68,7 +71,8 @@ class TrainConfig:
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
     resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
-    compile: bool = False  # torch.compile the decoder layer (worth it on a GPU; minutes at the first step)
+    keep_activations: int | str = "auto"  # top layers not recomputed: auto | none | all | N (EngineConfig)
+    compile: str | bool = "auto"  # auto | on | off: torch.compile the layers and the head (EngineConfig.compile)
     loss_chunk_tokens: int = 4096
     # long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and how many GiB of layer
     # checkpoints stay on the GPU (0: all of them in host memory)
@@ -84,6 +88,13 @@ class TrainConfig:
     # Ray nodes (each with its store, optimizer workers and executors): a step's batch is also x nodes rows
     nodes: int = 1
     seed: int = 0
+    # LoRA (megatrain/lora/): adapters trained on the frozen base instead of every weight, as the command line writes
+    # them ("r=16,alpha=32,targets=q_proj,v_proj") or a [lora] table; the base kept in lora_base_dtype (bf16 | fp32);
+    # adapter: a PEFT adapter directory to start from; merge: final/ holds the adapter, merged/ the merged model
+    lora: str | dict[str, Any] | None = None
+    lora_base_dtype: str = "bf16"
+    adapter: str | None = None
+    merge: bool = False
     # the Ray cluster: None joins the one `ray start` runs here, else starts a private one; "local" always a
     # private one; "auto" or host:port that cluster, which must answer (pipelines/cluster.py)
     address: str | None = None
@@ -150,7 +161,12 @@ class TrainConfig:
             raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
                               "or eval_count in the config file's [data] table, or eval_every = 0.")
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
+        if as_lora_config(self.lora) is None and self.adapter is None and self.merge:
+            raise ConfigError("train config: merge writes the base with a LoRA adapter merged in; set lora (or "
+                              "adapter), or leave merge off.")
         check_resident(self.resident)
+        check_keep_activations(self.keep_activations)
+        self.compile = compile_setting(self.compile)
         for name in ("optimizer_workers", "micro_batches", "executors"):
             check_auto_or_positive(f"train config: {name}", getattr(self, name))
         if self.max_nonfinite_steps < 0:
@@ -163,15 +179,15 @@ class TrainConfig:
 
 TRAIN_INTS = ("steps", "warmup_steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
-TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "compile")
-TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate")
+TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "merge")
+TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate", "lora_base_dtype")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
-             "executors", "nodes", "speculate", "resident")
+             "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
@@ -367,12 +383,14 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
         steps_log.close()
         if cfg.trace and spans:
             write_chrome_trace(spans, out_dir / "trace.json")
-    final = None
-    if cfg.save_final:
+    final = merged = None
+    if cfg.save_final:  # a LoRA run's: its adapter in PEFT's format, and with merge the merged model beside it
         final = engine.save_pretrained(out_dir / "final", extra_files)
+        merged = engine.save_pretrained(out_dir / "merged", extra_files, merge=True) if cfg.merge else None
     return {"steps": step, "start": start, "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "losses": losses, "evals": evals,
-            "skipped_steps": engine.skipped_steps, "final": str(final) if final else None, "out_dir": str(out_dir)}
+            "skipped_steps": engine.skipped_steps, "final": str(final) if final else None, "out_dir": str(out_dir),
+            "merged": str(merged) if merged else None, "lora": engine.engine_config.lora is not None}
 
 
 def evaluate(engine: Engine, loader: Any) -> float:

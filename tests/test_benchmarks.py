@@ -195,7 +195,7 @@ def test_long_context_seq_rounding() -> None:
 
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
-    "headline": [WHEELS, *(f"train --model 7b --precision bf16 --compile --batch-size 1 --seq-len 2048 --micro-batches "
+    "headline": [WHEELS, *(f"train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 --micro-batches "
                            f"{k} --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 --speculate auto"
                            for k in (16, 4, 1)),
                  "throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 --peers fsdp2"],

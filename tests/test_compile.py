@@ -1,24 +1,34 @@
-"""torch.compile of the decoder layer template (EngineConfig.compile): the same loss and gradients as the
-eager template, through the executor's forward and its recompute-and-autograd.grad backward.
+"""torch.compile in the executor (EngineConfig.compile, megatrain/engine/compiled.py): the layers whole, or their
+tiles on the tiled path, and the head give the eager executor's loss and gradients, through the forward and the
+recompute-and-autograd.grad backward; packed documents compile once whatever their boundaries; and what compile
+"auto" decides, from what the calibration measured (megatrain/perf/compile_choice.py).
 
 What these tests check of torch.compile is dynamo's part (fullgraph capture, one compilation per batch shape
-and grad mode, the recompile limit), so they compile with the "eager" backend: the captured graphs run as
-traced. Inductor's C++ code generation (minutes on 2 cores) is checked once, by the slow case.
+and grad mode, the recompile limit), so they compile with the "eager" backend (the captured graphs run as traced),
+or "aot_eager" where the joint forward and backward must trace as inductor traces them (the packed-attention op's
+fake and its backward op). Inductor's C++ code generation (minutes on 2 cores) is checked by the slow cases.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from megatrain.config import ModelConfig
+from megatrain.config import ConfigError, EngineConfig, ModelConfig
 from megatrain.engine.executor import Executor
 from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.model.layout import ModelLayout
+from megatrain.perf.calibrate import Calibration, CompiledTiming, LayerTiming, layer_key, time_compiled
+from megatrain.perf.compile_choice import auto_on_gpu, compile_choice
 from megatrain.store import init_weights
+from pipelines.cli import _add_train_flags
+from pipelines.train import TrainConfig
 
 
 @pytest.fixture
@@ -71,8 +81,118 @@ def test_compiled_layers_take_more_batch_shapes_than_torchs_default_limit(compil
     layout = ModelLayout.build(config)
     params = torch.zeros(layout.numel)
     init_weights(layout, params, seed=2)
-    executor = Executor(config, layout, params, torch.zeros(layout.numel), compile=True)
+    # one-token loss chunks: the head's pieces see one shape whatever the sequence (their compilations are not
+    # what this counts)
+    executor = Executor(config, layout, params, torch.zeros(layout.numel), compile=True, loss_chunk_tokens=1)
     gen = torch.Generator().manual_seed(0)
     for seq in range(8, 13):  # five shapes: ten compilations
         ids = torch.randint(0, config.vocab_size, (1, seq), generator=gen)
         assert torch.isfinite(torch.tensor(executor.run(ids).loss))
+
+
+def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def packed_positions(cuts: list[tuple[int, int]], rows: int = 2, seq: int = 16) -> torch.Tensor:
+    """position_ids [rows, seq]: each row one document from 0, another beginning at each (row, token) of `cuts`."""
+    positions = torch.arange(seq).repeat(rows, 1)
+    for row, token in sorted(cuts):
+        positions[row, token:] = torch.arange(seq - token)
+    return positions
+
+
+def compiled_and_eager(monkeypatch: pytest.MonkeyPatch, backend: str, tile_tokens: int | None = None
+                       ) -> tuple[CompileCounterWithBackend, ModelLayout, Executor, Executor]:
+    """(the compile counter, the layout, an eager executor, a compiling one) of a 2-layer tiny model."""
+    counter = CompileCounterWithBackend(backend)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=2)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=2)
+    eager = Executor(config, layout, params, torch.zeros(layout.numel), tile_tokens=tile_tokens)
+    return counter, layout, eager, Executor(config, layout, params, torch.zeros(layout.numel), compile=True,
+                                            tile_tokens=tile_tokens)
+
+
+def assert_same_step(eager: Executor, compiled: Executor, ids: torch.Tensor, positions: torch.Tensor,
+                     tolerance: float) -> None:
+    """One step of each on the batch: the same loss and gradients, to `tolerance` (relative, per tensor)."""
+    want, got = eager.run(ids, position_ids=positions), compiled.run(ids, position_ids=positions)
+    assert abs(got.loss - want.loss) <= tolerance * abs(want.loss)
+    for unit in eager.layout.units:
+        for name, g in unit.bind(unit.range_of(compiled.grads)).items():
+            rel = max_rel(g, unit.bind(unit.range_of(eager.grads))[name])
+            assert rel <= tolerance, f"{unit.kind} {unit.layer} {name}: {rel:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_packed_documents_compile_once_and_match_eager(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """Three batches whose packed documents begin in different places: the layers and the head compile for the first
+    and run the same graphs for the next two, as the boundaries enter them as a tensor (ops.document_starts) and
+    the loss's 1 / tokens as a 0-d one; every loss and gradient is the eager executor's (to fp32 rounding: inductor's
+    kernels sum in their own order)."""
+    counter, layout, eager, compiled = compiled_and_eager(monkeypatch, backend)
+    gen = torch.Generator().manual_seed(0)
+    frames = []
+    for cuts in ([(0, 5)], [(0, 3), (1, 9)], [(1, 2), (0, 11), (1, 7)]):
+        ids = torch.randint(0, eager.config.vocab_size, (2, 16), generator=gen)
+        assert_same_step(eager, compiled, ids, packed_positions(cuts), 1e-6 if backend != "inductor" else 1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames == [frames[0]] * 3, frames  # the first batch compiled, the others reused it
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_tiles_and_head_match_eager(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """The tiled path compiled: the layers' token-wise tiles (q/k/v, the output projection, the MLP: three
+    functions, each with and without grad) and the head's two pieces, the loops and the attention between eager,
+    with packed documents; the eager executor's loss and gradients."""
+    counter, layout, eager, compiled = compiled_and_eager(monkeypatch, backend, tile_tokens=8)
+    ids = torch.randint(0, eager.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert_same_step(eager, compiled, ids, packed_positions([(0, 3), (1, 9)]), 1e-6 if backend != "inductor" else 1e-5)
+    assert counter.frame_count == 3 * 2 + 2
+
+
+def test_compile_settings_and_what_auto_decides(tmp_path: Path) -> None:
+    """true / false (the older setting) read as on / off in EngineConfig, a TOML file and on the command line, a bad
+    value in one sentence; auto runs the CPU path eager, and on a GPU follows what its calibration measured for
+    this model's layer shape and precision (the entry with the most tokens), compiling where it measured nothing."""
+    assert [EngineConfig(compile=v).compile for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]
+    assert EngineConfig().compile == "auto"
+    with pytest.raises(ConfigError, match=r"^compile must be one of auto, on, off, got 'yes'\.$"):
+        EngineConfig(compile="yes")
+    (tmp_path / "run.toml").write_text("compile = true\n")
+    assert TrainConfig.load(tmp_path / "run.toml").compile == "on"
+    flags = argparse.ArgumentParser()
+    _add_train_flags(flags)
+    assert [flags.parse_args(a).compile for a in ([], ["--compile"], ["--compile", "off"])] == [None, "on", "off"]
+
+    tiny = ModelConfig.from_name("tiny")
+    for setting, on in (("auto", False), ("on", True), ("off", False)):
+        assert compile_choice(setting, "cpu-async:1", tiny, "tf32").on is on
+    cal = Calibration(device="NVIDIA H100", host="h", created=0.0, cores=16, compute_threads=4, h2d_gbps=50.0,
+                      d2h_gbps=50.0, memcpy_gbps=20.0)
+    nothing = auto_on_gpu("NVIDIA H100", cal, tiny, "bf16")
+    assert nothing.on and "no calibration of NVIDIA H100" in nothing.why
+    cal.compiled[layer_key(tiny, 1, 64, "bf16")] = CompiledTiming(0.010, 0.012, 0.0, 0.0, 30.0)  # slower, fewer tokens
+    cal.compiled[layer_key(tiny, 4, 64, "tf32")] = CompiledTiming(0.010, 0.020, 0.0, 0.0, 30.0)  # another precision
+    other = dataclasses.replace(tiny, hidden_size=tiny.hidden_size * 2)
+    cal.compiled[layer_key(other, 4, 64, "bf16")] = CompiledTiming(0.010, 0.020, 0.0, 0.0, 30.0)  # another shape
+    slower = auto_on_gpu("NVIDIA H100", cal, tiny, "bf16")
+    assert not slower.on and "from the calibration of NVIDIA H100 (1x64 tokens" in slower.why, slower.why
+    cal.compiled[layer_key(tiny, 2, 64, "bf16")] = CompiledTiming(0.010, 0.007, 0.0, 0.0, 30.0)  # faster, more tokens
+    faster = auto_on_gpu("NVIDIA H100", cal, tiny, "bf16")
+    assert faster.on and "a layer 7.0 ms compiled, 10.0 ms eager" in faster.why, faster.why
+
+
+def test_calibration_times_the_layer_compiled(compile_backend: str, tmp_path: Path) -> None:
+    """time_compiled: the model's layer and head through the compiled executor, beside the eager timing it is given,
+    kept in the calibration's JSON (simulated streams here: a GPU's calibration runs it, the CPU path's does not)."""
+    tiny = ModelConfig.from_name("tiny")
+    timing = time_compiled(tiny, 1, 32, "cpu-async:1", "tf32", LayerTiming(0.5, 0.25), repeats=1)
+    assert timing is not None and timing.eager_layer_s == 0.5 and timing.eager_rest_s == 0.25
+    assert timing.compiled_layer_s > 0 and timing.compiled_rest_s > 0 and timing.compile_s >= 0
+    cal = Calibration(device="cpu", host="h", created=0.0, cores=2, compute_threads=2, h2d_gbps=None, d2h_gbps=None,
+                      memcpy_gbps=1.0, compiled={layer_key(tiny, 1, 32, "tf32"): timing})
+    assert Calibration.load("cpu", cal.save(tmp_path / "cal.json")) == cal

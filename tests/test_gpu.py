@@ -7,6 +7,8 @@ machine without CUDA rather than skipping.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -17,14 +19,28 @@ import pytest
 import ray
 import torch
 from helpers import hf_loss_and_grads
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import megatrain
+from megatrain.config import ModelConfig
 from megatrain.engine.executor import Executor
 from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.memory.arena import Arena
 from megatrain.memory.plan import CUDA_CONTEXT, plan_run
+from megatrain.model.layout import ModelLayout
+from megatrain.perf.calibrate import (
+    CACHE_ENV,
+    Calibration,
+    LayerTiming,
+    device_name,
+    layer_key,
+    time_compiled,
+    time_layers,
+)
+from megatrain.perf.compile_choice import compile_choice
+from megatrain.store import init_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -167,6 +183,25 @@ def test_registered_arena_h2d_bandwidth() -> None:
         arena.destroy()
 
 
+def test_the_optimizer_pool_timed_beside_pcie_copies() -> None:
+    """Calibration's optimizer timing on a GPU machine: the pool's processes alone, beside the real copy path (H2D and
+    D2H on two streams, page-locked buffers) and its rollback, and the resident units' fused AdamW on the GPU. Rates
+    printed, never asserted fast (megatrain/perf/optimizer_timing.py)."""
+    import os
+
+    from megatrain.perf.calibrate import config_for_params
+    from megatrain.perf.optimizer_timing import time_optimizer
+
+    fields = time_optimizer("cuda", config_for_params(5e7), os.cpu_count() or 1, "bf16", max_workers=4)
+    for name in ("adamw_gparams", "adamw_beside_copies_gparams", "rollback_gparams"):
+        assert set(fields[name]) == {"1", "2", "3", "4"} and all(r > 0 for r in fields[name].values()), fields
+    assert fields["copies_kind"] == "PCIe H2D + D2H" and fields["copies_gbps"] > 1
+    assert fields["device_adamw_gparams"] > 1
+    print(f"\npool alone {fields['adamw_gparams']}, beside {fields['copies_gbps']:.0f} GB/s of copies "
+          f"{fields['adamw_beside_copies_gparams']}, rollback {fields['rollback_gparams']} G params/s; "
+          f"the GPU's AdamW {fields['device_adamw_gparams']:.0f} G params/s")
+
+
 @pytest.mark.parametrize(("grads", "max_grad_norm", "resident"),
                          [("arena", 1.0, "none"), ("device", 1.0, "none"), ("stream", None, "none"),
                           ("arena", None, "none"), ("arena", 1.0, 3), ("device", None, "auto")],
@@ -193,7 +228,7 @@ def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_g
     results = {}
     for device in ("cpu", "cuda"):
         with megatrain.Engine(tmp_path, device=device, precision="fp32", optimizer_workers=2, lr=1e-3, eps=1e-5,
-                              max_grad_norm=max_grad_norm, warmup_steps=1, total_steps=3,
+                              max_grad_norm=max_grad_norm, warmup_steps=1, total_steps=3, compile="off",
                               grads="arena" if device == "cpu" else grads,
                               resident="none" if device == "cpu" else resident) as engine:
             assert engine.grads == ("arena" if device == "cpu" else grads)
@@ -249,7 +284,7 @@ def test_engine_gpu_peak_memory_within_plan(ray_session, grads: str) -> None:
     gen = torch.Generator().manual_seed(0)
     with megatrain.Engine("125m", device="cuda", precision="tf32", optimizer_workers=2, lr=1e-4,
                           max_grad_norm=None, grads=grads, batch_size=batch, seq_len=seq,
-                          loss_chunk_tokens=chunk, resident="none") as engine:  # the streamed path's peak
+                          loss_chunk_tokens=chunk, resident="none", compile="off") as engine:  # streamed, eager
         assert engine.grads == grads
         losses = [engine.step(torch.randint(0, engine.config.vocab_size, (batch, seq), generator=gen))
                   for _ in range(2)]
@@ -267,6 +302,37 @@ def test_engine_gpu_peak_memory_within_plan(ray_session, grads: str) -> None:
         f"the executor peaked at {allocated / MiB:.0f} MiB, more than the plan's {planned / MiB:.0f} MiB allows")
     assert allocated >= planned / 2.5, (
         f"the plan ({planned / MiB:.0f} MiB) is more than 2.5x the measured peak ({allocated / MiB:.0f} MiB)")
+
+
+def test_lora_engine_cpu_and_gpu_agree_within_the_plan(ray_session, tmp_path: Path) -> None:
+    """LoRA (issue #27) on the CUDA path: the bf16 base streamed through the weight buffers and cast on the GPU, the
+    adapters resident there with their Adam state (resident auto) and updated by the fused AdamW's CUDA kernel,
+    against the CPU path (adapters in the arena, the pool's AdamW), 3 steps; the executor's peak GPU memory within
+    the LoRA plan's total (the allowances of test_engine_gpu_peak_memory_within_plan). eps 1e-5 as in
+    test_engine_cpu_and_gpu_agree."""
+    hf_models()["llama-gqa"].save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 512, (2, 128), generator=gen) for _ in range(3)]
+    results, peak, plan = {}, 0, None
+    for device in ("cpu", "cuda"):
+        with megatrain.Engine(tmp_path, device=device, precision="fp32", optimizer_workers=2, lr=1e-3, eps=1e-5,
+                              max_grad_norm=1.0, warmup_steps=1, total_steps=3, compile="off", batch_size=2,
+                              seq_len=128, lora="r=8,alpha=16,targets=all-linear") as engine:
+            assert engine.engine_config.resident == (0 if device == "cpu" else 6 + 2)  # every unit's adapters
+            losses = [engine.step(b) for b in batches]
+            results[device] = (losses, engine.parameters())
+            if device == "cuda":
+                peak = executor_gpu_memory(engine)[0]
+                plan = plan_run(engine.config, 2, 128, clipping=True, precision="fp32", on_gpu=True,
+                                lora=engine.engine_config.lora, resident="none")
+    (cpu_losses, cpu_params), (gpu_losses, gpu_params) = results["cpu"], results["cuda"]
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    for name, value in cpu_params.items():
+        rel = ((gpu_params[name] - value).abs().max() / value.abs().max()).item()
+        assert rel <= 1e-4, f"{name}: {rel:.2e}"
+    planned = plan.gpu_total - int(CUDA_CONTEXT) + 16 * sum(plan.adapter_numels)  # + the resident adapters
+    print(f"\nLoRA llama-gqa 2x128: plan {planned / MiB:.0f} MiB, measured max allocated {peak / MiB:.0f} MiB")
+    assert peak <= planned * (1 + PLAN_SLACK) + UNPLANNED_GPU_BYTES
 
 
 @pytest.mark.parametrize(("precision", "compile"), [("tf32", False), ("bf16", False), ("bf16", True)])
@@ -334,10 +400,116 @@ def test_two_gpu_executors_match_one(ray_session, tmp_path: Path) -> None:
     results = {}
     for executors in (1, 2):
         with megatrain.Engine(tmp_path, device="cuda", precision="fp32", optimizer_workers=2, lr=1e-3, eps=1e-5,
-                              executors=executors, batch_size=4 // executors, seq_len=128) as engine:
+                              executors=executors, batch_size=4 // executors, seq_len=128, compile="off") as engine:
             assert len(engine.executors) == executors
             results[executors] = ([engine.step(b) for b in batches], engine.parameters())
     assert results[2][0] == pytest.approx(results[1][0], rel=1e-5)
     for name, value in results[1][1].items():
         rel = ((results[2][1][name] - value).abs().max() / value.abs().max()).item()
         assert rel <= 1e-4, f"{name}: {rel:.2e}"
+
+
+def test_compile_auto_follows_this_gpus_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile = auto on this GPU (the Engine's default): the calibration's eager and compiled timings of the model's
+    layer (time_layers, time_compiled: inductor) decide it, compiled where faster and eager where slower (the
+    timing doctored), and where no timing was recorded it compiles and says so."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "calibration.json"))
+    config, batch, seq = ModelConfig.from_name("125m"), 2, 1024
+    layer_s, rest_s = time_layers(config, batch, seq, "cuda", "tf32")
+    timing = time_compiled(config, batch, seq, "cuda", "tf32", LayerTiming(layer_s, rest_s))
+    assert timing is not None, "compiling the 125m layer took longer than the calibration's budget"
+    print(f"\n125m tf32 {batch}x{seq}: a layer {1e3 * timing.compiled_layer_s:.2f} ms compiled, "
+          f"{1e3 * timing.eager_layer_s:.2f} ms eager; the rest {1e3 * timing.compiled_rest_s:.2f} vs "
+          f"{1e3 * timing.eager_rest_s:.2f} ms; {timing.compile_s:.0f} s compiling")
+    gpu, key = device_name("cuda"), layer_key(config, batch, seq, "tf32")
+    cal = Calibration(device=gpu, host="here", created=0.0, cores=1, compute_threads=1, h2d_gbps=None, d2h_gbps=None,
+                      memcpy_gbps=1.0, compiled={key: timing})
+    cal.save()
+    measured = compile_choice("auto", "cuda", config, "tf32")
+    assert measured.on is (timing.compiled_layer_s < timing.eager_layer_s), measured.why
+    assert f"from the calibration of {gpu}" in measured.why, measured.why
+    cal.compiled[key] = dataclasses.replace(timing, compiled_layer_s=2 * timing.eager_layer_s)
+    cal.save()
+    assert not compile_choice("auto", "cuda", config, "tf32").on
+    cal.compiled.clear()
+    cal.save()
+    unmeasured = compile_choice("auto", "cuda", config, "tf32")
+    assert unmeasured.on and f"no calibration of {gpu}" in unmeasured.why, unmeasured.why
+    assert not compile_choice("auto", "cpu", config, "tf32").on
+
+
+@pytest.mark.parametrize("tile_tokens", [None, 256], ids=["whole", "tiled"])
+def test_compiled_layers_tiles_and_head_match_eager(monkeypatch: pytest.MonkeyPatch, tile_tokens: int | None) -> None:
+    """Inductor on this GPU, strict fp32: a 2-layer GQA model over packed documents, its layers compiled whole or
+    (tiled) their tiles, and the head, against the eager executor: the loss and every gradient to fp32 rounding; a
+    second packing runs the graphs the first compiled (the documents' boundaries are a tensor, on the host, handed to
+    the packed-attention op)."""
+    counter = CompileCounterWithBackend("inductor")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    config = ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                         intermediate_size=688)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=3)
+    eager_grads, compiled_grads = torch.zeros(layout.numel), torch.zeros(layout.numel)
+    eager = Executor(config, layout, params, eager_grads, "cuda", "fp32", loss_chunk_tokens=512,
+                     tile_tokens=tile_tokens)
+    compiled = Executor(config, layout, params, compiled_grads, "cuda", "fp32", loss_chunk_tokens=512,
+                        compile=True, tile_tokens=tile_tokens)
+    gen = torch.Generator().manual_seed(0)
+    frames = []
+    for cuts in ([(0, 300)], [(0, 100), (1, 700), (1, 900)]):
+        positions = torch.arange(1024).repeat(2, 1)
+        for row, token in cuts:
+            positions[row, token:] = torch.arange(1024 - token)
+        ids = torch.randint(0, 512, (2, 1024), generator=gen)
+        want, got = eager.run(ids, position_ids=positions), compiled.run(ids, position_ids=positions)
+        frames.append(counter.frame_count)
+        assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (got.loss, want.loss)
+        errors = {}
+        for unit in layout.units:
+            for name, g in unit.bind(unit.range_of(compiled_grads)).items():
+                ref = unit.bind(unit.range_of(eager_grads))[name]
+                errors[f"{unit.kind} {unit.layer or ''} {name}"] = ((g - ref).norm() / ref.norm()).item()
+        worst = max(errors, key=errors.__getitem__)
+        print(f"\ncompiled {'tiled' if tile_tokens else 'whole'} vs eager: loss {abs(got.loss - want.loss):.1e}, "
+              f"gradients up to {errors[worst]:.1e} ({worst})")
+        assert errors[worst] <= 1e-5, errors
+    assert frames[0] > 0 and frames[1] == frames[0], frames
+    compiled.close()
+    eager.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kept_activations_on_cuda_match_the_recompute_and_the_planned_bytes(precision: str) -> None:
+    """Every layer kept against none on this GPU (its SDPA kernels: memory-efficient in fp32, flash with grouped
+    queries in bf16): the loss and gradients to rounding (the backward kernels may add in another order), and a
+    layer's kept graph holds the bytes the memory plan's formula says (megatrain/memory/kept_activations.py)."""
+    from megatrain.engine.kept_activations import KeptActivations
+    from megatrain.memory.kept_activations import saved_bytes_per_token
+
+    config = ModelConfig(vocab_size=512, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                         intermediate_size=688)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=3)
+    ids = torch.randint(0, 512, (4, 512), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for kept in (0, 3):
+        grads = torch.zeros(layout.numel)
+        executor = Executor(config, layout, params, grads, "cuda", precision, kept_layers=kept)
+        runs[kept] = executor.run(ids, micro_batches=2).loss, grads
+        executor.close()
+    (loss, grads), (want_loss, want_grads) = runs[3], runs[0]
+    tolerance = 1e-5 if precision == "fp32" else 1e-2
+    assert abs(loss - want_loss) <= tolerance * abs(want_loss), (loss, want_loss)
+    assert ((grads - want_grads).norm() / want_grads.norm()).item() <= tolerance
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    unit, arch = layout.layers[0], config.family.architecture(config)
+    kept_graphs = KeptActivations()
+    kept_graphs.forward(0, arch.layer(0), torch.randn(2, 512, 256, device="cuda", dtype=dtype),
+                        unit.bind(unit.range_of(params).to("cuda", dtype)),
+                        arch.batch(2, 512, torch.device("cuda"), dtype).layer_args(0))
+    planned = 2 * 512 * saved_bytes_per_token(config, precision, 512)
+    print(f"\nkept graph of one layer, {precision}: {kept_graphs.saved_bytes} B, planned {planned} B")
+    assert planned <= kept_graphs.saved_bytes <= planned * 1.05  # the kernels' padding (a log-sum-exp rounded up)

@@ -1,5 +1,7 @@
-"""The calibration cache, the step-time prediction's properties, `megatrain calibrate` and `plan --json`, and predicted
-beside measured in the progress bar and the report. No timing is asserted: that is benchmarks/predict.py's."""
+"""The calibration cache, the step-time prediction's properties (each term of the engine's schedule it follows: the
+pool's rate beside copies, resident units, kept activations, the update beside the backward and its rollbacks,
+compiled layers), `megatrain calibrate` and `plan --json`, and predicted beside measured in the progress bar and the
+report. No timing is asserted: that is benchmarks/predict.py's."""
 
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ import torch
 
 from megatrain.config import ModelConfig
 from megatrain.memory.plan import plan_run
-from megatrain.perf.calibrate import CACHE_ENV, Calibration, LayerTiming, calibrate, layer_key
-from megatrain.perf.predict import auto_optimizer_workers, choose, predict
+from megatrain.perf.calibrate import CACHE_ENV, Calibration, LayerTiming, layer_key
+from megatrain.perf.predict import CASES, ROLLBACK_COST, auto_optimizer_workers, choose, predict
 from pipelines.cli import main
 
 GiB = 2**30
+H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "calibrations" / "h100-80gb-hbm3.json"
+SEVEN_B = ModelConfig.from_name("7b")
+ON_H100 = dict(on_gpu=True, gpu_free=79 * GiB, host_free=125 * GiB, precision="bf16", optimizer_workers=8,
+               find_longest=False)
 
 
 def gpu_calibration() -> Calibration:
@@ -49,20 +55,32 @@ def test_calibration_cache_round_trip(cache: Path) -> None:
     assert Calibration.load("cpu") is None
 
 
-def test_calibrate_on_the_cpu_quickly(cache: Path) -> None:
-    tiny = ModelConfig.from_name("tiny")
-    cal = calibrate("cpu", tiny, batch=1, seq=32, max_seconds=3)
+def test_calibrate_on_the_cpu_quickly(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`megatrain calibrate`: the pool of 1 .. cores workers timed in processes of their own, alone, beside copies (on
+    the CPU path a paced host memcpy stands for them) and its rollback pass; the prediction takes the rate beside. The
+    layer timings of other shapes cached before are kept."""
+    earlier = cpu_calibration()
+    earlier.layers["another shape"] = LayerTiming(0.01, 0.02)
+    earlier.save()
+    assert main(["calibrate", "--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "32", "--precision",
+                 "fp32", "--max-seconds", "1", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    cal = Calibration.load("cpu")
+    assert written["path"] == str(cache) and cal is not None
     assert cal.device == "cpu" and cal.h2d_gbps is None and cal.memcpy_gbps > 0
     assert cal.matmul_tflops["fp32"] > 0 and cal.matmul_tflops["tf32"] == cal.matmul_tflops["fp32"]
-    assert set(cal.adamw_gparams) == {str(w) for w in range(1, len(cal.adamw_gparams) + 1)}
-    assert all(rate > 0 for rate in cal.adamw_gparams.values())
-    timing = cal.layers[layer_key(tiny, 1, 32, "tf32")]
+    workers = {str(w) for w in range(1, len(cal.adamw_gparams) + 1)}
+    for rates in (cal.adamw_gparams, cal.adamw_beside_copies_gparams, cal.rollback_gparams):
+        assert set(rates) == workers and all(rate > 0 for rate in rates.values())
+    assert cal.copies_gbps > 0 and "simulation" in cal.copies_kind and cal.device_adamw_gparams is None
+    tiny = ModelConfig.from_name("tiny")
+    timing = cal.layers[layer_key(tiny, 1, 32, "fp32")]
     assert timing.layer_s >= 0 and timing.rest_s >= 0
     plan = plan_run(tiny, 1, 32, on_gpu=False, find_longest=False)
-    assert predict(plan, tiny, cal).compute_source == "measured layers"
-    # a later calibration keeps the layer timings of other shapes
-    again = calibrate("cpu", None, max_seconds=1, base=cal)
-    assert again.layers == cal.layers
+    pred = predict(plan, tiny, cal, precision="fp32", optimizer_workers=1)
+    assert pred.compute_source == "measured layers" and "beside copies" in pred.optimizer_rate
+    assert pred.optimizer_s == pytest.approx(plan.params / (cal.adamw_beside_copies_gparams["1"] * 1e9))
+    assert cal.layers["another shape"] == LayerTiming(0.01, 0.02)
 
 
 def test_layers_timed_on_simulated_streams_from_compute_spans() -> None:
@@ -105,11 +123,6 @@ def test_bound_is_the_biggest_lane_and_the_step_covers_it() -> None:
         assert pred.bound == max(lanes, key=lanes.get)
         assert pred.step_s >= max(lanes.values())
     assert predict(plan, config, replace(gpu_calibration(), h2d_gbps=0.5)).bound == "h2d"
-    # clipping on, the update overlaps the next forward only; off, the rest of the step too
-    slow_optimizer = replace(gpu_calibration(), adamw_gparams={"1": 0.3})
-    on = predict(plan, config, slow_optimizer, optimizer_workers=1, clipping=True)
-    off = predict(replace(plan, grads="stream"), config, slow_optimizer, optimizer_workers=1, clipping=False)
-    assert off.step_s <= on.step_s
 
 
 def test_the_cpu_path_adds_its_lanes_up() -> None:
@@ -122,6 +135,118 @@ def test_the_cpu_path_adds_its_lanes_up() -> None:
     assert pred.h2d_s == pred.d2h_s == 0.0
     assert pred.optimizer_s == pytest.approx(tiny.num_params() / 1.2e9)
     assert pred.step_s == pytest.approx(pred.compute_s + pred.optimizer_s + pred.data_s + pred.overhead_s)
+    rolled = predict(plan, tiny, cal, optimizer_workers=2, speculate="on", clip_rate=1.0)  # and the rollback too
+    assert rolled.step_s == pytest.approx(pred.step_s + rolled.rollback_s) and rolled.rollback_s > 0
+
+
+# ---- each term of the step as the engine runs it (pure arithmetic) ----
+
+def h100() -> Calibration:
+    return Calibration.read(H100)
+
+
+def test_the_pool_rate_beside_copies_is_the_one_used() -> None:
+    """The pool's update shares host memory bandwidth with the copies: the rate timed beside them is the prediction's;
+    a calibration that timed the pool alone only (older ones) is used alone, and the report says which."""
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=4, resident="none", **ON_H100)
+    beside = predict(plan, SEVEN_B, h100(), precision="bf16", optimizer_workers=8)
+    alone = predict(plan, SEVEN_B, replace(h100(), adamw_beside_copies_gparams={}), precision="bf16",
+                    optimizer_workers=8)
+    assert beside.optimizer_s == pytest.approx(plan.params / 3.1e9) and "beside copies" in beside.optimizer_rate
+    assert alone.optimizer_s == pytest.approx(plan.params / 6.9e9) and "alone" in alone.optimizer_rate
+    assert beside.step_s > alone.step_s
+    assert predict(plan, SEVEN_B, h100(), precision="bf16", optimizer_workers=16).optimizer_s == beside.optimizer_s
+
+
+def test_resident_units_take_no_pcie_and_no_pool_time() -> None:
+    """Resident units are updated on the device at its rate: their parameters leave the pool's time, their weights and
+    gradients leave PCIe, and their update is the device's."""
+    cal = h100()
+    none = plan_run(SEVEN_B, 1, 2048, micro_batches=4, resident="none", **ON_H100)
+    some = plan_run(SEVEN_B, 1, 2048, micro_batches=4, resident=10, **ON_H100)
+    a, b = (predict(p, SEVEN_B, cal, precision="bf16", optimizer_workers=8) for p in (none, some))
+    streamed = some.params - some.resident_params
+    assert b.optimizer_s == pytest.approx(a.optimizer_s * streamed / none.params)
+    assert b.h2d_s == pytest.approx(some.h2d_bytes / 55.1e9) and b.h2d_s < a.h2d_s and b.d2h_s < a.d2h_s
+    assert a.resident_update_s == 0 and b.resident_update_s == pytest.approx(some.resident_params / 80e9)
+    assert b.step_s < a.step_s
+    uncalibrated = predict(some, SEVEN_B, replace(cal, device_adamw_gparams=None), precision="bf16",
+                           optimizer_workers=8)
+    assert uncalibrated.resident_update_s == 0
+
+
+def test_kept_layers_skip_their_recompute() -> None:
+    """A layer that keeps its activations skips its recompute, a quarter of its forward + recompute + backward, for
+    every micro-batch; by default the count is the plan's (plan.kept)."""
+    cal = h100()
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=4, resident="none", keep_activations="none", **ON_H100)
+    layer_s = cal.layers[layer_key(SEVEN_B, 1, 2048, "bf16")].layer_s
+    base = predict(plan, SEVEN_B, cal, precision="bf16", optimizer_workers=8)
+    kept = predict(plan, SEVEN_B, cal, precision="bf16", optimizer_workers=8, kept_layers=6)
+    assert base.kept_layers == 0 and kept.kept_layers == 6
+    assert base.compute_s - kept.compute_s == pytest.approx(4 * 6 * layer_s / 4)
+    assert base.phases["backward"]["s"] - kept.phases["backward"]["s"] == pytest.approx(4 * 6 * layer_s / 4)
+    assert base.phases["forward"] == kept.phases["forward"]
+    planned = plan_run(SEVEN_B, 1, 2048, micro_batches=1, keep_activations=3, **ON_H100)
+    assert predict(planned, SEVEN_B, cal, precision="bf16", optimizer_workers=8).kept_layers == 3
+
+
+def test_compiled_layers_where_the_run_compiles() -> None:
+    cal = h100()
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=4, **ON_H100)
+    timed = cal.compiled[layer_key(SEVEN_B, 1, 2048, "bf16")]
+    eager, compiled = (predict(plan, SEVEN_B, cal, precision="bf16", optimizer_workers=8, compiled=c)
+                       for c in (False, True))
+    assert compiled.compute_source == "measured layers, compiled" and eager.compute_source == "measured layers"
+    assert compiled.compute_s == pytest.approx(4 * (32 * timed.compiled_layer_s + timed.compiled_rest_s))
+    assert eager.compute_s == pytest.approx(4 * (32 * timed.eager_layer_s + timed.eager_rest_s))
+    untimed = predict(plan, SEVEN_B, replace(cal, compiled={}), precision="bf16", optimizer_workers=8, compiled=True)
+    assert untimed.compute_s == eager.compute_s and "compiled not timed" in untimed.compute_source
+
+
+def test_the_update_beside_the_backward_hides_it_where_no_step_clips() -> None:
+    """Unclipped, each unit's update runs as its gradient lands, beside the backward: at K = 16 the 7B's backward (its
+    resident units on the GPU) is longer than the pool's update, and the step is its compute; the serial update
+    (speculate off) overlaps the next forward only and shows."""
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=16, resident="auto", keep_activations="none", **ON_H100)
+    kwargs = dict(precision="bf16", optimizer_workers=8, compiled=True)
+    on, off = (predict(plan, SEVEN_B, h100(), speculate=s, **kwargs) for s in ("on", "off"))
+    assert on.cases["speculated"]["share"] == 1.0 and off.cases["serial"]["share"] == 1.0
+    assert on.optimizer_s < on.phases["backward"]["s"]  # the pool keeps pace with the gradients landing
+    assert on.exposed["optimizer"] == on.resident_update_s > 0  # the resident units' update on the GPU, no more
+    assert on.phases["update"]["bound"] == "hidden"
+    assert off.exposed["optimizer"] > on.optimizer_s - off.phases["forward"]["s"] - 0.01
+    assert on.step_s < off.step_s and on.bound == "compute"
+    # clipping off with one executor: every update is final as it lands, whatever speculate says
+    stream = plan_run(SEVEN_B, 1, 2048, micro_batches=16, grads="stream", clipping=False, resident="none", **ON_H100)
+    never = predict(stream, SEVEN_B, h100(), speculate="off", clipping=False, clip_rate=1.0, **kwargs)
+    assert never.cases["speculated"]["share"] == 1.0 and never.clip_rate == 0.0
+
+
+def test_a_clipped_step_rolls_back_at_the_cost_of_a_serial_update() -> None:
+    """A speculated step that clips waits for the updates beside the backward, then undoes and redoes them in one pass,
+    beside the next forward as the serial update runs: at the rollback's rate, the serial update's cost and more.
+    speculate auto runs the step after a clipped one serially: at clip rate p, (1 - p)^2 speculated, (1 - p) p rolled
+    back, p serial."""
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=4, resident="none", **ON_H100)
+    kwargs = dict(precision="bf16", optimizer_workers=8, compiled=True)
+    as_fast = replace(h100(), rollback_gparams={"8": 3.1})  # the rollback pass at the update's rate
+    pred = predict(plan, SEVEN_B, as_fast, speculate="on", clip_rate=1.0, **kwargs)
+    rolled, serial = pred.cases["rolled back"], pred.cases["serial"]
+    assert pred.rollback_s == pytest.approx(pred.optimizer_s) and rolled["share"] == 1.0
+    assert rolled["exposed_update_s"] >= serial["exposed_update_s"]
+    assert rolled["step_s"] >= serial["step_s"] > pred.cases["speculated"]["step_s"]
+    uncalibrated = predict(plan, SEVEN_B, h100(), speculate="on", clip_rate=1.0, **kwargs)
+    assert uncalibrated.rollback_s == pytest.approx(ROLLBACK_COST * uncalibrated.optimizer_s)
+    assert uncalibrated.step_s > pred.step_s
+    p = 0.25
+    mixed = predict(plan, SEVEN_B, as_fast, speculate="auto", clip_rate=p, **kwargs)
+    shares = {c: mixed.cases[c]["share"] for c in CASES}
+    assert shares == pytest.approx({"speculated": (1 - p) ** 2, "rolled back": (1 - p) * p, "serial": p})
+    assert mixed.step_s == pytest.approx(sum(shares[c] * mixed.cases[c]["step_s"] for c in CASES))
+    assert mixed.tokens_per_s == pytest.approx(plan.step_tokens / mixed.step_s)
+    with pytest.raises(ValueError, match="clip_rate"):
+        predict(plan, SEVEN_B, as_fast, clip_rate=1.5)
 
 
 def test_choose_picks_the_fastest_candidate_that_fits() -> None:
@@ -136,7 +261,7 @@ def test_choose_picks_the_fastest_candidate_that_fits() -> None:
     assert choose(config, 1, 2048, cal, on_gpu=True, gpu_free=1 * GiB, host_free=1 * GiB) is None  # nothing fits
 
 
-def test_plan_json_and_calibrate_command(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_json_and_the_calibration_it_predicts_from(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pipelines.train import TrainConfig
 
     train = TrainConfig()
@@ -146,16 +271,39 @@ def test_plan_json_and_calibrate_command(cache: Path, capsys: pytest.CaptureFixt
     cal.save()
     assert main(["plan", "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {"predicted_step_s", "predicted_tokens_per_s", "bound", "plan", "fits"} <= set(out)
+    assert {"predicted_step_s", "predicted_tokens_per_s", "bound", "plan", "fits", "cases", "phases", "speculate",
+            "clip_rate", "kept_layers", "optimizer_rate", "resident_update_s", "rollback_s"} <= set(out)
     assert out["bound"] in ("compute", "h2d", "d2h", "optimizer", "data") and out["fits"]
     assert out["predicted_tokens_per_s"] == pytest.approx(out["plan"]["step_tokens"] / out["predicted_step_s"])
+    assert out["calibration"] == {"device": "cpu", "created": 0.0, "source": cal.source, "path": None}
     assert main(["plan", "--device", "cpu"]) == 0  # with a calibration cached, the plain plan predicts too
     assert "predicted step:" in capsys.readouterr().out
     assert main(["plan", "--device", "cpu", "--optimizer-workers", "auto"]) == 0
     assert "--optimizer-workers" in capsys.readouterr().out
-    assert main(["calibrate", "--device", "cpu", "--max-seconds", "1", "--json"]) == 0
-    written = json.loads(capsys.readouterr().out)
-    assert written["path"] == str(cache) and key in Calibration.load("cpu").layers  # the earlier entry kept
+    # a GPU's recorded calibration predicts its run on a machine without it: the 7B in bf16 on the H100, compiled
+    # (compile auto: the calibration timed it faster), every step clipping under speculate on
+    argv = ["plan", "--model", "7b", "--precision", "bf16", "--batch", "1", "--seq", "2048", "--micro-batches", "4",
+            "--device", "cuda", "--gpu-gib", "79", "--host-gib", "125", "--optimizer-workers", "8", "--json",
+            "--calibration", str(H100)]
+    assert main([*argv, "--speculate", "on", "--clip-rate", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["calibration"]["device"] == "NVIDIA H100 80GB HBM3" and out["calibration"]["path"] == str(H100)
+    assert out["compute_source"] == "measured layers, compiled" and out["plan"]["resident_units"] > 0
+    assert out["speculate"] == "on" and out["clip_rate"] == 1.0 and out["cases"]["rolled back"]["share"] == 1.0
+    assert set(out["phases"]) == {"forward", "head", "backward", "update"}
+    assert out["predicted_step_s"] == pytest.approx(out["cases"]["rolled back"]["step_s"])
+    assert main([*argv, "--compile", "off", "--clip-rate", "2"]) == 2  # one sentence
+    assert "--clip-rate is the share of steps that clip" in capsys.readouterr().err
+
+
+def test_the_recorded_h100_calibration_has_the_7b_layers() -> None:
+    """benchmarks/calibrations/h100-80gb-hbm3.json is keyed by layer_key: a change to ModelConfig's fields changes the
+    key, and the recorded 7B timings would silently fall back to the matmul rate."""
+    cal = Calibration.read(H100)
+    for precision in ("tf32", "bf16"):
+        assert layer_key(SEVEN_B, 1, 2048, precision) in cal.layers
+    assert layer_key(SEVEN_B, 1, 2048, "bf16") in cal.compiled
+    assert cal.adamw_beside_copies_gparams and "Recorded by hand" in cal.source
 
 
 def test_predicted_beside_measured(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatrain.config import ModelConfig
-from megatrain.engine import executor as executor_module
+from megatrain.engine import layer_passes
 from megatrain.engine.executor import Executor
 from megatrain.model.layout import ModelLayout, Unit
 from megatrain.model.templates import recompute_grads
@@ -44,7 +44,7 @@ def _logged_run(model, monkeypatch, device: str, go_on: bool) -> tuple[list[str]
     def landed(unit: Unit, norm_sq: float) -> None:
         log.append(f"landed {unit.index}")
 
-    monkeypatch.setattr(executor_module, "recompute_grads", logged)
+    monkeypatch.setattr(layer_passes, "recompute_grads", logged)
     grads = torch.zeros(layout.numel)
     executor = Executor(CONFIG, layout, params, grads, device=device)
     out = executor.run(*batch, loss_ready=loss_ready, grads_landed=landed)

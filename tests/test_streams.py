@@ -19,8 +19,7 @@ from helpers import FAMILIES, assert_matches_hf, batch, build_hf_model, hf_loss_
 
 import megatrain
 from megatrain.config import ModelConfig
-from megatrain.engine import executor as executor_module
-from megatrain.engine import grad_egress
+from megatrain.engine import grad_egress, layer_passes
 from megatrain.engine.executor import Executor
 from megatrain.engine.grad_egress import GradEgress, Landing
 from megatrain.engine.streams import SimulatedStreams, StreamOrderError, make_streams
@@ -247,7 +246,7 @@ def _run_with_a_slow_optimizer(layout: ModelLayout, params: torch.Tensor, batch_
         weakref.finalize(next(iter(wgrads.values())), gone)
         return grad, wgrads
 
-    monkeypatch.setattr(executor_module, "recompute_grads", counted)
+    monkeypatch.setattr(layer_passes, "recompute_grads", counted)
     ring = GradLayout.ring(layout, slots=2)  # four of the six layers wait for a slot
     landed_at: dict[int, float] = {}
 

@@ -1,16 +1,18 @@
 """The layer-streaming schedule: forward, head, backward with recompute, per layer and micro-batch.
 
     forward   for each layer l: H2D weights(l+1) into the free buffer while compute runs layer l;
-              keep the layer input x[l] as an activation checkpoint
+              keep the layer input x[l] as an activation checkpoint (or, for the top layers the plan chose, the
+              layer's autograd graph: kept activations)
     head      final norm + lm_head + cross-entropy, forward and backward at once, in token chunks
-    backward  for each layer l from the top: H2D weights(l-1) while compute reruns layer l from x[l]
-              and takes gradients; D2H stream copies dW[l] into the arena; `grads_landed(unit)` fires once
-              they are there
+    backward  for each layer l from the top: H2D weights(l-1) while compute reruns layer l from x[l] (or takes
+              its kept graph) and takes gradients; D2H stream copies dW[l] into the arena; `grads_landed(unit)`
+              fires once they are there
     (or, with hold_grads, the gradients stay on the device and `send_held` copies them out later, in
     forward order, once the caller knows what to do with them: the global norm for clipping)
 
-The rooms beside this one: the two rotating weight buffers (weight_slots.py), the layer inputs kept for the
-backward (activation_checkpoints.py), the gradients' way to the host and its waits for slots
+The rooms beside this one: the two rotating weight buffers (weight_slots.py), one layer's forward and backward
+over the micro-batches (layer_passes.py) with the layer inputs kept for the backward (activation_checkpoints.py) or
+the layers' graphs (kept_activations.py), the gradients' way to the host and its waits for slots
 (grad_egress.py), what a batch must be (batch_checks.py), the units resident on the device with their
 optimizer state, whose weights are bound and gradients written there, never crossing (resident.py), and what a
 step is made of and returns (step_state.py).
@@ -33,19 +35,19 @@ import torch
 
 from megatrain.config import PRECISIONS, SCHEDULES, MegatrainError, ModelConfig, check_choice
 from megatrain.distributed.data_parallel import DataParallel
-from megatrain.engine.activation_checkpoints import ActivationCheckpoints
 from megatrain.engine.batch_checks import check_batch, check_extra_loss, check_micro_batches, check_positions
 from megatrain.engine.grad_egress import GradEgress, GradsOut, LandedCallback, Sends, UnitCallback, noop
 from megatrain.engine.host_buffers import HostBuffers
+from megatrain.engine.layer_passes import LayerPasses
+from megatrain.engine.lora_step import LoraStep
 from megatrain.engine.resident import ResidentUnits
 from megatrain.engine.step_state import PreparedStep, StepOutput
 from megatrain.engine.streams import make_streams
-from megatrain.engine.torch_settings import COMPILED_SHAPES_LIMIT, allow_recompiles, set_matmul_precision
+from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.engine.weight_slots import WeightSlots
 from megatrain.model import ops
-from megatrain.model.architecture import Batch, LayerFn
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
-from megatrain.model.templates import Weights, embed, embed_backward, head_loss_and_grads, recompute_grads
+from megatrain.model.templates import Weights, embed, embed_backward, head_loss_and_grads
 from megatrain.telemetry import Recorder
 
 
@@ -57,21 +59,27 @@ class Executor:
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
                  shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
                  tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                 data_parallel: DataParallel | None = None, resident_units: int = 0):
+                 data_parallel: DataParallel | None = None, resident_units: int = 0, kept_layers: int = 0,
+                 frozen: torch.Tensor | None = None):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
-        simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer;
-        with precision "bf16" the weights are read from it (half the bytes to move), else from params. compile:
-        run the decoder layer through torch.compile (every layer has the same shapes, so it compiles once per
-        batch shape and grad mode). send_thread: gradients go to the host from a thread of their own (None: on
-        a GPU, where the step must not wait on slots or copies, and under simulated streams, which test the
-        GPU's path; on the plain CPU path the step's own thread does them). tile_tokens: the layers' token-wise
-        parts run over tiles of that many tokens (None: whole). checkpoint_budget: bytes of device memory for the
-        layer inputs the backward recomputes from; the rest wait in host memory (None: all on the device;
-        megatrain/engine/activation_checkpoints.py). data_parallel: this executor is one of several, each running
-        its share of a step's rows; every unit's gradient is summed over them and this one writes its slice of
-        the sum (megatrain/distributed/data_parallel.py). resident_units: the first that many units live on the
-        device with their optimizer state (`resident`, loaded and updated by the caller), never crossing."""
-        self.config, self.layout, self.params, self.grads = config, layout, params, grads
+        simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer; with
+        precision "bf16" the weights are read from it (half the bytes to move), else from params. compile: run the
+        decoder layers (tiled: their tiles) and the head through torch.compile, once per layer structure, batch shape
+        and grad mode (megatrain/engine/compiled.py). send_thread: gradients go to the host from a thread of their own
+        (None: on a GPU, where the step must not wait on slots or copies, and under simulated streams, which test the
+        GPU's path; on the plain CPU path the step's own thread does them). tile_tokens: the layers' token-wise parts
+        run over tiles of that many tokens (None: whole). checkpoint_budget: bytes of device memory for the layer inputs
+        the backward recomputes from; the rest wait in host memory (None: all on the device;
+        megatrain/engine/activation_checkpoints.py). data_parallel: this executor is one of several, each running its
+        share of a step's rows; every unit's gradient is summed over them and this one writes its slice of the sum
+        (megatrain/distributed/data_parallel.py). resident_units: the first that many units live on the device with
+        their optimizer state (`resident`, loaded and updated by the caller), never crossing. kept_layers: the top that
+        many decoder layers keep their activations (their autograd graphs) from the forward to the backward instead of
+        recomputing (megatrain/engine/kept_activations.py). frozen: where the layout has a frozen part (a LoRA run), its
+        weights, which stream while `params` holds what trains (megatrain/engine/lora_step.py): self.layout is what
+        streams, self.trainable what trains and sends gradients."""
+        self.config, self.trainable, self.params, self.grads = config, layout, params, grads
+        self.layout = layout.frozen or layout
         self.grad_layout = grad_layout or GradLayout.full(layout)
         check_choice("precision", precision, PRECISIONS)
         self.streams = make_streams(device)
@@ -79,6 +87,7 @@ class Executor:
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params
+        self.weights = self.weights if frozen is None else frozen
         self.loss_chunk_tokens = loss_chunk_tokens
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
@@ -89,21 +98,22 @@ class Executor:
             if tile_tokens <= 0:
                 raise MegatrainError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}.")
             self.arch.tile(tile_tokens)
-        self.tiled = tile_tokens is not None
-        self.activation_checkpoints = ActivationCheckpoints(self.streams, checkpoint_budget)
         self.dp = data_parallel if data_parallel is not None and data_parallel.world > 1 else None
+        self.lora = None if frozen is None else LoraStep(layout, params, self.arch, self.dp.rank if self.dp else 0)
+        self.arch = self.arch if self.lora is None else self.lora.architecture
+        self.passes = LayerPasses(self.arch, self.streams, self.rec, len(layout.layers), tiled=tile_tokens is not None,
+                                  checkpoint_budget=checkpoint_budget, kept_layers=kept_layers, compile=compile)
+        self.activation_checkpoints = self.passes.activation_checkpoints
         if self.dp is not None and not self.grad_layout.full_ranges:
             raise MegatrainError("several executors write slices of every unit's gradient into the arena, which needs "
                                  "grads = 'arena'; set grads = 'arena' (or 'auto').")
-        self.compile = compile
-        if compile:
-            allow_recompiles(COMPILED_SHAPES_LIMIT)
-        self._compiled: dict[int, LayerFn] = {}  # id of a structure's layer function -> its compiled form
         if resident_units and self.dp is not None:
             raise MegatrainError("resident units are kept by one executor; with several, set resident = none.")
-        self.resident = ResidentUnits(layout, resident_units, self.device, self.dtype)
-        self.slots = WeightSlots(layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
-                                 self.resident)
+        # what trains on the device (a LoRA run's adapters: fp32, cast in the layer), and whose weights are there
+        self.resident = ResidentUnits(layout, resident_units, self.device, torch.float32 if self.lora else self.dtype)
+        self.on_device = self.resident if self.lora is None else ResidentUnits(self.layout, 0, self.device, self.dtype)
+        self.slots = WeightSlots(self.layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
+                                 self.on_device)
         self.egress = GradEgress(self.streams, self.grad_layout, self.rec, self.send_thread)
         self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
         self.host_buffers = HostBuffers(self.streams)  # gathered embedding rows, their gradients
@@ -190,8 +200,8 @@ class Executor:
         wait_weights(embed_unit)
         with self.rec.span("host", "embed", embed_unit.index):
             rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
-            resident = self.resident.holds(embed_unit)  # then the table is on the device, and gathered there
-            weights = self.resident.weights_of(embed_unit) if resident else embed_unit.range_of(self.weights)
+            resident = self.on_device.holds(embed_unit)  # then the table is on the device, and gathered there
+            weights = self.on_device.weights_of(embed_unit) if resident else embed_unit.range_of(self.weights)
             table = embed_unit.bind(weights)["embed_tokens.weight"]
             if resident:
                 rows = torch.index_select(table, 0, self._to_device(rows_idx)).to(self.dtype)
@@ -208,12 +218,12 @@ class Executor:
         """Forward, head and backward of micro-batches `ms` of `step`, layer-major; accumulate: their gradients are
         added to those in the arena (an earlier pass's of the same step). forward_only: the loss alone."""
         batches = [step.batches[m] for m in ms]
-        self.activation_checkpoints.begin(len(self.layout.layers) * len(ms))
+        self.passes.begin(batches)
         xs = self._forward(step, ms, wait_weights)
         extra_loss = batches[0].forward_done() if len(ms) == 1 else None  # several: refused by run
         loss, grad_norm_w, grad_lm = self._head(step, ms, xs, wait_weights, extra_loss)
         if forward_only:
-            self.activation_checkpoints.end()
+            self.passes.end()
             return StepOutput(float(loss), step.n_tokens)
         go_on = None  # asked by the backward once its top layer is queued, the loss copied out on the D2H stream
         if loss_ready is not None:  # (float(loss) now would drain the device before the backward is queued)
@@ -226,23 +236,21 @@ class Executor:
             self.egress.abandon()
             raise
         finally:
-            self.activation_checkpoints.end()
+            self.passes.end()
 
     def _forward(self, step: PreparedStep, ms: list[int], wait_weights: UnitCallback) -> list[torch.Tensor]:
-        """Every layer over micro-batches `ms`, layer-major: x[l] of the j-th micro-batch kept as activation
-        checkpoint l * k + j. Returns each micro-batch's output of the last layer."""
-        s, layers = self.streams, self.layout.layers
-        k = len(ms)
+        """Every layer over micro-batches `ms`, layer-major: what the backward needs of x[l] of the j-th micro-batch
+        kept as activation l * k + j (layer_passes.py). Returns each micro-batch's output of the last layer."""
+        layers = self.layout.layers
         wait_weights(layers[0])
         self.slots.fetch(layers[0], keep=None)
         xs: list[torch.Tensor] = []
         for i, unit in enumerate(layers):
             slot, w = self.slots.acquire(unit)
+            w = w if self.lora is None else self.lora.bind(unit, w, self.resident, self._to_device)
             for j, m in enumerate(ms):
                 x = self._embedded(step, m) if i == 0 else xs[j]
-                self.activation_checkpoints.put(i * k + j, x)
-                with torch.no_grad(), self.rec.span("compute", "forward", unit.index, s.compute):
-                    x = self._layer(unit)(x, w, *step.batches[m].layer_args(unit.layer))
+                x = self.passes.forward(i, unit, j, x, w, step.batches[m])
                 if i == 0:
                     xs.append(x)
                 else:
@@ -279,10 +287,12 @@ class Executor:
             sums = None
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for j, m in enumerate(ms):
-                micro_loss, xs[j], sums = head_loss_and_grads(
-                    xs[j], self.arch.final_norm, norm_w, lm_head, step.targets[step.micro[m]], self.loss_chunk_tokens,
-                    step.host_targets[step.micro[m]], self.arch.logit_softcap, n_valid=step.n_tokens,
-                    grads_into=sums, logits=getattr(self.arch, "logits", None))
+                micro_loss, xs[j], sums = head_loss_and_grads(  # the compiled head's pieces where compiling
+                    xs[j], self.passes.compiled.final_norm, norm_w, lm_head, step.targets[step.micro[m]],
+                    self.loss_chunk_tokens, step.host_targets[step.micro[m]], self.arch.logit_softcap,
+                    n_valid=step.n_tokens, cross_entropy=self.passes.compiled.cross_entropy,
+                    grads_into=sums, logits=getattr(self.arch, "logits", None),
+                    weight_grads=bool(self.trainable.head.slots or self.trainable.embed.slots))  # LoRA: frozen
                 loss += micro_loss
             grad_norm_w, grad_lm = sums
             if extra_loss is not None:
@@ -293,10 +303,10 @@ class Executor:
                   grad_norm_w: Weights, grad_lm: torch.Tensor, sends: Sends, hold_grads: bool,
                   accumulate: bool = False, also_send: bool = False, go_on: Callable[[], bool] | None = None
                   ) -> StepOutput:
-        """The head's gradients out, then each layer's recomputed from its activation checkpoints (every
-        micro-batch's, their weight gradients summed), then the embedding's; accumulate: each added to what the
-        arena holds. grads: per micro-batch, the gradient with respect to the head's input. go_on, if given, is
-        asked once the top layer's backward is queued and before any gradient leaves (False: the loss alone)."""
+        """The head's gradients out, then each layer's (every micro-batch's, their weight gradients summed:
+        layer_passes.py), then the embedding's; accumulate: each added to what the arena holds. grads: per
+        micro-batch, the gradient with respect to the head's input. go_on, if given, is asked once the top layer's
+        backward is queued and before any gradient leaves (False: the loss alone)."""
         layers, batches = self.layout.layers, [step.batches[m] for m in ms]
         held: list[GradsOut] = []
         norms: dict[int, torch.Tensor] = {}
@@ -319,7 +329,8 @@ class Executor:
             unit = layers[i]
             permit = None if hold_grads or self.resident.holds(unit) else self.egress.permit(sends, unit)
             slot, w = self.slots.acquire(unit)
-            wgrads = self._layer_grads(i, w, batches, grads)
+            w = w if self.lora is None else self.lora.bind(unit, w, self.resident, self._to_device)
+            wgrads = self.passes.backward(i, unit, w, batches, grads)
             self.slots.release(slot)
             if i > 0:
                 self.slots.fetch(layers[i - 1], keep=unit)
@@ -347,35 +358,9 @@ class Executor:
         head_unit = self.layout.head
         head_dst = self._grad_dst(head_unit)
         head_grads = [(g, head_dst[name]) for name, g in grad_norm_w.items()]
-        if not self.config.tie_embeddings:
+        if not self.config.tie_embeddings and grad_lm is not None:
             head_grads.append((grad_lm, head_dst["lm_head.weight"]))
         return self._gradients(head_unit, head_grads, accumulate=accumulate)
-
-    def _layer_grads(self, i: int, w: Weights, batches: list[Batch], grads: list[torch.Tensor]) -> Weights:
-        """Decoder layer i's backward, recomputed from its activation checkpoints, the top micro-batch first (they
-        come back in the reverse order of the forward): grads[m] becomes the gradient with respect to its input;
-        returns the weight gradients, summed over the micro-batches."""
-        unit, k = self.layout.layers[i], len(batches)
-        wgrads: Weights = {}
-        for m in range(k - 1, -1, -1):
-            with self.rec.span("compute", "recompute+backward", unit.index, self.streams.compute):
-                x = self.activation_checkpoints.get(i * k + m)
-                args = batches[m].layer_args(unit.layer)
-                if self.tiled:  # the layer takes its own gradients, tile by tile
-                    grads[m], micro_wgrads = self.arch.layer(unit.layer).backward(x, w, grads[m], *args)
-                else:
-                    grads[m], micro_wgrads = recompute_grads(self._layer(unit), x, w, grads[m], *args)
-                del x
-                if k == 1:
-                    wgrads = micro_wgrads
-                else:  # summed in fp32, whatever the compute dtype
-                    for name, g in micro_wgrads.items():
-                        if name in wgrads:
-                            wgrads[name] += g
-                        else:
-                            wgrads[name] = g.float()
-                del micro_wgrads
-        return wgrads
 
     def _embed_grads(self, step: PreparedStep, ms: list[int], grads: list[torch.Tensor], grad_lm: torch.Tensor,
                      accumulate: bool) -> GradsOut:
@@ -383,6 +368,8 @@ class Executor:
         lm_head's gradient `grad_lm`). grads: per micro-batch, the gradient with respect to the first layer's
         input; each is dropped once used."""
         embed_unit, rows_idx = self.layout.embed, step.rows_idx
+        if not self.trainable.embed.slots:  # frozen (a LoRA run's): no gradient
+            return self._gradients(embed_unit, [])
         with self.rec.span("compute", "embed-backward", embed_unit.index, self.streams.compute):
             grad_rows = None
             for m, micro in enumerate(ms):
@@ -416,15 +403,6 @@ class Executor:
         self.streams.close()
 
     # ---- helpers ----
-    def _layer(self, unit: Unit) -> LayerFn:
-        """The function of `unit`'s layer (compiled once per layer structure when compiling)."""
-        fn = self.arch.layer(unit.layer)
-        if not self.compile or not getattr(fn, "compilable", True):
-            return fn
-        if id(fn) not in self._compiled:
-            self._compiled[id(fn)] = torch.compile(fn, fullgraph=True, dynamic=False)
-        return self._compiled[id(fn)]
-
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """H2D of a small host tensor (token ids, gathered rows) on the h2d stream, ordered before compute."""
         if self.resident.owns(t):  # a resident unit's, already there
@@ -457,7 +435,7 @@ class Executor:
         pairs laid out flat at their destinations' offsets in the unit's range, the gaps (tensors with no gradient
         here) zero."""
         assert self.dp is not None
-        whole = self.grad_layout.range_of(unit, self.grads)
+        whole = self.grad_layout.range_of(self.trainable.units[unit.index], self.grads)
         flat = torch.zeros(whole.numel(), dtype=torch.float32, device=self.device)
         for g, dst in pairs:
             start = (dst.data_ptr() - whole.data_ptr()) // whole.element_size()
@@ -466,11 +444,12 @@ class Executor:
 
     def _grad_dst(self, unit: Unit) -> Weights:
         """Where the unit's gradient tensors go: its range of the arena's gradients, or on the device if resident."""
+        unit = self.trainable.units[unit.index]  # a LoRA run's: the adapters'
         return self.resident.grads_of(unit) if self.resident.holds(unit) else self.grad_layout.bind(unit, self.grads)
 
     def _head_weights(self, head_unit: Unit) -> torch.Tensor:
-        if self.resident.holds(head_unit):
-            return self.resident.weights_of(head_unit)
+        if self.on_device.holds(head_unit):
+            return self.on_device.weights_of(head_unit)
         src = head_unit.range_of(self.weights)
         if not self.streams.asynchronous and self.dtype == src.dtype:
             return src

@@ -26,9 +26,10 @@ class WeightSlots:
         self.copy_needed = streams.asynchronous or dtype != weights.dtype
         n = 2 if self.copy_needed else 0
         dev = streams.device
-        # bf16 compute from fp32 weights on a GPU: they arrive in a staging buffer and are cast there
+        # bf16 compute from fp32 weights on a GPU (or fp32 compute from a LoRA run's bf16 base): they arrive in a
+        # staging buffer in their own dtype and are cast there
         staged = streams.asynchronous and dtype != weights.dtype
-        self.staging = [torch.empty(numel, device=dev) for _ in range(n if staged else 0)]
+        self.staging = [torch.empty(numel, device=dev, dtype=weights.dtype) for _ in range(n if staged else 0)]
         self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
         self.resident: list[int | None] = [None] * n
         self.ready: list[Any] = [None] * n

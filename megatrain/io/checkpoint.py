@@ -252,9 +252,11 @@ def is_weight_file(name: str, stem: str = "model") -> bool:
 
 
 def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
-            shard_bytes: int = SHARD_BYTES, kept: dict[str, torch.Tensor] | None = None) -> Path:
+            shard_bytes: int = SHARD_BYTES, kept: dict[str, torch.Tensor] | None = None,
+            tensors: list[tuple[str, torch.Tensor]] | None = None) -> Path:
     """Writes an HF directory (config.json, safetensors weights and the pass-through tensors `kept`, copies of
-    extra_files) atomically.
+    extra_files) atomically. tensors: the weights to write by HF name, where they are not `params` (a LoRA run's
+    base with its adapters merged in).
 
     Into an existing directory as transformers does: what this does not write (a tokenizer, a README) is kept,
     except earlier weight shards, which the new weights replace."""
@@ -263,7 +265,7 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        write_sharded(tmp, "model", model_tensors(layout, params, kept), shard_bytes)
+        write_sharded(tmp, "model", tensors or model_tensors(layout, params, kept), shard_bytes)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))

@@ -144,14 +144,16 @@ class LoraWeight:
         return lora_linear(x, w.base, bias, w.lora_a, w.lora_b, w.scaling, w.dropout, w.seed)
 
 
-def with_adapters(w: Weights, lora: LoraConfig, seed: int = 0) -> dict[str, Any]:
+def with_adapters(w: Weights, lora: LoraConfig, seed: int | None = 0) -> dict[str, Any]:
     """A layer's weights (base and adapters, as LoraLayer gets them) as its template takes them: each adapted
-    projection's weight a LoraWeight, the adapters' own entries gone. Target k's dropout mask is seeded seed + k."""
+    projection's weight a LoraWeight, the adapters' own entries gone. Target k's dropout mask is seeded seed + k;
+    seed None: no dropout (evaluation, as PEFT's eval mode)."""
     out: dict[str, Any] = {n: t for n, t in w.items() if LORA not in n}
     modules = [n.removesuffix(".lora_A.weight") for n in w if n.endswith(".lora_A.weight")]
+    dropout = 0.0 if seed is None else lora.dropout
     for k, module in enumerate(modules):
         out[f"{module}.weight"] = LoraWeight(w[f"{module}.weight"], w[f"{module}.lora_A.weight"],
-                                             w[f"{module}.lora_B.weight"], lora.scaling, lora.dropout, seed + k)
+                                             w[f"{module}.lora_B.weight"], lora.scaling, dropout, (seed or 0) + k)
     return out
 
 
@@ -159,6 +161,7 @@ class LoraLayer:
     """A family's layer function with adapters: fn(x, weights with adapters, *the layer's args, dropout seed)."""
 
     compilable = False  # torch.compile(fullgraph=True) cannot trace through a LoraWeight
+    owns_backward = True  # the executor takes its gradients with `backward` (the base's would be wasted work)
 
     def __init__(self, layer: LayerFn, lora: LoraConfig):
         self.layer, self.lora = layer, lora
@@ -177,13 +180,15 @@ class LoraLayer:
 
 
 class LoraBatch:
-    """A family's batch with a dropout seed after each layer's arguments: the same in the forward and the recompute."""
+    """A family's batch with a dropout seed after each layer's arguments: the same in the forward and the recompute
+    (None: no dropout)."""
 
-    def __init__(self, batch: Batch, seed: int):
+    def __init__(self, batch: Batch, seed: int | None):
         self.inner, self.seed = batch, seed
 
     def layer_args(self, index: int) -> tuple[Any, ...]:
-        return (*self.inner.layer_args(index), hash((self.seed, index)) & 0x7FFF_FFFF_FFFF)
+        seed = None if self.seed is None else hash((self.seed, index)) & 0x7FFF_FFFF_FFFF
+        return (*self.inner.layer_args(index), seed)
 
     def forward_done(self) -> torch.Tensor | None:
         return self.inner.forward_done()
@@ -192,7 +197,8 @@ class LoraBatch:
 class LoraArchitecture:
     """A family's Architecture with adapters in its layers (LoraLayer); the embedding, final norm and head are the
     family's. Batches are seeded from (seed, step, how many batches this step made before): start_step(step) before a
-    step's batches, so that a replayed step draws the same dropout masks."""
+    step's batches, so that a replayed step draws the same dropout masks; start_step(step, training=False) before an
+    evaluation's, which draw none. The executor's seed tells data-parallel ranks apart (their rows differ)."""
 
     def __init__(self, arch: Architecture, lora: LoraConfig, seed: int = 0):
         self.arch, self.lora, self.seed = arch, lora, seed
@@ -200,16 +206,16 @@ class LoraArchitecture:
         if hasattr(arch, "logits"):
             self.logits = arch.logits
         self._layers: dict[int, LoraLayer] = {}  # id of the family's layer function -> its LoRA form
-        self.step, self._batches = 0, 0
+        self.step, self._batches, self.training = 0, 0, True
 
-    def start_step(self, step: int) -> None:
-        self.step, self._batches = step, 0
+    def start_step(self, step: int, training: bool = True) -> None:
+        self.step, self._batches, self.training = step, 0, training
 
     def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
               position_ids: torch.Tensor | None = None) -> LoraBatch:
         self._batches += 1
         inner = self.arch.batch(batch_size, seq, device, dtype, position_ids)
-        return LoraBatch(inner, hash((self.seed, self.step, self._batches)))
+        return LoraBatch(inner, hash((self.seed, self.step, self._batches)) if self.training else None)
 
     def layer(self, index: int) -> LoraLayer:
         fn = self.arch.layer(index)

@@ -19,6 +19,8 @@ ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the decoder l
 KEYS = {"r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout", "lora_dropout": "dropout",
         "targets": "targets", "target_modules": "targets", "rslora": "rslora", "use_rslora": "rslora"}
 TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+# the precisions a LoRA run keeps its frozen base in on the host (lora_base_dtype), and their arena dtypes
+BASE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)

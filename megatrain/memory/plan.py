@@ -1,13 +1,13 @@
 """The memory plan: bytes per tier before anything is allocated, and a clear refusal when it won't fit.
 
-Host: the arena (fp32 params and Adam m and v, 12 B/param; bf16 runs 2 more for the bf16 shadow of the
-weights; plus the gradients: 4 B/param when they all wait in the arena, a few layers' worth when they
-stream, see GRAD_PLACEMENTS in megatrain/config.py) and the resident size of the processes (Ray,
-parameter store, optimizer workers, data loader, executor).
-GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the
-step's gradients when they stay on the device), the layer-input checkpoints, one layer's recompute
-working set, and one chunk of logits; then, in what is left, the units kept resident with their optimizer
-state (megatrain/memory/residency.py).
+Host: the arena (fp32 params and Adam m and v, 12 B/param; bf16 runs 2 more for the bf16 shadow of the weights; plus the
+gradients: 4 B/param when they all wait in the arena, a few layers' worth when they stream, see GRAD_PLACEMENTS in
+megatrain/config.py) and the resident size of the processes (Ray, parameter store, optimizer workers, data loader,
+executor).
+GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the step's gradients
+when they stay on the device), the layer-input checkpoints, one layer's recompute working set, and one chunk of logits;
+then, in what is left, the units kept resident with their optimizer state (megatrain/memory/residency.py), then the
+top layers that keep their activations instead of recomputing (megatrain/memory/kept_activations.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
+from megatrain.lora.config import LoraConfig
+from megatrain.memory.kept_activations import KeptLayers, with_kept
+from megatrain.memory.lora_plan import lora_memory, lora_resident
 from megatrain.memory.residency import Residency, choose_resident
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
@@ -88,6 +91,13 @@ class MemoryPlan:
     resident_params: int = 0
     gpu_resident: int = 0  # their device bytes (on the CPU path part of process_bytes too: the device is the host)
     resident_note: str = ""  # which units and why (Residency.describe)
+    kept: KeptLayers = KeptLayers()  # the top layers that keep their activations, their bytes, why (with_kept)
+    # a LoRA run (megatrain/memory/lora_plan.py): the frozen base's arena bytes (part of arena_bytes) and precision, the
+    # adapters' parameters, and each unit's adapter elements in forward order (padded ranges)
+    frozen_bytes: int = 0
+    frozen_dtype: str = ""
+    adapter_params: int = 0
+    adapter_numels: tuple[int, ...] = ()
 
     @property
     def step_tokens(self) -> int:
@@ -95,8 +105,8 @@ class MemoryPlan:
 
     @property
     def pcie_bytes_per_token(self) -> float:
-        """Host <-> device bytes per trained token: under the layer-major schedule the weights' and gradients'
-        share falls as 1 / micro_batches; per micro-batch it does not."""
+        """Host <-> device bytes per trained token: under the layer-major schedule the weights' and gradients' share
+        falls as 1 / micro_batches; per micro-batch it does not."""
         return (self.h2d_bytes + self.d2h_bytes) / max(self.step_tokens, 1)
 
     @property
@@ -110,7 +120,7 @@ class MemoryPlan:
     @property
     def gpu_total(self) -> int:
         return (int(CUDA_CONTEXT) + self.gpu_weights + self.gpu_grads + self.gpu_activations + self.gpu_loss
-                + self.gpu_resident)
+                + self.gpu_resident + self.kept.bytes)
 
     def _shorter(self) -> str:
         if self.longest_seq is None or self.longest_seq >= self.seq:
@@ -166,12 +176,15 @@ class MemoryPlan:
         lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens{micro}, "
                  f"{tiles}", "host:" if self.nodes == 1 else f"host (each of {self.nodes} nodes):"]
         moments = "Adam m,v" if self.nodes == 1 else f"1/{self.nodes} of Adam m,v"
-        lines += [row(f"arena: params + {moments} (fp32)", self.arena_bytes - self.grads_bytes - self.shadow_bytes)]
+        if self.frozen_bytes:
+            lines += [row(f"arena: frozen base ({self.frozen_dtype}, no grads or Adam)", self.frozen_bytes)]
+        trained = "params" if not self.frozen_bytes else f"{self.adapter_params / 1e6:.1f} M adapters"
+        lines += [row(f"arena: {trained} + {moments} (fp32)",
+                      self.arena_bytes - self.grads_bytes - self.shadow_bytes - self.frozen_bytes)]
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
         lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
-        if self.host_checkpoints:
-            lines.append(row("layer checkpoints offloaded (pinned)", self.host_checkpoints))
+        lines += [row("layer checkpoints offloaded (pinned)", self.host_checkpoints)] if self.host_checkpoints else []
         lines += [row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
@@ -179,11 +192,11 @@ class MemoryPlan:
         kept = "all" if self.checkpoint_budget is None else f"budget {self.checkpoint_budget / GiB:.2f} GiB"
         lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row(grads_row, self.gpu_grads),
                   row(f"layer checkpoints kept ({kept})", self.gpu_checkpoints)]
-        if self.gpu_transfer:
-            lines.append(row("checkpoint transfer buffers (2)", self.gpu_transfer))
+        lines += [row("checkpoint transfer buffers (2)", self.gpu_transfer)] if self.gpu_transfer else []
         lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss)]
         if self.gpu_resident:
             lines.append(row(f"{self.resident_units} resident units and their Adam state", self.gpu_resident))
+        lines += [row(f"{len(self.kept.indices)} layers' kept activations", self.kept.bytes)] if self.kept.bytes else []
         lines.append(row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total))
         if self.gpu_free is not None:
             lines.append(row("free", self.gpu_free))
@@ -193,8 +206,7 @@ class MemoryPlan:
         if self.on_gpu:
             lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
                          f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
-        if self.resident_note:
-            lines.append(self.resident_note)
+        lines += [note for note in (self.resident_note, self.kept.describe()) if note]
         problem = self.host_problem() or self.gpu_problem()
         lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
         return "\n".join(lines)
@@ -205,18 +217,18 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
                 shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
                 shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
                 host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major",
-                nodes: int = 1, executors: int = 1) -> MemoryPlan:
-    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`:
-    a bf16 copy of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is
-    asked of CUDA here, so planning never creates a CUDA context; see gpu_free_here). tile_tokens and
-    checkpoint_budget as the executor takes them (None: untiled; every checkpoint on the device). host_free: the
-    host memory to plan for (default: what this machine has available, and /dev/shm's free space).
-    micro_batches: a step is that many micro-batches of batch x seq tokens; schedule "layer-major": every
-    micro-batch's checkpoints, one micro-batch's working set, the weights streamed once; "per-micro-batch": one
-    micro-batch's checkpoints, the weights streamed and the gradients sent once per micro-batch (and the earlier
-    sums brought back to add to). nodes: the run spans that many hosts, each with the whole weights and 1/nodes of
-    the Adam moments (4 + 8/nodes B a parameter), and each step sends every node's gradients and updated weights
-    between them (network_bytes). executors: each node runs that many, each on `batch` rows."""
+                nodes: int = 1, executors: int = 1, lora: LoraConfig | None = None,
+                lora_base_dtype: str = "bf16") -> MemoryPlan:
+    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`: a bf16 copy
+    of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is asked of CUDA here, so
+    planning never creates a CUDA context; see gpu_free_here). tile_tokens and checkpoint_budget as the executor takes
+    them (None: untiled; every checkpoint on the device). host_free: the host memory to plan for (default: what this
+    machine has available, and /dev/shm's free space). micro_batches: a step is that many micro-batches of batch x seq
+    tokens; schedule "layer-major": every micro-batch's checkpoints, one micro-batch's working set, the weights streamed
+    once; "per-micro-batch": one micro-batch's checkpoints, the weights streamed and the gradients sent once per
+    micro-batch (and the earlier sums brought back to add to). nodes: the run spans that many hosts, each with the whole
+    weights and 1/nodes of the Adam moments (4 + 8/nodes B a parameter), and each step sends every node's gradients and
+    updated weights between them (network_bytes). executors: each node runs that many, each on `batch` rows."""
     shadow = precision == "bf16" if shadow is None else shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
@@ -291,7 +303,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # 2 (M-1)/M of it sent; a reduce-scatter, as NCCL does, would send half that), and the other nodes' updated
     # parts of the weights broadcast in ((M-1)/M of them)
     network = int(3 * (nodes - 1) / nodes * arena_numel * 4)
-    return MemoryPlan(
+    plan = MemoryPlan(
         model=name, params=config.num_params(), arena_numel=arena_numel,
         arena_bytes=arena_numel * 4 + moments_numel * 8 + grads_numel * 4 + shadow_bytes, grads=grads,
         grads_bytes=grads_numel * 4, nodes=nodes, network_bytes=network,
@@ -302,13 +314,14 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
         shm_free=shm_free if host_free is None else host_free, gpu_free=gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
         micro_batches=k, schedule=schedule, h2d_bytes=h2d, d2h_bytes=d2h,
-    )
+    )  # lora: its adapters train beside the frozen base, kept in lora_base_dtype (megatrain/memory/lora_plan.py)
+    return plan if lora is None else lora_memory(plan, config, lora, lora_base_dtype, precision, executors)
 
 
 def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | None = None) -> str:
-    """The placement of gradients for a run: an explicit choice, checked, or for "auto" the one that keeps
-    the least on the host: "stream" without clipping; with clipping "device" when `device_plan` (the plan
-    with grads="device") is for a GPU whose free memory is known and fits it; else "arena"."""
+    """The placement of gradients for a run: an explicit choice, checked, or for "auto" the one that keeps the least on
+    the host: "stream" without clipping; with clipping "device" when `device_plan` (the plan with grads="device") is for
+    a GPU whose free memory is known and fits it; else "arena"."""
     check_choice("grads", requested, GRAD_PLACEMENTS)
     if requested == "stream" and clipping:
         raise ConfigError("grads = 'stream' updates each layer as soon as its gradient lands, before the global "
@@ -334,24 +347,26 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
              find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
-             executors: int = 1, resident: int | str = "none") -> MemoryPlan:
-    """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients
-    wait resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room
-    for it (else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
+             executors: int = 1, resident: int | str = "none", lora: LoraConfig | None = None,
+             lora_base_dtype: str = "bf16", keep_activations: int | str = "none") -> MemoryPlan:
+    """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
+    resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room for it (else
+    fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
 
-    tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS
-    while the GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU
-    path, whose device is the host), else as many as fit beside everything else, the rest offloaded.
-    schedule: "layer-major" where it fits (or more than one micro-batch is not asked for), else "per-micro-batch"
-    with the gradients in the arena, where that fits. resident: units kept on the device with their optimizer state,
-    in what is left (with_resident; the Engine and `megatrain plan` pass theirs, "auto" by default). Where the
-    result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
+    tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS while the
+    GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU path, whose device
+    is the host), else as many as fit beside everything else, the rest offloaded. schedule: "layer-major" where it fits
+    (or more than one micro-batch is not asked for), else "per-micro-batch" with the gradients in the arena, where that
+    fits. resident: units kept on the device with their optimizer state, in what is left (with_resident; the Engine and
+    `megatrain plan` pass theirs, "auto" by default), and so are the layers that keep activations (keep_activations:
+    with_kept). Where the result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     if schedule != AUTO:
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
                   loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
                   micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule, nodes=nodes,
-                  executors=executors)
+                  executors=executors, lora=lora, lora_base_dtype=lora_base_dtype)
+    grads = grads if lora is None else "arena"  # a LoRA run's gradients are its adapters': small, in the arena
     if kwargs["schedule"] == "per-micro-batch" and micro_batches > 1:
         if grads not in (AUTO, "arena"):
             raise ConfigError(f"the per-micro-batch schedule adds gradients up in the arena: it needs grads = "
@@ -368,21 +383,24 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
             plan.host_problem() or plan.gpu_problem()):
         fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
                             checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
-                            resident=resident,
+                            resident=resident, keep_activations=keep_activations,
                             **{k: v for k, v in kwargs.items() if k != "schedule"})
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback
     if find_longest and (plan.host_problem() or plan.gpu_problem()):
         plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
                                        checkpoint_budget=checkpoint_budget, **kwargs)
-    return with_resident(plan, config, resident, precision, executors * nodes)
+    plan = with_resident(plan, config, resident, precision, executors * nodes)
+    return with_kept(plan, config, keep_activations, precision)  # in what the resident units left
 
 
 def with_resident(plan: MemoryPlan, config: ModelConfig, requested: int | str, precision: str, world: int
                   ) -> MemoryPlan:
     """The plan with `requested` resident units placed in what the device has left (megatrain/memory/residency.py),
     and what no longer crosses PCIe: their weights (in twice a pass), gradients (out once), and the embedding's
-    rows; on the CPU path their bytes are host memory."""
+    rows; on the CPU path their bytes are host memory. A LoRA run's resident units are its adapters' (lora_resident)."""
+    if plan.adapter_numels:
+        return lora_resident(plan, requested, world)
     room = plan.gpu_free - plan.gpu_total if plan.on_gpu and plan.gpu_free is not None else None
     r: Residency = choose_resident(config, requested, room=room, on_gpu=plan.on_gpu, precision=precision,
                                    world=world)
@@ -402,8 +420,8 @@ def with_resident(plan: MemoryPlan, config: ModelConfig, requested: int | str, p
 
 def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:
     """The plan of a step of `rows` rows in the fewest equal micro-batches that fit memory (their FLOPs are the same
-    whatever the split; fewer passes over the layers, larger matmuls): K the smallest divisor of rows that fits,
-    each micro-batch rows / K rows. None fitting: the plan of K = rows (one row each), whose problem says why."""
+    whatever the split; fewer passes over the layers, larger matmuls): K the smallest divisor of rows that fits, each
+    micro-batch rows / K rows. None fitting: the plan of K = rows (one row each), whose problem says why."""
     plan = None
     for k in (d for d in range(1, rows + 1) if rows % d == 0):
         plan = plan_run(config, rows // k, seq, micro_batches=k, find_longest=False, **plan_kwargs)
@@ -422,7 +440,8 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
                           "runs on the generic path, whose layers are transformers' own, whole: leave tile_tokens "
                           "unset (auto) for this model.")
     if tile_tokens == AUTO:
-        tiles = [None] if tokens <= TILE_TOKENS or not config.family.tiles else [
+        untiled = not config.family.tiles or kwargs.get("lora") is not None  # LoRA recomputes layers whole
+        tiles = [None] if tokens <= TILE_TOKENS or untiled else [
             TILE_TOKENS >> i for i in range((TILE_TOKENS // MIN_TILE_TOKENS).bit_length())]
     else:
         tiles = [tile_tokens]
@@ -447,8 +466,8 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
 
 def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int | None | str = AUTO,
                 checkpoint_budget: int | None | str = AUTO, **kwargs: Any) -> int:
-    """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if
-    none does."""
+    """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if none
+    does."""
     def fits(seq: int) -> bool:
         plan = _plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget, kwargs)
         if plan.shadow_bytes and plan.host_problem() is not None:

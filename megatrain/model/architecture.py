@@ -23,7 +23,7 @@ import torch
 
 from megatrain.config import ModelConfig
 from megatrain.model import ops
-from megatrain.model.templates import DecoderLayer, Spans, Weights
+from megatrain.model.templates import DecoderLayer, Documents, Weights
 
 LayerFn = Callable[..., torch.Tensor]  # fn(x, weights, *batch.layer_args(i)) -> x
 
@@ -66,11 +66,11 @@ class Architecture(Protocol):
 class RopeBatch:
     """Every layer gets the same rotary (cos, sin) and packed documents; nothing is added to the loss."""
 
-    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None):
-        self.rope, self.spans = rope, spans
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents = None):
+        self.rope, self.documents = rope, documents
 
     def layer_args(self, index: int) -> tuple[Any, ...]:
-        return (self.rope, self.spans)
+        return (self.rope, self.documents)
 
     def forward_done(self) -> torch.Tensor | None:
         return None
@@ -89,13 +89,13 @@ class LlamaArchitecture:
 
     def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
               position_ids: torch.Tensor | None = None) -> RopeBatch:
-        spans = None if position_ids is None else ops.document_spans(position_ids)
+        documents = None if position_ids is None else ops.document_starts(position_ids)
         if position_ids is not None and not torch.equal(position_ids, torch.arange(seq).expand_as(position_ids)):
-            return RopeBatch(ops.rope_cos_sin(self.config, seq, device, dtype, position_ids), spans)
+            return RopeBatch(ops.rope_cos_sin(self.config, seq, device, dtype, position_ids), documents)
         key = (seq, device, dtype)
         if key not in self._rope:
             self._rope[key] = ops.rope_cos_sin(self.config, seq, device, dtype)
-        return RopeBatch(self._rope[key], spans)
+        return RopeBatch(self._rope[key], documents)
 
     def tile(self, tile_tokens: int) -> None:
         self.template.tile_tokens = tile_tokens

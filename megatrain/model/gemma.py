@@ -43,7 +43,7 @@ from megatrain.model.llama import (
     native_or_not,
 )
 from megatrain.model.registry import register
-from megatrain.model.templates import Spans, Weights, project_qkv, recompute_grads
+from megatrain.model.templates import Documents, Weights, project_qkv, recompute_grads
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 GELU_TANH = "gelu_pytorch_tanh"  # transformers' name for GELU's tanh approximation, Gemma's only activation here
@@ -333,7 +333,7 @@ GEMMA3 = register(GemmaFamily("gemma3_text", "Gemma3ForCausalLM"))
 
 class GemmaLayer:
     """x -> x + post_norm(attn(norm(x))) -> x + post_norm(mlp(pre_norm(x))); one instance per attention kind
-    (sliding, full) serves all layers of that kind: fn(x, weights, rope, spans).
+    (sliding, full) serves all layers of that kind: fn(x, weights, rope, documents).
 
     tile_tokens: the MLP half runs over tiles of that many tokens, in the forward and in `backward`, so no
     [tokens, intermediate] tensor exists whole; attention runs over the whole sequence."""
@@ -344,9 +344,9 @@ class GemmaLayer:
         self.window, self.scale, self.softcap = window, scale, softcap
         self.tile_tokens: int | None = None
 
-    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents = None
                  ) -> torch.Tensor:
-        x = self.attention(x, w, rope, spans)
+        x = self.attention(x, w, rope, documents)
         if self.tile_tokens is None or torch.is_grad_enabled():
             return self.mlp(x, w)
         out = torch.empty_like(x)
@@ -357,7 +357,7 @@ class GemmaLayer:
         return out
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 spans: Spans = None) -> tuple[torch.Tensor, Weights]:
+                 documents: Documents = None) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
         half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's gradients
         from the MLP's input gradient."""
@@ -366,7 +366,7 @@ class GemmaLayer:
         x = x.detach().requires_grad_(True)
         attn_leaves = {n: t.detach().requires_grad_(True) for n, t in attn_w.items()}
         with torch.enable_grad():
-            mid = self.attention(x, attn_leaves, rope, spans)
+            mid = self.attention(x, attn_leaves, rope, documents)
         flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
         grad_mid = torch.empty_like(flat_mid)
         mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()}
@@ -387,8 +387,8 @@ class GemmaLayer:
         h = ops.gelu_tanh_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         return x + ops.gemma_rms_norm(h, w["post_feedforward_layernorm.weight"], eps)
 
-    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
-                  ) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor],
+                  documents: Documents = None) -> torch.Tensor:
         """x + post_norm(attn(norm(x)))."""
         c = self.config
         b, t, _ = x.shape
@@ -397,7 +397,7 @@ class GemmaLayer:
         # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
         qk_norm = (lambda heads, g: ops.gemma_rms_norm(heads, g, eps)) if self.qk_norm else None
         q, k, v = project_qkv(h, w, c, rope, qk_norm)
-        attn = ops.windowed_attention(q, k, v, spans, window=self.window, scale=self.scale, softcap=self.softcap)
+        attn = ops.windowed_attention(q, k, v, documents, window=self.window, scale=self.scale, softcap=self.softcap)
         out = F.linear(attn.transpose(1, 2).reshape(b, t, c.q_size), w["self_attn.o_proj.weight"],
                        w.get("self_attn.o_proj.bias"))
         return x + ops.gemma_rms_norm(out, w["post_attention_layernorm.weight"], c.rms_norm_eps)
@@ -406,11 +406,11 @@ class GemmaLayer:
 class GemmaBatch:
     """Each layer gets its kind's rotary (cos, sin) and the packed documents; nothing is added to the loss."""
 
-    def __init__(self, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], types: list[str], spans: Spans):
-        self.ropes, self.types, self.spans = ropes, types, spans
+    def __init__(self, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], types: list[str], documents: Documents):
+        self.ropes, self.types, self.documents = ropes, types, documents
 
     def layer_args(self, index: int) -> tuple[Any, ...]:
-        return (self.ropes[self.types[index]], self.spans)
+        return (self.ropes[self.types[index]], self.documents)
 
     def forward_done(self) -> torch.Tensor | None:
         return None
@@ -437,7 +437,7 @@ class GemmaArchitecture:
 
     def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
               position_ids: torch.Tensor | None = None) -> GemmaBatch:
-        spans = None if position_ids is None else ops.document_spans(position_ids)
+        documents = None if position_ids is None else ops.document_starts(position_ids)
         packed = position_ids is not None and not torch.equal(position_ids,
                                                                torch.arange(seq).expand_as(position_ids))
         ropes = {}
@@ -450,7 +450,7 @@ class GemmaArchitecture:
             if key not in self._rope:
                 self._rope[key] = ops.rope_cos_sin(rope_config, seq, device, dtype)
             ropes[kind] = self._rope[key]
-        return GemmaBatch(ropes, self.types, spans)
+        return GemmaBatch(ropes, self.types, documents)
 
     def tile(self, tile_tokens: int) -> None:
         for template in self.templates.values():

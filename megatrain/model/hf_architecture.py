@@ -181,9 +181,10 @@ class FirstLayer:
 @contextlib.contextmanager
 def replayed_rng(call: LayerCall, device: torch.device) -> Iterator[None]:
     """The recompute draws the forward's random numbers (dropout masks, a router's jitter noise): it runs from the
-    RNG state the forward began with."""
+    RNG state the forward began with. The forward is a layer's first call in a batch (with grad where its graph is
+    kept for the backward, megatrain/engine/kept_activations.py: then there is no recompute)."""
     cuda = device.type == "cuda"
-    if not torch.is_grad_enabled():
+    if call.index not in call.batch.rng:
         call.batch.rng[call.index] = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
         yield
         return

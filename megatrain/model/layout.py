@@ -5,6 +5,10 @@ The model is cut into *units*, the things that stream: the embedding, each decod
 buffer, so a layer crosses PCIe in one copy and its gradient comes back in one copy. Inside a unit every
 tensor has an offset and a shape and keeps its HF name, so checkpoints read and write HF files directly.
 
+What trains and what is frozen is the layout's to say: a unit's own tensors train (fp32, with gradients and Adam
+moments); a layout with a `frozen` layout beside it (a LoRA run: the adapters train, the base is frozen) has each
+unit's frozen tensors there, in a segment of their own, with neither.
+
 Offsets are multiples of ALIGN elements: units start on 4 KiB pages and optimizer shards can be cut on
 boundaries where torch's fused AdamW gives bit-identical results however the range is split.
 """
@@ -91,6 +95,10 @@ class ModelLayout:
     numel: int = 0
     # the model's tensors outside the units, kept as stored and written back untrained (a vision tower): HF names
     passthrough: tuple[str, ...] = ()
+    # the frozen tensors the units compute with beside their own, unit for unit (same indices and kinds): a LoRA run's
+    # base, whose units' own tensors are the adapters (megatrain/lora/layout.py). They stream from a segment of their
+    # own in the precision it was loaded in, and have no gradient and no optimizer state. None: every tensor trains.
+    frozen: ModelLayout | None = None
 
     @classmethod
     def build(cls, config: ModelConfig) -> ModelLayout:

@@ -7,6 +7,7 @@ back, rotary cos/sin computed in fp32, attention by SDPA.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,16 +67,21 @@ def rope_cos_sin(config: ModelConfig, seq_len: int, device: torch.device | str, 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]] | None:
-    """Per row, the [start, end) token ranges of the documents packed in it, a new one wherever a position is not its
-    predecessor's plus one (as transformers reads packed position_ids); None when every row is one document."""
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[batch, seq] bool on position_ids' device (the host): True where a packed document begins, wherever a position
+    is not its predecessor's plus one (as transformers reads packed position_ids); None when every row is one
+    document. A tensor, not a list of spans: a compiled layer takes it as an input, so a new packing runs the same
+    graph instead of compiling another (PackedAttention)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    seq = position_ids.shape[1]
+    return starts if bool(starts[:, 1:].any()) else None
+
+
+def document_spans(starts: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) token ranges of the documents that `starts` (document_starts) begins."""
+    seq = starts.shape[1]
     spans = []
-    for row in starts:
+    for row in starts.cpu():
         first = row.nonzero().flatten().tolist()
         spans.append(list(zip(first, first[1:] + [seq], strict=True)))
     return spans
@@ -91,15 +97,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     spans: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
-    """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads). spans: per row, the
-    documents packed in it (document_spans); each attends within itself only, by SDPA over its own tokens: no
-    [t, t] mask is ever made, so long packed rows keep the fused kernels."""
-    if spans is not None:
-        rows = [torch.cat([causal_attention(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e])
-                           for a, e in row], dim=2) for r, row in enumerate(spans)]
-        return torch.cat(rows, dim=0)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """q: [b, heads, t, d]; k, v: [b, kv_heads, t, d] (grouped-query when kv_heads < heads). starts: where the
+    documents packed in each row begin (document_starts); each attends within itself only, by SDPA over its own
+    tokens: no [t, t] mask is ever made, so long packed rows keep the fused kernels."""
+    if starts is not None:
+        return packed_attention(q, k, v, starts)
     groups = q.shape[1] // k.shape[1]
     # enable_gqa only where a fused kernel takes it: on CUDA the flash kernel (half precision only) does, the
     # memory-efficient one (fp32's) does not, and SDPA would fall back to the math kernel, which materialises
@@ -116,12 +120,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 ATTENTION_BLOCK = 1024
 
 
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[list[tuple[int, int]]] | None
-                       = None, *, window: int | None = None, scale: float | None = None, softcap: float | None = None
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None = None, *,
+                       window: int | None = None, scale: float | None = None, softcap: float | None = None
                        ) -> torch.Tensor:
     """causal_attention with Gemma's options. window: a token attends to itself and the window - 1 tokens before it
     (transformers' sliding window; None: all before it); scale: the scores' factor (None: head_dim ** -0.5);
-    softcap: scores -> softcap * tanh(scores / softcap) before masking (Gemma 2). Packed documents (spans) attend
+    softcap: scores -> softcap * tanh(scores / softcap) before masking (Gemma 2). Packed documents (starts) attend
     within themselves, the window counted from each token's own position, as transformers reads packed positions.
 
     Plain causal attention (no cap, a window no shorter than the sequence) runs in SDPA's fused kernels. Otherwise
@@ -129,11 +133,8 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans:
     with a soft-cap, which no fused kernel computes, written out as transformers' eager attention is (scores, cap,
     fp32 softmax). A capped full-attention layer keeps O(t^2) scores for its backward, so on a GPU it is refused
     from FUSED_ONLY_TOKENS tokens on, as the math kernel is."""
-    if spans is not None:
-        options = dict(window=window, scale=scale, softcap=softcap)
-        rows = [torch.cat([windowed_attention(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e], **options)
-                           for a, e in row], dim=2) for r, row in enumerate(spans)]
-        return torch.cat(rows, dim=0)
+    if starts is not None:
+        return packed_attention(q, k, v, starts, window, scale, softcap)
     t = q.shape[2]
     window = None if window is not None and window >= t else window
     groups = q.shape[1] // k.shape[1]
@@ -192,6 +193,84 @@ def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: boo
                              "or with a shorter sequence.") from None
 
 
+# ---- packed documents under torch.compile ----
+# Compiled, the documents' boundaries must stay a tensor: Python ints would be baked into the graph, and every new
+# packing would compile it again. SDPA per document needs them as ints, so the per-document loop is a custom op that
+# the compiler treats as one opaque call and that reads `starts` when it runs. Its backward is a second such op,
+# which reruns the documents' attention under autograd (one attention forward more than eager autograd, on packed
+# rows only): a traced backward cannot loop over boundaries it does not know.
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                     window: int | None = None, scale: float | None = None, softcap: float | None = None
+                     ) -> torch.Tensor:
+    """Attention within each document packed in a row (starts: document_starts), by causal_attention, or
+    windowed_attention with the options; under torch.compile as the opaque op megatrain::packed_attention."""
+    if torch.compiler.is_compiling():
+        return _packed_attention_op(q, k, v, starts, window, scale, softcap)
+    return _per_document(q, k, v, starts, window, scale, softcap)
+
+
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, window: int | None,
+                  scale: float | None, softcap: float | None) -> torch.Tensor:
+    plain = window is None and scale is None and softcap is None
+    rows = []
+    for r, row in enumerate(document_spans(starts)):
+        docs = []
+        for a, e in row:
+            qd, kd, vd = q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e]
+            docs.append(causal_attention(qd, kd, vd) if plain else
+                        windowed_attention(qd, kd, vd, window=window, scale=scale, softcap=softcap))
+        rows.append(torch.cat(docs, dim=2))
+    return torch.cat(rows, dim=0)
+
+
+@torch.library.custom_op("megatrain::packed_attention", mutates_args=())
+def _packed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                         window: int | None, scale: float | None, softcap: float | None) -> torch.Tensor:
+    # contiguous, as the fake below says: the compiler lays out what reads this output by the fake's strides
+    return _per_document(q, k, v, starts, window, scale, softcap).contiguous()
+
+
+@_packed_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, window: int | None,
+      scale: float | None, softcap: float | None) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("megatrain::packed_attention_backward", mutates_args=())
+def _packed_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               starts: torch.Tensor, window: int | None, scale: float | None, softcap: float | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    # a custom op runs below autograd (its dispatch keys excluded): let the rerun record a graph again
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False), \
+            torch.enable_grad():
+        out = _per_document(q, k, v, starts, window, scale, softcap)
+    return tuple(g.contiguous() for g in torch.autograd.grad(out, [q, k, v], grad))  # type: ignore[return-value]
+
+
+@_packed_attention_backward.register_fake
+def _(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+      window: int | None, scale: float | None, softcap: float | None
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q, k, v, starts, *options = inputs
+    ctx.save_for_backward(q, k, v, starts)
+    ctx.options = options
+
+
+def _packed_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, starts = ctx.saved_tensors
+    return (*_packed_attention_backward(grad, q, k, v, starts, *ctx.options), None, None, None, None)
+
+
+_packed_attention_op.register_autograd(_packed_grads, setup_context=_packed_setup)
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
@@ -214,8 +293,9 @@ def labelled_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
-def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, scale: float,
-                               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_sum_and_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor,
+                               scale: float | torch.Tensor, softcap: float | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token cross-entropy of one chunk (hidden [n, h], targets [n], IGNORE_INDEX skipped) and the
     gradient of scale * that sum with respect to the fp32 logits: scale * (softmax - onehot) on labelled rows.
     softcap: the logits are capped first, cap * tanh(logits / cap) (Gemma 2), and the gradient taken through it.

@@ -13,6 +13,7 @@ enable_grad, and asks torch.autograd.grad for the input and weight gradients.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,9 @@ from megatrain.model import ops
 Weights = dict[str, torch.Tensor]
 
 
-Spans = list[list[tuple[int, int]]] | None  # per row, the packed documents (ops.document_spans)
+Documents = torch.Tensor | None  # where each row's packed documents begin, [batch, seq] bool (ops.document_starts)
 MLP_WEIGHTS = ("post_attention_layernorm.", "mlp.")  # the second half of a layer, tiled over all tokens at once
+O_WEIGHTS = "self_attn.o_proj."  # the output projection, tiled along the sequence
 
 
 class DecoderLayer:
@@ -43,21 +45,23 @@ class DecoderLayer:
         self.config = config
         self.qk_norm = config.qk_norm  # read once: the family lookup behind it is no part of a compiled graph
         self.tile_tokens = tile_tokens
+        self._qkv_tile, self._out_tile, self._mlp_tile = self._qkv, self._output_projection, self.mlp  # compile_tiles
 
-    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
+    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents = None
                  ) -> torch.Tensor:
         if self.tile_tokens is None or torch.is_grad_enabled():
-            return self.mlp(self.attention(x, w, rope, spans), w)
+            return self.mlp(self.attention(x, w, rope, documents), w)
         with torch.no_grad():
-            x = self._attention_tiled(x, w, rope, spans)[0]
+            x = self._attention_tiled(x, w, rope, documents)[0]
             out = torch.empty_like(x)
             flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+            mlp_w = _subset(w, MLP_WEIGHTS)
             for tile in self._tiles(flat_in.shape[0], 1):
-                flat_out[tile] = self.mlp(flat_in[tile], w)
+                flat_out[tile] = self._mlp_tile(flat_in[tile], mlp_w)
         return out
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 spans: Spans = None) -> tuple[torch.Tensor, Weights]:
+                 documents: Documents = None) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {name: dL/dw}) by recomputing the layer from x, tile by tile wherever the work is token-wise: the
         norm, q/k/v projections and RoPE, the output projection and the MLP half; attention once over the whole
         sequence under autograd. Weight gradients are summed over the tiles in fp32."""
@@ -70,41 +74,49 @@ class DecoderLayer:
                 grads[n] += g
 
         with torch.no_grad():
-            mid, q, k, v = self._attention_tiled(x, w, rope, spans)
+            mid, q, k, v = self._attention_tiled(x, w, rope, documents)
         # attention over the whole sequence, kept for its backward below
         q, k, v = (t_.requires_grad_(True) for t_ in (q, k, v))
         with torch.enable_grad():
-            attn = self._attend(q, k, v, spans)
+            attn = self._attend(q, k, v, documents)
         attn_tokens = attn.detach().transpose(1, 2).reshape(b, t, self.config.q_size)
         # the MLP half, tile by tile over all tokens: dL/d mid
         flat_mid, flat_grad = mid.view(-1, hidden), grad_out.reshape(-1, hidden)
         grad_mid = torch.empty_like(flat_mid)
-        mlp_w = {n: p for n, p in w.items() if n.startswith(MLP_WEIGHTS)}
+        mlp_w = _subset(w, MLP_WEIGHTS)
         for tile in self._tiles(flat_mid.shape[0], 1):
-            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
+            grad_mid[tile], tile_grads = recompute_grads(self._mlp_tile, flat_mid[tile], mlp_w, flat_grad[tile])
             add(tile_grads)
         del mid, flat_mid
         # mid = x + o_proj(attn): the output projection, tile by tile along the sequence
         grad_mid = grad_mid.view(b, t, hidden)
-        o_w = {n: p for n, p in w.items() if n.startswith("self_attn.o_proj.")}
+        o_w = _subset(w, O_WEIGHTS)
         grad_attn = torch.empty_like(attn_tokens)
         for tile in self._tiles(t, b):
-            grad_attn[:, tile], tile_grads = recompute_grads(self._output_projection, attn_tokens[:, tile], o_w,
+            grad_attn[:, tile], tile_grads = recompute_grads(self._out_tile, attn_tokens[:, tile], o_w,
                                                              grad_mid[:, tile])
             add(tile_grads)
         grad_q, grad_k, grad_v = torch.autograd.grad(
             attn, [q, k, v], grad_attn.view(b, t, -1, self.config.head_dim).transpose(1, 2))
         del attn, q, k, v, grad_attn
         # q, k, v = qkv(x): norm, projections and RoPE, tile by tile; the residual passes grad_mid to x
-        qkv_w = {n: p for n, p in w.items() if n not in o_w and n not in mlp_w}
+        qkv_w = _subset(w, exclude=(*MLP_WEIGHTS, O_WEIGHTS))
         grad_x = grad_mid
         for tile in self._tiles(t, b):
             grad_tile, tile_grads = recompute_grads(
-                self._qkv, x[:, tile], qkv_w, (grad_q[:, :, tile], grad_k[:, :, tile], grad_v[:, :, tile]),
+                self._qkv_tile, x[:, tile], qkv_w, (grad_q[:, :, tile], grad_k[:, :, tile], grad_v[:, :, tile]),
                 _rope_rows(rope, tile))
             grad_x[:, tile] += grad_tile
             add(tile_grads)
         return grad_x, grads
+
+    def compile_tiles(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """The tiled path's token-wise pieces (q/k/v with RoPE, the output projection, the MLP half) run through
+        `compile` (torch.compile), each compiled once per tile shape and grad mode; the loops over the tiles and the
+        attention over the whole sequence between them stay eager (a compiled loop would unroll every tile into one
+        graph, and SDPA is one kernel either way)."""
+        self._qkv_tile, self._out_tile, self._mlp_tile = compile(self._qkv), compile(self._output_projection), \
+            compile(self.mlp)
 
     def _tiles(self, tokens: int, rows: int) -> list[slice]:
         """Slices of `tokens` positions, each with `rows` rows of them no more than tile_tokens tokens (at least one
@@ -112,40 +124,41 @@ class DecoderLayer:
         step = max(1, (self.tile_tokens or tokens * rows) // rows)
         return [slice(start, start + step) for start in range(0, tokens, step)]
 
-    def _attention_tiled(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _attention_tiled(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor],
+                         documents: Documents) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x + attn(norm(x)), q, k, v) with the token-wise parts in tiles along the sequence; no grad."""
         c = self.config
         b, t, _ = x.shape
         q = x.new_empty(b, c.num_heads, t, c.head_dim)
         k = x.new_empty(b, c.num_kv_heads, t, c.head_dim)
         v = torch.empty_like(k)
+        qkv_w, o_w = _subset(w, exclude=(*MLP_WEIGHTS, O_WEIGHTS)), _subset(w, O_WEIGHTS)
         for tile in self._tiles(t, b):
-            q[:, :, tile], k[:, :, tile], v[:, :, tile] = self._qkv(x[:, tile], w, _rope_rows(rope, tile))
-        attn = self._attend(q, k, v, spans).transpose(1, 2)
+            q[:, :, tile], k[:, :, tile], v[:, :, tile] = self._qkv_tile(x[:, tile], qkv_w, _rope_rows(rope, tile))
+        attn = self._attend(q, k, v, documents).transpose(1, 2)
         out = torch.empty_like(x)
         for tile in self._tiles(t, b):
-            out[:, tile] = x[:, tile] + self._output_projection(attn[:, tile].reshape(b, -1, c.q_size), w)
+            out[:, tile] = x[:, tile] + self._out_tile(attn[:, tile].reshape(b, -1, c.q_size), o_w)
         return out, q, k, v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Spans) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
         """Causal attention; within Mistral's / Qwen2's sliding window where the config has one (a sequence no longer
         than the window runs the plain fused kernels)."""
         if self.config.sliding_window is None:
-            return ops.causal_attention(q, k, v, spans)
-        return ops.windowed_attention(q, k, v, spans, window=self.config.sliding_window)
+            return ops.causal_attention(q, k, v, documents)
+        return ops.windowed_attention(q, k, v, documents, window=self.config.sliding_window)
 
     def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         """x + mlp(norm(x)): token by token, so any tiling of the tokens gives the same result."""
         h = ops.rms_norm(x, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
         return x + ops.swiglu(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
 
-    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], spans: Spans = None
-                  ) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor],
+                  documents: Documents = None) -> torch.Tensor:
         """x + attn(norm(x))."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x, w, rope)
-        attn = self._attend(q, k, v, spans).transpose(1, 2).reshape(b, t, self.config.q_size)
+        attn = self._attend(q, k, v, documents).transpose(1, 2).reshape(b, t, self.config.q_size)
         return x + self._output_projection(attn, w)
 
     def _qkv(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]
@@ -183,6 +196,11 @@ def project_qkv(h: torch.Tensor, w: Weights, c: ModelConfig, rope: tuple[torch.T
     return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
 
 
+def _subset(w: Weights, prefixes: tuple[str, ...] | str = (), exclude: tuple[str, ...] = ()) -> Weights:
+    """The weights named with one of `prefixes` (all where none given), less those named with one of `exclude`."""
+    return {n: t for n, t in w.items() if (not prefixes or n.startswith(prefixes)) and not n.startswith(exclude)}
+
+
 def _rope_rows(rope: tuple[torch.Tensor, torch.Tensor], tile: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables' rows of one tile of positions ([seq, d] tables, or [batch, 1, seq, d] for packed rows)."""
     cos, sin = rope
@@ -216,9 +234,10 @@ def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: W
 def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
                         norm_weights: Weights, lm_head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                         host_targets: torch.Tensor | None = None, softcap: float | None = None,
-                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor] | None = None,
-                        logits: LogitsFn | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor]]:
+                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor | None] | None = None,
+                        logits: LogitsFn | None = None, weight_grads: bool = True,
+                        cross_entropy: CrossEntropyFn = ops.cross_entropy_sum_and_grad
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor | None]]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
     Never holds more than [chunk_tokens, vocab] logits, nor a [vocab, hidden] tensor beside the lm_head's
@@ -231,7 +250,11 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
     there), are what counting and skipping chunks read, so that they need not wait for the device.
     logits: the model's own map from normed hidden states to logits (the generic path: its lm_head with a bias, a
     logit scale, soft-capping), given lm_head's weight and the head's weights not named "norm.*"; each chunk then
-    runs through it under autograd instead of the closed-form gradient.
+    runs through it under autograd instead of the closed-form gradient. weight_grads False: the head's weights are
+    frozen (a LoRA run's): only dL/dx is computed, and the weight gradients come back as ({}, None).
+    cross_entropy: a chunk's loss and logits' gradient (ops.cross_entropy_sum_and_grad, or its compiled form), given
+    the scale 1 / n_valid as a 0-d tensor on the device: a number would be baked into a compiled graph, and n_valid
+    changes every step.
     """
     flat_x = x.reshape(-1, x.shape[-1])
     flat_t = targets.reshape(-1)
@@ -241,14 +264,17 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
     if n_valid == 0:
         raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
     loss = torch.zeros((), dtype=torch.float32, device=flat_x.device)
+    scale = torch.full((), 1.0 / n_valid, dtype=torch.float32, device=flat_x.device)  # a fill: no copy, no sync
     grad_x = torch.zeros_like(flat_x)
     # summed over chunks in fp32 whatever the compute dtype: bf16 sums would round at every chunk
-    if grads_into is None:
+    if grads_into is not None:
+        grad_norm, grad_head = grads_into
+    elif weight_grads:
         grad_norm = {name: torch.zeros_like(w, dtype=torch.float32) for name, w in norm_weights.items()}
         grad_head = torch.zeros_like(lm_head, dtype=torch.float32)
     else:
-        grad_norm, grad_head = grads_into
-    norm_leaves = {name: w.detach().requires_grad_(True) for name, w in norm_weights.items()}
+        grad_norm, grad_head = {}, None
+    norm_leaves = {name: w.detach().requires_grad_(weight_grads) for name, w in norm_weights.items()}
     for start in range(0, flat_x.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
         if not bool((host_t[chunk] != ops.IGNORE_INDEX).any()):
@@ -263,33 +289,39 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         with torch.enable_grad():
             normed = final_norm(xc, norm_leaves)
         hidden = normed.detach()
-        chunk_loss, grad_logits = ops.cross_entropy_sum_and_grad(hidden, lm_head, flat_t[chunk], 1.0 / n_valid,
-                                                                 softcap)
-        grad_head.addmm_(grad_logits.t(), hidden.float())
+        chunk_loss, grad_logits = cross_entropy(hidden, lm_head, flat_t[chunk], scale, softcap)
+        if grad_head is not None:
+            grad_head.addmm_(grad_logits.t(), hidden.float())
         grad_hidden = grad_logits.to(lm_head.dtype) @ lm_head
         del grad_logits
-        gx, *gn = torch.autograd.grad(normed, [xc, *norm_leaves.values()], grad_hidden)
+        gx, *gn = torch.autograd.grad(normed, [xc, *(norm_leaves.values() if weight_grads else ())], grad_hidden)
         loss += chunk_loss
         grad_x[chunk] = gx
-        for name, g in zip(norm_leaves, gn, strict=True):
+        for name, g in zip(norm_leaves if weight_grads else (), gn, strict=True):
             grad_norm[name] += g
     return loss / n_valid, grad_x.view_as(x), (grad_norm, grad_head)
 
 
 LogitsFn = Callable[[torch.Tensor, Weights], torch.Tensor]  # (normed hidden [n, h], head weights) -> logits [n, vocab]
+# (hidden [n, h], lm_head, targets [n], scale, softcap) -> (summed loss, scale x its gradient wrt the fp32 logits)
+CrossEntropyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float | None],
+                          tuple[torch.Tensor, torch.Tensor]]
 
 
 def _chunk_through(logits: LogitsFn, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], xc: torch.Tensor,
                    leaves: Weights, lm_head: torch.Tensor, targets: torch.Tensor, scale: float, grad_weights: Weights,
-                   grad_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   grad_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed cross-entropy through the model's own logits, and scale x its gradient: with respect to
-    the chunk (returned) and the head's weights (added into grad_weights and grad_head)."""
-    head = lm_head.detach().requires_grad_(True)
+    the chunk (returned) and the head's weights (added into grad_weights and grad_head; None: frozen, not asked)."""
+    frozen = grad_head is None
+    head = lm_head.detach().requires_grad_(not frozen)
     norm = {name: w for name, w in leaves.items() if name.startswith("norm.")}
     others = {name: w for name, w in leaves.items() if not name.startswith("norm.")}
     with torch.enable_grad():
         z = logits(final_norm(xc, norm), {"lm_head.weight": head, **others}).float()
         loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets, ignore_index=ops.IGNORE_INDEX, reduction="sum")
+    if frozen:
+        return loss.detach(), torch.autograd.grad(loss * scale, [xc])[0]
     gx, gh, *gw = torch.autograd.grad(loss * scale, [xc, head, *leaves.values()], allow_unused=True,
                                       materialize_grads=True)
     grad_head += gh.float()

@@ -1,6 +1,6 @@
 """Measuring this machine: `calibrate` (the one entry point, which `megatrain calibrate` and `megatrain plan` call)
-times the copy rates, the matmul rate, fused AdamW and a model's layers, into a Calibration cached as JSON, from which
-megatrain/perf/predict.py predicts step times.
+times the copy rates, the matmul rate, the optimizer pool (alone and beside copies: megatrain/perf/optimizer_timing.py)
+and a model's layers, into a Calibration cached as JSON, from which megatrain/perf/predict.py predicts step times.
 
     cal = Calibration.load(device_name("cpu")) or calibrate("cpu", config, batch=2, seq=256)
     cal.save()
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import ModelConfig, OptimConfig
+from megatrain.config import ConfigError, ModelConfig, OptimConfig
 from megatrain.memory.arena import Arena
 from megatrain.model.layout import ModelLayout
+from megatrain.perf.optimizer_timing import time_optimizer
 
 CACHE_ENV = "MEGATRAIN_CALIBRATION"  # a file path: where the calibration is read and written (tests, benchmarks)
 MAX_CALIBRATED_WORKERS = 16
@@ -42,6 +43,18 @@ class LayerTiming:
 
 
 @dataclass
+class CompiledTiming:
+    """One model shape's compute at one micro-batch timed eager and through torch.compile (EngineConfig.compile), on
+    a GPU: what compile "auto" decides from (megatrain/perf/compile_choice.py)."""
+
+    eager_layer_s: float  # one decoder layer, as LayerTiming.layer_s
+    compiled_layer_s: float
+    eager_rest_s: float  # the embedding and the head, as LayerTiming.rest_s (the head is compiled too)
+    compiled_rest_s: float
+    compile_s: float  # the first compiled step's wall time less a compiled step's: compiling, once per run
+
+
+@dataclass
 class Calibration:
     device: str  # "cpu", or the GPU's name
     host: str
@@ -54,7 +67,17 @@ class Calibration:
     matmul_tflops: dict[str, float] = field(default_factory=dict)  # precision -> TFLOP/s
     adamw_gparams: dict[str, float] = field(default_factory=dict)  # optimizer workers (as text) -> G params/s
     layers: dict[str, LayerTiming] = field(default_factory=dict)  # layer_key(...) -> timing
+    compiled: dict[str, CompiledTiming] = field(default_factory=dict)  # layer_key(...) -> eager vs compiled (GPUs)
     data_s_per_token: float = 0.0
+    # the pool while copies ran beside it (what a run sees: they share host memory bandwidth), its rollback pass
+    # (undo + clipped redo) beside them, the copies' host memory traffic then and what they were, the resident
+    # units' fused AdamW on the GPU (megatrain/perf/optimizer_timing.py; adamw_gparams: the same pool alone)
+    adamw_beside_copies_gparams: dict[str, float] = field(default_factory=dict)
+    rollback_gparams: dict[str, float] = field(default_factory=dict)
+    copies_gbps: float | None = None
+    copies_kind: str = ""
+    device_adamw_gparams: float | None = None
+    source: str = "measured by megatrain calibrate"  # a calibration recorded by hand says where its numbers came from
 
     # ---- cache ----
     @staticmethod
@@ -75,21 +98,39 @@ class Calibration:
     @classmethod
     def load(cls, device: str, path: Path | None = None) -> Calibration | None:
         """The cached calibration of `device` on this host, or None (none yet, or unreadable)."""
-        path = path or cls.path(device)
         try:
-            raw = json.loads(path.read_text())
-            raw["layers"] = {k: LayerTiming(**v) for k, v in raw.get("layers", {}).items()}
-            cal = cls(**raw)
-        except (OSError, ValueError, TypeError):
+            cal = cls.read(path or cls.path(device))
+        except ConfigError:
             return None
         return cal if cal.device == device else None
 
-    def adamw_rate(self, workers: int) -> float:
-        """G params/s of `workers` optimizer workers: the measured count, else the nearest one below (more
-        workers than measured gain nothing more)."""
-        counts = sorted(int(k) for k in self.adamw_gparams)
-        below = [c for c in counts if c <= workers] or counts[:1]
-        return self.adamw_gparams[str(below[-1])] if below else math.nan
+    @classmethod
+    def read(cls, path: Path) -> Calibration:
+        """The calibration in a file, whatever its device (`megatrain plan --calibration`), or one sentence."""
+        try:
+            raw = json.loads(path.read_text())
+            raw["layers"] = {k: LayerTiming(**v) for k, v in raw.get("layers", {}).items()}
+            raw["compiled"] = {k: CompiledTiming(**v) for k, v in raw.get("compiled", {}).items()}
+            return cls(**raw)
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"{path} is not a readable calibration ({e}); `megatrain calibrate` writes one."
+                              ) from None
+
+    def adamw_rate(self, workers: int, beside: bool = True) -> float:
+        """G params/s of `workers` optimizer workers, beside the copies where that was measured (else alone): the
+        measured count, else the nearest one below (more workers than measured gain nothing more)."""
+        beside = beside and bool(self.adamw_beside_copies_gparams)
+        return rate_at(self.adamw_beside_copies_gparams if beside else self.adamw_gparams, workers)
+
+    def rollback_rate(self, workers: int) -> float | None:
+        return rate_at(self.rollback_gparams, workers) if self.rollback_gparams else None
+
+
+def rate_at(rates: dict[str, float], workers: int) -> float:
+    """The rate of the measured count of workers, else of the nearest one below (or the fewest measured)."""
+    counts = sorted(int(k) for k in rates)
+    below = [c for c in counts if c <= workers] or counts[:1]
+    return rates[str(below[-1])] if below else math.nan
 
 
 def device_name(device: str) -> str:
@@ -109,11 +150,14 @@ def layer_key(config: ModelConfig, batch: int, seq: int, precision: str) -> str:
 # ---- measuring: the entry point ----
 
 def calibrate(device: str = "cpu", config: ModelConfig | None = None, *, batch: int = 1, seq: int = 512,
-              precision: str = "tf32", max_seconds: float = 60.0, base: Calibration | None = None) -> Calibration:
+              precision: str = "tf32", max_seconds: float = 60.0, base: Calibration | None = None,
+              time_compile: bool = True) -> Calibration:
     """Measures this machine: copy rates (a registered arena on a GPU, a host memcpy on the CPU), the matmul rate
-    per precision, fused AdamW for 1..cores workers, and with `config` that model's layers at batch x seq tokens.
-    Sizes are scaled to finish in about max_seconds (a few seconds for tests). `base`: an earlier calibration
-    of the device whose layer timings are kept (the cache grows one entry per model shape)."""
+    per precision, the optimizer pool of 1..cores workers alone and beside copies, and with `config` that model's
+    layers at batch x seq tokens. Sizes are scaled to finish in about max_seconds (a few seconds for tests). `base`: an
+    earlier calibration of the device whose layer timings are kept (the cache grows one entry per model shape).
+    time_compile: on a GPU, with `config`, the layer and the head also through torch.compile (time_compiled: a minute
+    or more of compiling, beyond max_seconds)."""
     start = time.monotonic()
     on_gpu = device.startswith("cuda")
     cores = os.cpu_count() or 1
@@ -133,28 +177,29 @@ def calibrate(device: str = "cpu", config: ModelConfig | None = None, *, batch: 
                   for p in (("fp32", "tf32", "bf16") if on_gpu else ("fp32",))}
         if not on_gpu:  # the CPU computes fp32 whatever the precision asked (tf32 is the GPU's)
             matmul["tf32"] = matmul["fp32"]
-        adamw: dict[str, float] = {}
-        layout = ModelLayout.build(config_for_params(max(2e6, 3e7 * scale)))
-        for w in range(1, min(cores, MAX_CALIBRATED_WORKERS) + 1):
-            # w workers x (cores // w) threads each, approximated by one process with as many threads in all
-            # (the workers' processes share the memory bandwidth the same way)
-            seconds = fused_adamw_seconds(layout, OptimConfig(), repeats=2, threads=w * max(1, cores // w))
-            adamw[str(w)] = layout.numel / min(seconds) / 1e9
         cal = Calibration(device=device_name(device), host=socket.gethostname(), created=time.time(), cores=cores,
                           compute_threads=threads, h2d_gbps=h2d, d2h_gbps=d2h, memcpy_gbps=memcpy,
-                          matmul_tflops=matmul, adamw_gparams=adamw,
-                          layers=dict(base.layers) if base is not None else {})
+                          matmul_tflops=matmul,
+                          layers=dict(base.layers) if base is not None else {},
+                          compiled=dict(base.compiled) if base is not None else {})
         if config is not None:
             left = max_seconds - (time.monotonic() - start)
             layer, head = forward_matmul_flops(config, batch, seq)
             # a first run of the 2-layer model from the matmul rate: skipped where it alone would not fit (a 7B
             # model's layers on a CPU); time_layers stops after that first run where the rest would not
             guess = (8 * layer + 3 * head) / ((matmul.get(precision) or matmul["fp32"]) * 1e12)
-            left = max(left, 1.0)
+            left = max(left, 5.0)  # its first step's guard (a fifth of this) must not trip on a loaded machine
             timing = None if guess > left else time_layers(config, batch, seq, device, precision, budget_s=left)
             if timing is not None:
                 cal.layers[layer_key(config, batch, seq, precision)] = LayerTiming(*timing)
-        return cal
+            compiled = None if timing is None or not (on_gpu and time_compile) else time_compiled(
+                config, batch, seq, device, precision, LayerTiming(*timing), max(COMPILE_BUDGET_S, left))
+            if compiled is not None:
+                cal.compiled[layer_key(config, batch, seq, precision)] = compiled
+        # the pool of 1 .. cores workers in processes of their own, alone and beside copies (optimizer_timing.py),
+        # last: the layers' budget is what max_seconds leaves after the short measurements
+        return replace(cal, **time_optimizer(device, config_for_params(max(1e6, 2e8 * scale)), cores, precision,
+                                             min(cores, MAX_CALIBRATED_WORKERS)))
     finally:
         torch.set_num_threads(before)
 
@@ -342,7 +387,7 @@ def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", 
     one = _timed_steps(config, 1, batch, seq, device, precision, budget_s, repeats)
     if one is None:
         return None
-    asynchronous, steps = one
+    asynchronous, steps, _ = one
     if asynchronous:
         return min(s.layers_s for s in steps), min(s.rest_s for s in steps)
     two = _timed_steps(config, 2, batch, seq, device, precision, budget_s, repeats)
@@ -353,6 +398,22 @@ def time_layers(config: ModelConfig, batch: int, seq: int, device: str = "cpu", 
     return layer, max(one_s - layer, 0.0)
 
 
+COMPILE_BUDGET_S = 300.0  # seconds a calibration may spend compiling the model's layer and head (minutes at 7B)
+
+
+def time_compiled(config: ModelConfig, batch: int, seq: int, device: str, precision: str, eager: LayerTiming,
+                  budget_s: float = COMPILE_BUDGET_S, repeats: int = 3) -> CompiledTiming | None:
+    """The model's layer and the rest timed through torch.compile as time_layers times them eager (`eager`, its
+    result), on a device whose copies run on streams of their own (a GPU; the CPU's simulated streams in tests).
+    None where compiling takes longer than `budget_s`."""
+    timed = _timed_steps(config, 1, batch, seq, device, precision, budget_s, repeats, compile=True)
+    if timed is None or not timed[0]:
+        return None
+    _, steps, first_s = timed
+    return CompiledTiming(eager.layer_s, min(s.layers_s for s in steps), eager.rest_s, min(s.rest_s for s in steps),
+                          max(first_s - min(s.wall_s for s in steps), 0.0))
+
+
 @dataclass
 class _TimedStep:
     wall_s: float  # the host's clock around the step
@@ -361,9 +422,10 @@ class _TimedStep:
 
 
 def _timed_steps(config: ModelConfig, layers: int, batch: int, seq: int, device: str, precision: str,
-                 budget_s: float, repeats: int) -> tuple[bool, list[_TimedStep]] | None:
-    """(whether the executor's streams are asynchronous, `repeats` timed steps after an untimed one) of this
-    model's shape with `layers` decoder layers; None where the untimed one takes more than a fifth of `budget_s`."""
+                 budget_s: float, repeats: int, compile: bool = False) -> tuple[bool, list[_TimedStep], float] | None:
+    """(whether the executor's streams are asynchronous, `repeats` timed steps after an untimed one, the untimed
+    one's wall seconds) of this model's shape with `layers` decoder layers; None where the untimed one takes more
+    than a fifth of `budget_s` (compile: more than budget_s, its compiling included)."""
     from megatrain.engine.executor import Executor
     from megatrain.telemetry import Recorder
 
@@ -373,7 +435,7 @@ def _timed_steps(config: ModelConfig, layers: int, batch: int, seq: int, device:
     params, grads = torch.empty(layout.numel, pin_memory=pinned), torch.zeros(layout.numel, pin_memory=pinned)
     fill(params, grads)
     rec = Recorder()
-    executor = Executor(shape, layout, params, grads, device, precision, recorder=rec)
+    executor = Executor(shape, layout, params, grads, device, precision, recorder=rec, compile=compile)
     layer_units = {unit.index for unit in layout.layers}
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     steps = []
@@ -385,12 +447,13 @@ def _timed_steps(config: ModelConfig, layers: int, batch: int, seq: int, device:
             rec.end_step()
             wall = time.perf_counter() - t0
             if step == 0:
-                if wall > budget_s / 5:
+                if wall > (budget_s if compile else budget_s / 5):
                     return None
+                first_s = wall
                 continue
             compute = [s for s in rec.spans if s.step == step and s.lane == "compute"]
             steps.append(_TimedStep(wall, sum(s.duration for s in compute if s.layer in layer_units),
                                     sum(s.duration for s in compute if s.layer not in layer_units)))
     finally:
         executor.close()
-    return executor.streams.asynchronous, steps
+    return executor.streams.asynchronous, steps, first_s

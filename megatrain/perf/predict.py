@@ -1,39 +1,31 @@
-"""Predicted step time: a calibration of this machine, the memory plan's bytes and FLOPs, and the schedule's overlap.
+"""Predicted step time: a calibration of this machine, the memory plan's bytes and FLOPs, and the engine's schedule.
 
     cal = Calibration.load("cpu") or calibrate("cpu", config, batch=2, seq=256)   # megatrain/perf/calibrate.py
     plan = plan_run(config, 2, 256, ...)
-    pred = predict(plan, config, cal, optimizer_workers=2, clipping=True)
-    pred.step_s, pred.tokens_per_s, pred.bound
+    pred = predict(plan, config, cal, optimizer_workers=2, clipping=True, speculate="auto", clip_rate=0.0)
+    pred.step_s, pred.tokens_per_s, pred.bound, pred.phases, pred.cases
 
-What each lane costs per step:
-  compute    the executor's forward, head and recompute+backward of every micro-batch. Where the calibration timed
-             this model's layers at this micro-batch shape (an in-process Executor on 1 and 2 layers of the model:
-             the difference is one layer's forward + recompute + backward + its gradients' norm and copy out;
-             the rest is the embedding, the head and the step's fixed cost) from those times; else from matmul
-             FLOPs (forward 2 per weight per token and attention's scores; x4 for forward + recompute + backward,
-             x3 for the head, which is not recomputed) at the calibrated matmul rate, which ignores the
-             elementwise work and is optimistic (compute_source says which).
-  h2d, d2h   plan.h2d_bytes / d2h_bytes at the calibrated copy rates (a GPU's registered arena). On the CPU path
-             the weights are read in place (no H2D); gradients are still copied into the arena, by the compute
-             thread, and that copy is inside the timed layers.
-  optimizer  every streamed parameter's fused AdamW update at the calibrated rate of that many workers: units resident
-             on the device (plan.resident_params) are updated there in milliseconds, and their weights, gradients
-             and embedding rows are already out of plan.h2d_bytes / d2h_bytes.
+A step, one function per part below, each saying which engine behaviour it follows:
+  compute    layer_times + compute_phases: the executor's forward, head, and recompute + backward of every
+             micro-batch, from this model's layers timed by the calibration at this micro-batch shape (compiled
+             where the run compiles and the calibration timed it so), else from matmul FLOPs at the calibrated rate
+             (optimistic: no elementwise work; compute_source says which). Layers that keep their activations
+             (plan.kept, megatrain/memory/kept_activations.py) skip the recompute.
+  copies     copy_times: plan.h2d_bytes / d2h_bytes at the calibrated PCIe rates (weights in for the forward and
+             again for the backward, gradients out in the backward); resident units' bytes are already out of them.
+  update     update_times: the streamed units' AdamW in the CPU pool at the rate calibration measured for that pool
+             WHILE COPIES RAN BESIDE IT (they share host memory bandwidth; the rate alone where only that was
+             measured), the rollback pass (undo + clipped redo) at its measured rate, and the resident units'
+             update on the device (plan.resident_params: no PCIe, no pool).
+  overlap    speculated / rolled_back / serial: how much of the update the GPU waits for, in each of the three
+             ways a step's update runs (pipelines/engine.py), and mix_cases: how often each runs, from `speculate`
+             and `clip_rate` (the share of steps whose gradient norm exceeds max_grad_norm: an assumption, not a
+             measurement; 0 by default, a run past its first steps; the H200's 7B runs on random weights clipped
+             every step, 1).
   data       tokens x the calibrated per-token data time (0 where not measured: the loader prefetches).
-  network    several nodes: plan.network_bytes (each node's gradients summed with the others', its updated part
-             of the weights sent to them) at `link_gbps` (given: one machine cannot measure the link between two;
-             default LINK_GBPS). The gradients' exchange runs inside the backward, unit by unit, and the weights'
-             beside the next forward: counted whole, an upper bound. Each node's optimizer updates 1/nodes of
-             the parameters; each executor computes its own rows (the plan's batch), so a step trains
-             executors x nodes times the plan's tokens.
-How they overlap (megatrain/engine/executor.py, pipelines/engine.py):
-  GPU: weights stream in while the layer before computes (two buffers) and gradients stream out during the
-  backward: the copy lanes run beside compute, only the first layer's load exposed. The optimizer runs on the
-  CPU beside the GPU: clipping off (grads = "stream") each layer is updated as its gradients land, beside the
-  rest of the backward and the next forward; clipping on ("arena", "device") the update starts once the step's
-  norm is known and overlaps the next step's forward only (the forward waits for each layer's update), so what
-  of it outlasts that forward adds to the step.
-  CPU: compute, the optimizer workers and the data loader share the same cores; the lanes add up.
+  network    several nodes: plan.network_bytes at `link_gbps` (one machine cannot measure the link between two), whole,
+             an upper bound. Each node's pool updates 1/nodes of the parameters; each executor computes its own rows.
+On the CPU path compute, the pool and the loader share the same cores: the parts add up.
 """
 
 from __future__ import annotations
@@ -43,11 +35,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, ModelConfig
+from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, SPECULATE, ModelConfig, check_choice
 from megatrain.memory.plan import AUTO, MIN_TILE_TOKENS, TILE_TOKENS, MemoryPlan, plan_run
 from megatrain.perf.calibrate import MAX_CALIBRATED_WORKERS, Calibration, forward_matmul_flops, layer_key
 
 STEP_OVERHEAD_S = 0.005  # the driver's per-step Ray calls and version checks (a tiny model's steps take ~5 ms)
+# a layer's FLOPs: forward 1, recompute 1 (the forward again), backward 2 (two matmuls per forward one)
+FORWARD_SHARE, RECOMPUTE_SHARE = 0.25, 0.25
+# the rollback pass against the update's where calibration did not time it: half the update's rate, as measured on
+# the 2-core development machine (benchmarks/RESULTS.md: 0.71 against 1.42 G params/s)
+ROLLBACK_COST = 2.0
+CASES = ("speculated", "rolled back", "serial")
 
 
 # ---- the prediction ----
@@ -57,15 +55,23 @@ class Prediction:
     compute_s: float
     h2d_s: float
     d2h_s: float
-    optimizer_s: float
+    optimizer_s: float  # the CPU pool's update of the streamed units (the resident ones: resident_update_s)
     data_s: float
     overhead_s: float
-    step_s: float
+    step_s: float  # mean over the cases, weighted by how often each runs
     tokens_per_s: float
-    bound: str  # the lane with the largest time: compute | h2d | d2h | optimizer | data | network
-    compute_source: str  # "measured layers" or "matmul rate" (see the module's docstring)
-    exposed: dict[str, float] = field(default_factory=dict)  # what each lane adds beyond compute
+    bound: str  # the part with the largest time: compute | h2d | d2h | optimizer | data | network
+    compute_source: str  # where the compute came from (see the module's docstring)
+    exposed: dict[str, float] = field(default_factory=dict)  # what each part adds beyond compute (the mean case)
     network_s: float = 0.0
+    resident_update_s: float = 0.0  # the resident units' update on the device
+    rollback_s: float = 0.0  # the pool's rollback pass (a speculated step that clipped)
+    optimizer_rate: str = ""  # which calibrated pool rate the update took, in G params/s
+    speculate: str = "auto"
+    clip_rate: float = 0.0  # the assumed share of steps that clip
+    kept_layers: int = 0  # layers whose activations are kept (no recompute)
+    cases: dict[str, dict[str, float]] = field(default_factory=dict)  # case -> {"share", "step_s", "exposed_update_s"}
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # forward/head/backward/update -> {"s", "bound"}
 
     def to_dict(self) -> dict[str, Any]:
         return {"predicted_step_s": self.step_s, "predicted_tokens_per_s": self.tokens_per_s, **asdict(self)}
@@ -74,57 +80,250 @@ class Prediction:
         ms = lambda s: f"{1e3 * s:,.1f} ms"  # noqa: E731
         names = ("compute", "h2d", "d2h", "optimizer", "data") + (("network",) if self.network_s else ())
         lanes = ", ".join(f"{name} {ms(getattr(self, name + '_s'))}" for name in names)
+        phases = ", ".join(f"{name} {ms(p['s'])} ({p['bound']})" for name, p in self.phases.items())
+        cases = ", ".join(f"{name} {ms(c['step_s'])} x {c['share']:.2f}" for name, c in self.cases.items()
+                          if c["share"])
         return (f"predicted step: {ms(self.step_s)}, {self.tokens_per_s:,.0f} tokens/s, bound by {self.bound}\n"
-                f"  per step: {lanes} (compute from {self.compute_source})")
+                f"  per step: {lanes} (compute from {self.compute_source}; update at {self.optimizer_rate})\n"
+                f"  phases: {phases}\n"
+                f"  update beside the backward (speculate {self.speculate}, clip rate {self.clip_rate:g} assumed): "
+                f"{cases}")
 
 
-def compute_seconds(plan: MemoryPlan, config: ModelConfig, cal: Calibration, precision: str) -> tuple[float, str]:
-    """The executor's compute per step, and where it came from."""
-    k = plan.micro_batches
-    timing = cal.layers.get(layer_key(config, plan.batch, plan.seq, precision))
-    if timing is not None:
-        return k * (config.num_layers * timing.layer_s + timing.rest_s), "measured layers"
+@dataclass
+class LayerTimes:
+    """One micro-batch's compute: a decoder layer's forward + recompute + backward, and the rest (embedding, head)."""
+
+    layer_s: float
+    rest_s: float
+    source: str
+
+
+def layer_times(plan: MemoryPlan, config: ModelConfig, cal: Calibration, precision: str, compiled: bool
+                ) -> LayerTimes:
+    """The executor's per-micro-batch compute (Executor.run): the calibration's timing of this layer shape at this
+    micro-batch, compiled where the run compiles (CompiledTiming), else eager; else matmul FLOPs at the matmul rate."""
+    key = layer_key(config, plan.batch, plan.seq, precision)
+    timed = cal.compiled.get(key)
+    if compiled and timed is not None:
+        return LayerTimes(timed.compiled_layer_s, timed.compiled_rest_s, "measured layers, compiled")
+    eager = cal.layers.get(key)
+    if eager is not None:
+        return LayerTimes(eager.layer_s, eager.rest_s,
+                          "measured layers" + (", eager (compiled not timed)" if compiled else ""))
     rate = cal.matmul_tflops.get(precision) or cal.matmul_tflops.get("fp32") or math.nan
     layer, head = forward_matmul_flops(config, plan.batch, plan.seq)
-    return k * (4 * config.num_layers * layer + 3 * head) / (rate * 1e12), "matmul rate"
+    return LayerTimes(4 * layer / (rate * 1e12), 3 * head / (rate * 1e12), "matmul rate")
+
+
+@dataclass
+class Compute:
+    forward_s: float  # every layer's forward over every micro-batch (layer-major)
+    head_s: float  # the embedding and the head, forward and backward
+    backward_s: float  # every layer's recompute (where not kept) and backward
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.head_s + self.backward_s
+
+
+def compute_phases(plan: MemoryPlan, config: ModelConfig, times: LayerTimes, kept_layers: int) -> Compute:
+    """The step's compute by phase (Executor._forward, _head, _backward): a kept layer's backward takes the forward's
+    graph (KeptActivations.backward) and skips its recompute, for every micro-batch."""
+    k, layers = plan.micro_batches, config.num_layers
+    forward = k * layers * FORWARD_SHARE * times.layer_s
+    backward = k * (layers * (1 - FORWARD_SHARE) - kept_layers * RECOMPUTE_SHARE) * times.layer_s
+    return Compute(forward, k * times.rest_s, backward)
+
+
+def copy_times(plan: MemoryPlan, cal: Calibration) -> tuple[float, float]:
+    """(H2D, D2H) seconds a step at the calibrated PCIe rates (0 on the CPU path: the weights are read in place, and
+    the gradients' copy into the arena is part of the timed layers)."""
+    if not plan.on_gpu or cal.h2d_gbps is None:
+        return 0.0, 0.0
+    return plan.h2d_bytes / (cal.h2d_gbps * 1e9), plan.d2h_bytes / (cal.d2h_gbps * 1e9) if cal.d2h_gbps else 0.0
+
+
+@dataclass
+class Update:
+    pool_s: float  # the streamed units' update (this node's share) in the CPU pool
+    rollback_s: float  # the pool's rollback pass over the same units
+    resident_s: float  # the resident units' update on the device
+    rate: str  # which pool rate, for the report
+
+
+def update_times(plan: MemoryPlan, cal: Calibration, workers: int) -> Update:
+    """The optimizer's work a step (AdamWShard.update in each worker; ResidentUnits.update on the device): the pool's
+    rate beside the copies (Calibration.adamw_rate), the rollback's (AdamWShard.finish of a speculated unit), and the
+    device's fused AdamW (the CPU path's "device" is the executor's cores: the one-worker pool's rate alone)."""
+    streamed = max(0, plan.params - plan.resident_params) / plan.nodes
+    rate = cal.adamw_rate(workers)
+    which = "beside copies" if cal.adamw_beside_copies_gparams else "alone: the pool was not timed beside copies"
+    pool = streamed / (rate * 1e9)
+    rollback_rate = cal.rollback_rate(workers)
+    rollback = streamed / (rollback_rate * 1e9) if rollback_rate else ROLLBACK_COST * pool
+    device = cal.device_adamw_gparams if plan.on_gpu else cal.adamw_rate(1, beside=False)
+    resident = plan.resident_params / (device * 1e9) if plan.resident_params and device else 0.0
+    return Update(pool, rollback, resident, f"{rate:.2f} G params/s ({which})")
+
+
+# ---- how much of the update the GPU waits for (pipelines/engine.py, Engine.step_once) ----
+
+@dataclass
+class Pipeline:
+    """Per-unit times of the streamed pipeline on a GPU."""
+
+    forward_s: float  # the forward phase, its weights' copies included
+    layer_forward_s: float  # one layer's share of it (all the step's micro-batches)
+    backward_s: float  # the backward phase, its copies included: the pace at which gradients land
+    layer_backward_s: float
+    load_s: float  # one layer's weights over PCIe (H2D)
+    send_s: float  # one layer's gradient over PCIe (D2H)
+    unit_update_s: float  # one streamed unit's update in the pool
+    resident_layers: int
+    streamed_layers: int
+    embed_streamed: bool  # units are resident in forward order: the embedding first, the head last
+    head_streamed: bool
+
+
+def pipeline(plan: MemoryPlan, config: ModelConfig, forward: float, backward: float, h2d: float, d2h: float,
+              update: Update) -> Pipeline:
+    layers = max(config.num_layers, 1)
+    resident_layers = min(max(plan.resident_units - 1, 0), config.num_layers)
+    streamed_layers = layers - resident_layers
+    embed, head = plan.resident_units == 0, plan.resident_units < config.num_layers + 2
+    units = max(streamed_layers + embed + head, 1)
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    per_layer = max(streamed_layers, 1) * passes
+    return Pipeline(forward, forward / layers, backward, backward / layers, h2d / (2 * per_layer), d2h / per_layer,
+                    update.pool_s / units, resident_layers, streamed_layers, embed, head)
+
+
+def serial_exposed(p: Pipeline, pass_s: float, sends: bool, start_s: float) -> float:
+    """The serial update (speculate off, or "auto" after a clipped step; also the rollback's redo): once the step's
+    norm is known the pool walks the streamed units in forward order (OptimizerWorker.apply), beside the next forward,
+    which waits for each layer's update, then its weights' H2D (Executor._forward: wait_weights, fetch). `pass_s`:
+    the pool's pass over every streamed unit; `sends`: grads = "device", each unit's gradient goes out first
+    (send_grads), pipelined with the update before; `start_s`: the device's own update of the resident units, which
+    the next forward waits for. Returns how much later the head starts than the forward phase alone has it."""
+    units = max(p.streamed_layers + p.embed_streamed + p.head_streamed, 1)
+    u = max(pass_s / units, p.send_s if sends else 0.0)  # the walk's pace, unit by unit
+    first = (p.send_s if sends else 0.0) + p.embed_streamed * u + p.load_s  # the first streamed layer: after these
+    s, f = p.streamed_layers, p.layer_forward_s
+    # the forward's end: its own compute, or the streamed layers gated by the walk (the last one where the walk is
+    # slower than the forward, else the first)
+    gated = first + max(u + s * f, s * u + f) if s else 0.0
+    head_ready = first + (s + p.head_streamed) * u  # the head comes last in forward order
+    return max(0.0, max(start_s + p.forward_s, gated, head_ready) - p.forward_s)
+
+
+def speculated_backlog(p: Pipeline, pass_s: float) -> float:
+    """The update beside the backward (Speculation): each streamed unit's update starts as its gradient lands in the
+    arena, the head's first, then the layers from the top, the embedding's last (Executor._backward). Returns how long
+    after the backward's end the pool finishes: pool-bound (every update queued from the first landing) or bound by
+    the last unit to land (the embedding's, or the lowest streamed layer's, with its own update after it)."""
+    first_land = p.layer_backward_s + p.send_s
+    last_land = p.backward_s - p.resident_layers * p.layer_backward_s + p.send_s
+    return max(first_land + pass_s, last_land + p.unit_update_s) - p.backward_s
+
+
+def speculated(p: Pipeline, update: Update) -> float:
+    """A speculated step that does not clip: the updates beside the backward stand (Engine._validate keeps them). The
+    next forward starts after the device's update of the resident units, runs the resident layers, then needs the
+    unit the pool did last, and its weights' H2D. Returns the exposed update (the device's update at least)."""
+    backlog = speculated_backlog(p, update.pool_s)
+    return max(update.resident_s, backlog + p.load_s - p.resident_layers * p.layer_forward_s)
+
+
+def rolled_back(p: Pipeline, update: Update, sends: bool) -> float:
+    """A speculated step that clips: the driver waits for every update beside the backward (Engine._validate), then the
+    pool's rollback pass (undo + clipped redo, one pass: AdamWShard.finish) runs as the serial update does (grads =
+    "device": each unit's gradient sent out of the GPU again first, send_grads)."""
+    backlog = max(0.0, speculated_backlog(p, update.pool_s))
+    return backlog + serial_exposed(p, update.rollback_s, sends, update.resident_s)
+
+
+def gpu_cases(plan: MemoryPlan, config: ModelConfig, compute: Compute, h2d: float, d2h: float, update: Update
+              ) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, Any]]]:
+    """On a GPU: (each case's exposed update, each case's GPU time besides it, the phases). The
+    copies run on streams of their own beside compute (Streams): the weights in, half for the forward and half for
+    the backward (the top layers' stay between them), the gradients out during the backward, except under the serial
+    update with grads = "device", where they wait on the GPU for the norm and go out beside the update."""
+    held = plan.grads == "device"
+    forward = max(compute.forward_s, h2d / 2)
+    backward = {c: max(compute.backward_s, h2d / 2, 0.0 if held and c == "serial" else d2h) for c in CASES}
+    p = pipeline(plan, config, forward, backward["speculated"], h2d, d2h, update)
+    costs = {"speculated": speculated(p, update), "rolled back": rolled_back(p, update, held),
+             "serial": serial_exposed(p, update.pool_s, held, update.resident_s)}
+    busy = {c: forward + compute.head_s + backward[c] for c in CASES}
+
+    def bound(s: float, parts: dict[str, float]) -> str:
+        return next(name for name, t in parts.items() if t == s)
+
+    b = backward["speculated"]
+    phases = {"forward": {"s": forward, "bound": bound(forward, {"compute": compute.forward_s, "h2d": h2d / 2})},
+              "head": {"s": compute.head_s, "bound": "compute"},
+              "backward": {"s": b, "bound": bound(b, {"compute": compute.backward_s, "h2d": h2d / 2, "d2h": d2h})}}
+    return costs, busy, phases  # the first streamed layer's load is inside each case's exposed update
+
+
+def mix_cases(speculate: str, clip_rate: float, updates_after_step: bool) -> dict[str, float]:
+    """How often each case runs (Engine._speculation): "on" speculates every step, "auto" every step after one that did
+    not clip, "off" never; steps clip independently at `clip_rate`. Where the driver does not wait for the step
+    (Engine.updates_after_step: clipping off, grads not on the device, one executor) every update is final as it
+    lands: the speculated case, always."""
+    if not updates_after_step:
+        return {"speculated": 1.0, "rolled back": 0.0, "serial": 0.0}
+    speculating = {"on": 1.0, "auto": 1.0 - clip_rate, "off": 0.0}[speculate]
+    return {"speculated": speculating * (1 - clip_rate), "rolled back": speculating * clip_rate,
+            "serial": 1.0 - speculating}
 
 
 def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precision: str = "tf32",
-            optimizer_workers: int = 2, clipping: bool = True, executors: int = 1, link_gbps: float = LINK_GBPS
+            optimizer_workers: int = 2, clipping: bool = True, executors: int = 1, link_gbps: float = LINK_GBPS,
+            speculate: str = "auto", clip_rate: float = 0.0, compiled: bool = False, kept_layers: int | None = None
             ) -> Prediction:
     """The step time of the run `plan` describes on the calibrated machine, with `executors` executors on each of
-    plan.nodes nodes (see the module docstring)."""
-    compute, source = compute_seconds(plan, config, cal, precision)
-    on_gpu = plan.on_gpu and cal.h2d_gbps is not None
-    h2d = plan.h2d_bytes / (cal.h2d_gbps * 1e9) if on_gpu else 0.0
-    d2h = plan.d2h_bytes / (cal.d2h_gbps * 1e9) if on_gpu and cal.d2h_gbps else 0.0
+    plan.nodes nodes (see the module docstring). speculate: as EngineConfig.speculate; clip_rate: the share of steps
+    assumed to clip (0 to 1); compiled: the run's layers run through torch.compile; kept_layers: None, the plan's
+    (plan.kept)."""
+    check_choice("speculate", speculate, SPECULATE)
+    if not 0.0 <= clip_rate <= 1.0:
+        raise ValueError(f"clip_rate is a share of steps, 0 to 1, got {clip_rate}")
+    kept = min(len(plan.kept.indices) if kept_layers is None else kept_layers, config.num_layers)
+    times = layer_times(plan, config, cal, precision, compiled)
+    compute = compute_phases(plan, config, times, kept)
+    h2d, d2h = copy_times(plan, cal)
+    update = update_times(plan, cal, optimizer_workers)
     tokens = plan.step_tokens * executors * plan.nodes  # a step's, over every executor of the run
-    streamed = max(0, plan.params - plan.resident_params)  # resident units: updated on the device
-    optimizer = streamed / plan.nodes / (cal.adamw_rate(optimizer_workers) * 1e9)
     data = tokens * cal.data_s_per_token  # one loader feeds every executor of the run
     network = plan.network_bytes / (link_gbps * 1e9)
-    overhead = STEP_OVERHEAD_S
-    lanes = {"compute": compute, "h2d": h2d, "d2h": d2h, "optimizer": optimizer, "data": data, "network": network}
-    if not on_gpu:  # one set of cores for all of them
-        exposed = {"optimizer": optimizer, "data": data, "network": network}
-        step = compute + optimizer + data + network + overhead
+    clip_rate = clip_rate if clipping else 0.0
+    updates_after_step = clipping or plan.grads == "device" or executors * plan.nodes > 1
+    shares = mix_cases(speculate, clip_rate, updates_after_step)
+    if not (plan.on_gpu and cal.h2d_gbps is not None):  # one set of cores for all of them
+        costs = {"speculated": update.pool_s, "rolled back": update.pool_s + update.rollback_s,
+                 "serial": update.pool_s}
+        steps = {c: compute.total_s + update.resident_s + costs[c] + data + network + STEP_OVERHEAD_S for c in CASES}
+        phases: dict[str, dict[str, Any]] = {}
     else:
-        layers = max(config.num_layers, 1)
-        first_load = h2d / (2 * layers * (plan.micro_batches if plan.schedule == "per-micro-batch" else 1))
-        if clipping or plan.grads == "device":
-            # the update overlaps the next step's forward only: a quarter of the layers' compute (forward of
-            # forward + recompute + backward), the head and embedding not counted
-            forward = compute / 4
-            opt_exposed = max(0.0, optimizer + (d2h if plan.grads == "device" else 0.0) - forward)
-        else:  # streamed: each layer's update runs beside the rest of the step
-            opt_exposed = max(0.0, optimizer - compute)
-        busy = max(compute + opt_exposed, h2d, d2h, data)
-        exposed = {"h2d": first_load + max(0.0, h2d - compute), "d2h": max(0.0, d2h - compute),
-                   "optimizer": opt_exposed, "data": max(0.0, data - compute), "network": network}
-        step = busy + first_load + network + overhead
-    bound = max(lanes, key=lambda name: lanes[name])
-    return Prediction(compute, h2d, d2h, optimizer, data, overhead, step, tokens / step, bound, source, exposed,
-                      network)
+        costs, busy, phases = gpu_cases(plan, config, compute, h2d, d2h, update)
+        steps = {c: max(busy[c] + costs[c], data) + network + STEP_OVERHEAD_S for c in CASES}
+    exposed_update = sum(shares[c] * costs[c] for c in CASES)
+    step = sum(shares[c] * steps[c] for c in CASES)
+    # the pool's update is hidden where the step waits for no more than the device's update of the resident units
+    hidden = exposed_update - update.resident_s <= 1e-3 * step
+    phases["update"] = {"s": update.pool_s, "exposed_s": exposed_update, "device_s": update.resident_s,
+                        "bound": "hidden" if hidden else "optimizer (exposed)"}
+    lanes = {"compute": compute.total_s, "h2d": h2d, "d2h": d2h, "optimizer": update.pool_s, "data": data,
+             "network": network}
+    exposed = {"h2d": max(0.0, h2d / 2 - compute.forward_s) + max(0.0, h2d / 2 - compute.backward_s),
+               "d2h": max(0.0, d2h - max(compute.backward_s, h2d / 2)), "optimizer": exposed_update,
+               "data": max(0.0, data - compute.total_s), "network": network}
+    cases = {c: {"share": shares[c], "step_s": steps[c], "exposed_update_s": costs[c]} for c in CASES}
+    return Prediction(compute.total_s, h2d, d2h, update.pool_s, data, STEP_OVERHEAD_S, step, tokens / step,
+                      max(lanes, key=lambda name: lanes[name]), times.source, exposed, network, update.resident_s,
+                      update.rollback_s, update.rate, speculate, clip_rate, kept, cases, phases)
 
 
 # ---- picking what was left to "auto" ----

@@ -24,7 +24,7 @@ TIMELINE_FILE = "timeline.png"
 TABLE_ROWS = 50  # steps shown in the table; the mean row covers all of them
 
 COLORS: dict[str, tuple[int, int, int]] = {
-    "forward": (66, 133, 244), "recompute+backward": (219, 68, 55), "head": (244, 180, 0),
+    "forward": (66, 133, 244), "recompute+backward": (219, 68, 55), "backward": (230, 124, 115), "head": (244, 180, 0),
     "embed": (121, 85, 72), "embed-backward": (240, 98, 146), "load": (15, 157, 88), "grads": (171, 71, 188),
     "update": (0, 172, 193), "sync": (158, 158, 158),
     "wait:weights": (255, 112, 67), "wait:optimizer": (55, 71, 79), "wait:data": (144, 164, 174),

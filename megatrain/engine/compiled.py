@@ -1,0 +1,65 @@
+"""What the executor runs through torch.compile when compiling (EngineConfig.compile on, or auto where it pays):
+
+    layers   each layer structure's function whole, one graph; on the tiled long-context path its token-wise tiles
+             instead (the template's compile_tiles), the loops over the tiles and the attention between them eager
+    head     the final norm (under autograd: its backward compiled with it) and the chunk's cross-entropy with its
+             gradient (the softmax's passes over [chunk, vocab] fused)
+
+Each function is compiled once here; torch compiles it again per input shape and grad mode, up to
+COMPILED_SHAPES_LIMIT. Nothing that changes from batch to batch enters a graph as a Python number: packed documents'
+boundaries are a tensor (ops.document_starts), the loss's 1 / tokens a 0-d tensor (templates.head_loss_and_grads).
+
+Kept eager, and why: a layer function that says `compilable = False` (LoRA's: its weights are __torch_function__
+wrappers a full graph cannot trace; the generic path's first layer: it stops the model's forward with an exception);
+the generic path's head, which runs the model's own logits and torch.autograd.grad per chunk (_chunk_through), which
+no full graph holds. Attention itself is one SDPA call either way; over packed documents it is an opaque op
+(ops.packed_attention) that reads the boundaries when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatrain.engine.torch_settings import COMPILED_SHAPES_LIMIT, allow_recompiles
+from megatrain.model import ops
+from megatrain.model.architecture import Architecture, LayerFn
+from megatrain.model.templates import CrossEntropyFn, Weights
+
+
+def compile_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile as the executor uses it: the whole function one graph (a break would be a silent slowdown),
+    shapes static (a batch's shapes repeat every step)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+class CompiledFunctions:
+    """The executor's compiled functions, or the eager ones where compiling is off."""
+
+    def __init__(self, arch: Architecture, enabled: bool, tiled: bool):
+        self.arch, self.enabled, self.tiled = arch, enabled, tiled
+        self._layers: dict[int, tuple[LayerFn, LayerFn]] = {}  # id of a structure's function -> (it, what runs)
+        self.final_norm: Callable[[torch.Tensor, Weights], torch.Tensor] = arch.final_norm
+        self.cross_entropy: CrossEntropyFn = ops.cross_entropy_sum_and_grad
+        if not enabled:
+            return
+        allow_recompiles(COMPILED_SHAPES_LIMIT)
+        if getattr(arch, "logits", None) is None:  # the native head (the generic path's stays eager: above)
+            self.final_norm = compile_function(arch.final_norm)
+            self.cross_entropy = compile_function(ops.cross_entropy_sum_and_grad)
+
+    def layer(self, fn: LayerFn) -> LayerFn:
+        """What runs for the layer function `fn`: its compiled form (the same object, its tiles compiled, where tiled),
+        or fn itself where compiling is off or fn is not compilable."""
+        if not self.enabled or not getattr(fn, "compilable", True):
+            return fn
+        if id(fn) not in self._layers:
+            compile_tiles = getattr(fn, "compile_tiles", None)
+            if self.tiled and compile_tiles is not None:
+                compile_tiles(compile_function)
+                self._layers[id(fn)] = (fn, fn)
+            else:  # (tiled without compile_tiles, Gemma's: the forward compiled whole, its own backward eager)
+                self._layers[id(fn)] = (fn, compile_function(fn))
+        return self._layers[id(fn)][1]

@@ -1,0 +1,115 @@
+"""The memory plan of a LoRA run: a whole model's plan (megatrain/memory/plan.py) with what the frozen base and the
+adapters change in it.
+
+Host: the base in the arena's frozen segment at 2 B a parameter in bf16 (4 in fp32), and no gradient, Adam moment
+or bf16 copy of it; the adapters with their fp32 weights, gradients (all of them, in the arena: they are small) and
+Adam m, v: 16 B an adapter parameter. GPU: the same weight buffers (the base's layers cross in its own dtype, cast
+to the compute dtype there), layer checkpoints and working set, less what the base's gradients took: each layer's
+recompute takes the adapters' gradients alone, the head only the gradient with respect to its input, the embedding
+none. PCIe: the base's layers in twice a pass, the adapters' gradients out (nothing of the adapters crosses where
+they are resident: `lora_resident`, which keeps them all on the GPU where they fit, as the issue asks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from megatrain.config import ConfigError, ModelConfig, check_resident
+from megatrain.lora.config import BASE_DTYPES, LoraConfig
+from megatrain.lora.layout import lora_layout
+from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION, GiB
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
+
+if TYPE_CHECKING:
+    from megatrain.memory.plan import MemoryPlan
+
+ADAPTER_BYTES = 16  # an adapter parameter's host (or resident device) bytes: fp32 weight, gradient, Adam m and v
+
+
+def planned_adapter_numels(config: ModelConfig, lora: LoraConfig) -> tuple[int, ...]:
+    """Each unit's adapter elements (padded ranges) in forward order, from a one-layer model where layers are alike."""
+    one = replace(config, num_layers=1) if config.family.uniform_layers else config
+    numels = tuple(u.numel for u in lora_layout(one, lora).units)
+    if len(numels) == config.num_layers + 2:
+        return numels
+    return (numels[0], *(numels[1],) * config.num_layers, numels[-1])
+
+
+def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dtype: str, precision: str,
+                executors: int = 1) -> MemoryPlan:
+    """`plan` (a whole model's, untiled, for the same batch and settings) as a LoRA run's."""
+    if base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"lora_base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}.")
+    if plan.tile_tokens is not None:
+        raise ConfigError("LoRA's backward recomputes each layer whole (its adapters' gradients alone), so sequence "
+                          "tiles do not apply: leave tile_tokens unset (auto) for a LoRA run.")
+    layout = planning_layout(config)
+    numels = planned_adapter_numels(config, lora)
+    adapters, layer_adapters = sum(numels), max(numels)
+    one = lora_layout(replace(config, num_layers=1) if config.family.uniform_layers else config, lora)
+    params = one.adapter_numel() * (config.num_layers if config.family.uniform_layers else 1)
+    base_bytes, compute = (2 if base_dtype == "bf16" else 4), (2 if precision == "bf16" else 4)
+    # the base's layers cross in its dtype; cast to the compute dtype on the device (on a GPU through a staging
+    # buffer in the base's dtype, megatrain/engine/weight_slots.py)
+    same = base_bytes == compute
+    per_weight = compute + (base_bytes if plan.on_gpu and not same else 0)
+    layer = layout.max_layer_numel()
+    head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
+    rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size
+    gpu_weights = (2 * layer + head) * per_weight + rows * compute
+    gpu_grads = GRAD_SETS_IN_FLIGHT * layer_adapters * 4  # no base gradient; the head's and embedding's: none
+    gpu_working = plan.gpu_working - (layer - layer_adapters) * 4  # the weights' fp32 gradient sums: adapters' only
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    layers_numel = plan.arena_numel - layout.embed.numel - layout.head.numel
+    h2d = (passes * ((2 * layers_numel - min(2, config.num_layers) * layer + head) * base_bytes + 2 * adapters * 4)
+           + rows * base_bytes + (passes - 1) * adapters * 4)
+    offloaded = plan.host_checkpoints * passes  # checkpoints out and back in, as the whole model's plan counts them
+    frozen = plan.arena_numel * base_bytes
+    moments = -(-adapters // plan.nodes) * 8
+    process = plan.process_bytes
+    if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
+        process += executors * (gpu_weights + gpu_grads + gpu_working - plan.gpu_weights - plan.gpu_grads
+                                - plan.gpu_working)
+    return replace(plan, arena_bytes=frozen + adapters * 8 + moments, grads="arena", grads_bytes=adapters * 4,
+                   shadow_bytes=0, frozen_bytes=frozen, frozen_dtype=base_dtype, adapter_params=params,
+                   adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
+                   h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded, process_bytes=process,
+                   network_bytes=int(3 * (plan.nodes - 1) / plan.nodes * adapters * 4))
+
+
+def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryPlan:
+    """The plan with the adapters of the first units kept on the device with their Adam state and updated there:
+    "auto" all of them on a GPU whose free memory holds them (none on the CPU path, where the pool updates them in
+    the arena), or a count; none with several executors (each would hold its own copy)."""
+    check_resident(requested)
+    numels = plan.adapter_numels
+    count, why = 0, ""
+    if world > 1:
+        if requested not in ("auto", "none", 0):
+            raise ConfigError(f"resident units are kept by one executor; with {world} executors set resident = none "
+                              "(or auto).")
+        why = f"{world} executors: the CPU pool updates the adapters in the arena"
+    elif requested in ("none", 0):
+        why = "resident = none"
+    elif requested != "auto":
+        count, why = min(int(requested), len(numels)), f"resident = {requested}"
+    elif not plan.on_gpu:
+        why = "the CPU path: the pool updates the adapters in the arena; ask for a count with resident = N"
+    elif plan.gpu_free is None:
+        why = "the GPU's free memory is not known"
+    else:
+        room = plan.gpu_free - plan.gpu_total
+        fits = sum(numels) * ADAPTER_BYTES <= room - max(MARGIN_BYTES, int(MARGIN_FRACTION * room))
+        count, why = (len(numels), "they fit beside the pipeline's buffers") if fits else (0, "no room on the GPU")
+    if not count:
+        return replace(plan, resident_note=f"resident adapters: none ({why})")
+    held = sum(numels[:count])
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    note = (f"resident adapters: {'all units' if count == len(numels) else f'the first {count} units'} "
+            f"({held * ADAPTER_BYTES / GiB:.3f} GiB with their Adam state): updated on the device, no PCIe, no CPU "
+            f"pool; {why}")
+    return replace(plan, resident_units=count, resident_params=held, gpu_resident=held * ADAPTER_BYTES,
+                   resident_note=note, h2d_bytes=max(0, plan.h2d_bytes - (3 * passes - 1) * held * 4),
+                   d2h_bytes=max(0, plan.d2h_bytes - passes * held * 4),
+                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else held * ADAPTER_BYTES))

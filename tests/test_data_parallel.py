@@ -48,6 +48,7 @@ def test_two_executors_train_as_one(ray_session: None, micro_llama: tuple[torch.
         assert not too_far, f"{name}: (megatrain, transformers fp32) relative errors against fp64: {too_far}"
 
 
+@pytest.mark.slow  # CI: test_nodes kills one of two executors (ranks of one process group, on two nodes)
 def test_killed_executor_of_two_recovers_exactly(ray_session: None, fault_batches, tmp_path: Path
                                                  ) -> None:
     """The first of two executors SIGKILLed at a random moment of step 4 of 6 (after a checkpoint): both are replaced

@@ -25,8 +25,10 @@ def uninterrupted(ray_session, fault_batches, tmp_path_factory) -> tuple[list[fl
     return losses, params
 
 
-# CI: the executor here; an optimizer worker is killed (once) in test_a_refused_batch_is_not_replayed
-@pytest.mark.parametrize("victim", ["executor", pytest.param("optimizer-worker", marks=pytest.mark.slow)])
+# slow: five random kills each. CI kills the executor twice under simulated streams (below) and an optimizer worker
+# once (test_a_refused_batch_is_not_replayed); the recovery code is the same.
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["executor", "optimizer-worker"])
 def test_killed_actor_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path, victim) -> None:
     losses, params, restarts, segments = train_with_faults(fault_batches, tmp_path, victim=victim)
     assert restarts >= len(KILL_STEPS), f"only {restarts} faults were survived; the kills did not land"
@@ -100,7 +102,7 @@ def megatrain_cli(*args: str) -> subprocess.Popen:
 
 
 def test_sigkilled_driver_resumes_to_the_same_model(ray_session, tmp_path) -> None:
-    common = ["train", "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--checkpoint-every", "10",
+    common = ["train", "--steps", "16", "--batch-size", "4", "--seq-len", "64", "--checkpoint-every", "4",
               "--device", "cpu", "--precision", "fp32", "--log-every", "5"]
     clean = run_cli(*common, "--out", str(tmp_path / "clean"))  # the reference: no driver of its own to kill
     assert clean.returncode == 0, clean.output
@@ -108,7 +110,7 @@ def test_sigkilled_driver_resumes_to_the_same_model(ray_session, tmp_path) -> No
     run = tmp_path / "killed"
     driver = megatrain_cli(*common, "--out", str(run))
     deadline = time.monotonic() + 240
-    while not (run / "checkpoints" / "step-00000020" / "manifest.json").exists():
+    while not (run / "checkpoints" / "step-00000008" / "manifest.json").exists():
         assert driver.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.05)
     driver.send_signal(signal.SIGKILL)

@@ -181,7 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megatrain.perf.predict import choose
     from megatrain.store import resolve_model
     from pipelines.lora import as_lora_config
-    from pipelines.plan_prediction import plan_calibration, plan_prediction
+    from pipelines.plan_prediction import plan_calibration, plan_prediction, plan_step_time
     from pipelines.train import TrainConfig
 
     workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
@@ -240,6 +240,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if choice is not None:
             common["optimizer_workers"] = choice.optimizer_workers
             cfg.grads, long_context["tile_tokens"] = choice.plan.grads, choice.plan.tile_tokens
+    # resident units and kept layers both auto: the split of the GPU's spare memory predicted shortest
+    on_device["step_time"] = plan_step_time(args, config, cal, cfg, optim.clipping, common["optimizer_workers"],
+                                            executors, on_gpu)
     plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
                     schedule=cfg.schedule, **on_device, **long_context, **common, **lora)
     longest = plan.longest_seq

@@ -195,8 +195,9 @@ class Engine:
             placement = NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
                                               f"megatrain/{self.run_id}/node{m}", executors=executors)
             self.actors.placements.append(placement)
-        plan = run_plan(self.config, self.model_name, self.engine_config, self.optim, self.placements, batch, seq,
-                        on_gpu)
+        # the run's memory plan, its auto settings resolved (the progress line's prediction is of this plan)
+        plan = self.plan = run_plan(self.config, self.model_name, self.engine_config, self.optim, self.placements,
+                                    batch, seq, on_gpu)
         plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if self.engine_config.micro_batches == "auto":
             log.info("micro_batches auto: %d micro-batch(es) of %d rows a step", plan.micro_batches, plan.batch)

@@ -1,7 +1,8 @@
-"""What `megatrain plan` predicts, and from which calibration: the flags that say how the run updates (--speculate,
---clip-rate, --compile) and where the calibration comes from (--calibration: a file, e.g. a GPU's recorded one in
-benchmarks/calibrations/, so a plan made without that GPU predicts it; else this machine's cached one, measured quickly
-where `plan --json` finds none), and the prediction itself (megatrain/perf/predict.py)."""
+"""What `megatrain plan` and a run predict, and from which calibration: the flags that say how the run updates
+(--speculate, --clip-rate, --compile) and where the calibration comes from (--calibration: a file, e.g. a GPU's
+recorded one in benchmarks/calibrations/, so a plan made without that GPU predicts it; else this machine's cached one,
+measured quickly where `plan --json` finds none; a run: its device's cached one), the predictor the plan splits the
+GPU's spare memory by (megatrain/memory/on_device.py), and the prediction itself (megatrain/perf/predict.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from megatrain.config import COMPILE, LINK_GBPS, SPECULATE, ConfigError, ModelConfig
+from megatrain.config import COMPILE, LINK_GBPS, SPECULATE, ConfigError, EngineConfig, ModelConfig, compile_setting
+from megatrain.memory.on_device import StepTime
 from megatrain.memory.plan import MemoryPlan
 from megatrain.perf.calibrate import Calibration, calibrate, device_name, layer_key
 from megatrain.perf.compile_choice import auto_on_gpu
-from megatrain.perf.predict import Prediction, predict
+from megatrain.perf.predict import Prediction, predict, step_time
 
 QUICK_CALIBRATION_S = 20.0
 
@@ -39,13 +41,12 @@ def plan_calibration(args: argparse.Namespace, on_gpu: bool, config: ModelConfig
 
     if on_gpu and not torch.cuda.is_available():
         return None
-    device = "cuda" if on_gpu else "cpu"
-    name = device_name(device)
-    cal = Calibration.load(name)
+    cal = run_calibration(on_gpu)
     key = layer_key(config, cfg.data.batch_size, cfg.data.seq_len, cfg.precision)
     if args.json and (cal is None or key not in cal.layers):
+        device = "cuda" if on_gpu else "cpu"
         logging.getLogger("megatrain").info("calibrating %s for the prediction (megatrain calibrate does it once)",
-                                            name)
+                                            device_name(device))
         cal = calibrate(device, config, batch=cfg.data.batch_size, seq=cfg.data.seq_len, precision=cfg.precision,
                         max_seconds=QUICK_CALIBRATION_S, base=cal, time_compile=False)
         cal.save()
@@ -58,14 +59,61 @@ def plan_prediction(args: argparse.Namespace, plan: MemoryPlan, config: ModelCon
     optimizer and transfers, not a LoRA run's)."""
     if cal is None or cfg.lora:
         return None
+    return predict(plan, config, cal, **_plan_settings(args, config, cal, cfg, clipping, workers, executors,
+                                                       plan.on_gpu))
+
+
+def plan_step_time(args: argparse.Namespace, config: ModelConfig, cal: Calibration | None, cfg: Any, clipping: bool,
+                   workers: int, executors: int, on_gpu: bool) -> StepTime | None:
+    """What `megatrain plan` splits the GPU's spare memory by (plan_run's step_time): the step plan_prediction would
+    predict; None where it predicts none (the plan then follows on_device.py's rule, and says so)."""
+    if cal is None or cfg.lora:
+        return None
+    return step_time(config, cal, **_plan_settings(args, config, cal, cfg, clipping, workers, executors, on_gpu))
+
+
+def _plan_settings(args: argparse.Namespace, config: ModelConfig, cal: Calibration, cfg: Any, clipping: bool,
+                   workers: int, executors: int, on_gpu: bool) -> dict[str, Any]:
     if not 0.0 <= args.clip_rate <= 1.0:
         raise ConfigError(f"--clip-rate is the share of steps that clip, from 0 to 1, got {args.clip_rate}.")
-    setting = cfg.compile  # compile = auto decides as the executor would, from this calibration (compile_choice.py)
-    compiled = setting == "on" or (setting == "auto" and plan.on_gpu and auto_on_gpu(cal.device, cal, config,
-                                                                                       cfg.precision).on)
-    return predict(plan, config, cal, precision=cfg.precision, optimizer_workers=workers, clipping=clipping,
-                   executors=executors, link_gbps=args.link_gbps or LINK_GBPS, speculate=cfg.speculate,
-                   clip_rate=args.clip_rate, compiled=compiled)
+    return dict(precision=cfg.precision, optimizer_workers=workers, clipping=clipping, executors=executors,
+                link_gbps=args.link_gbps or LINK_GBPS, speculate=cfg.speculate, clip_rate=args.clip_rate,
+                compiled=compiled_for(cfg.compile, on_gpu, cal, config, cfg.precision))
+
+
+def compiled_for(setting: str | bool, on_gpu: bool, cal: Calibration, config: ModelConfig, precision: str) -> bool:
+    """Whether the run's layers run compiled, as its executor decides (compile_choice.py), from `cal`: auto compiles
+    on a GPU where `cal` timed this layer compiled faster, or timed none; the CPU path runs eager."""
+    setting = compile_setting(setting)
+    return setting == "on" or (setting == "auto" and on_gpu and auto_on_gpu(cal.device, cal, config, precision).on)
+
+
+def run_calibration(on_gpu: bool) -> Calibration | None:
+    """The cached calibration of a run's device (`megatrain calibrate`): what the Engine's plan splits the GPU's
+    spare memory by and its progress line predicts from; None where none is cached or CUDA is not visible here (the
+    driver asks for the GPU's name, and allocates nothing on it)."""
+    import torch
+
+    if on_gpu and not torch.cuda.is_available():
+        return None
+    return Calibration.load(device_name("cuda" if on_gpu else "cpu"))
+
+
+def run_step_time(config: ModelConfig, e: EngineConfig, clipping: bool, on_gpu: bool) -> StepTime | None:
+    """What an Engine's plan splits the GPU's spare memory by (plan_run's step_time) where resident units and kept
+    layers are both "auto" on a GPU: its step predicted on run_calibration's calibration (run_settings); None where
+    none is cached (the plan then follows on_device.py's rule, and says so)."""
+    cal = run_calibration(on_gpu) if on_gpu and e.resident == e.keep_activations == "auto" else None
+    return None if cal is None else step_time(config, cal, **run_settings(config, cal, e, clipping, on_gpu))
+
+
+def run_settings(config: ModelConfig, cal: Calibration, e: EngineConfig, clipping: bool, on_gpu: bool
+                 ) -> dict[str, Any]:
+    """predict's keywords for an Engine's run, from its EngineConfig (optimizer_workers and executors resolved): the
+    update speculated as it speculates, compiled as its executor decides, no step assumed to clip."""
+    return dict(precision=e.precision, optimizer_workers=int(e.optimizer_workers), clipping=clipping,
+                executors=int(e.executors), speculate=e.speculate,
+                compiled=compiled_for(e.compile, on_gpu, cal, config, e.precision))
 
 
 def calibration_json(cal: Calibration | None, args: argparse.Namespace) -> dict[str, Any] | None:

@@ -274,7 +274,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-            predicted = record_prediction(cfg, engine, out_dir)
+            predicted = record_prediction(engine, out_dir)
             return _loop(cfg, engine, loader, out_dir, start, extra_files or [], predicted)
     finally:
         if loader is not None:
@@ -300,43 +300,29 @@ def sigterm_stops_the_run() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def record_prediction(cfg: TrainConfig, engine: Engine, out_dir: Path) -> float | None:
-    """The predicted step time of this run (megatrain/perf/predict.py) from the cached calibration of its device,
-    written to out_dir/prediction.json for `megatrain report`; None (and nothing written) where this machine was not
-    calibrated (`megatrain calibrate`): a run does not spend its time measuring the machine."""
-    from megatrain.memory.plan import plan_run
-    from megatrain.perf.calibrate import Calibration, device_name
+def record_prediction(engine: Engine, out_dir: Path) -> float | None:
+    """The predicted step time of this run (megatrain/perf/predict.py): of the Engine's own memory plan (its auto
+    settings resolved: resident units, kept layers, micro-batches, ...) with its speculation and compile choice, from
+    the cached calibration of its device (the one its plan's split of the GPU took), written to out_dir/prediction.json
+    for `megatrain report`; None (and nothing written) where this machine was not calibrated (`megatrain calibrate`),
+    or for a LoRA run (the model knows a whole model's update): a run does not spend its time measuring the machine."""
     from megatrain.perf.predict import predict
     from megatrain.telemetry.report import PREDICTION_FILE
+    from pipelines.plan_prediction import run_calibration, run_settings
 
     (out_dir / PREDICTION_FILE).unlink(missing_ok=True)  # an earlier run's, in this directory
     try:
-        device = "cuda" if engine.on_gpu else "cpu"
-        cal = Calibration.load(device_name(device)) if device == "cpu" or _cuda_here() else None
-        if cal is None:
+        cal = run_calibration(engine.on_gpu)
+        if cal is None or engine.engine_config.lora is not None:
             return None
-        e = engine.engine_config
-        budget = e.checkpoint_budget_gib
-        plan = plan_run(engine.config, cfg.data.batch_size, cfg.data.seq_len, grads=e.grads,
-                        clipping=engine.optim.clipping, name=engine.model_name, precision=e.precision,
-                        optimizer_workers=e.optimizer_workers, on_gpu=engine.on_gpu, tile_tokens=e.tile_tokens,
-                        checkpoint_budget=None if budget is None else round(budget * 2**30),
-                        micro_batches=e.micro_batches, schedule=e.schedule, find_longest=False, nodes=e.nodes,
-                        executors=int(e.executors))
-        pred = predict(plan, engine.config, cal, precision=e.precision, optimizer_workers=e.optimizer_workers,
-                       clipping=engine.optim.clipping, executors=int(e.executors))
+        pred = predict(engine.plan, engine.config, cal, **run_settings(engine.config, cal, engine.engine_config,
+                                                                       engine.optim.clipping, engine.on_gpu))
     except Exception as exc:  # noqa: BLE001 - a prediction is commentary: it never stops a run
         log.warning("no predicted step time: %s", exc)
         return None
     (out_dir / PREDICTION_FILE).write_text(json.dumps(pred.to_dict(), indent=2))
     log.info("%s", pred.report())
     return pred.step_s
-
-
-def _cuda_here() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: int,

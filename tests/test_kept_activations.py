@@ -5,8 +5,9 @@ Without Ray: a kept graph reads the weights bound for its backward, never the fo
 rotate); the executor with kept layers against the recompute path (fp32 and bf16, plain and simulated streams,
 micro-batches under both schedules, resident units, tied embeddings, the generic path with dropout), its trace
 naming a kept layer's backward "backward"; the memory plan's choice (all layers at small K, the top ones at large K
-for a 7B on an 80 GB GPU; none where the tiled path runs, or refused where asked for), the bytes formula against what
-the pack hooks see; the settings and the `plan` command. With Ray: an Engine with every layer kept against one with
+for a 7B on an 80 GB GPU; none where the tiled path runs, or refused where asked for), its split with the resident
+units (a count asked for placed first; without a calibration, the rule), the bytes formula against what the pack
+hooks see; the settings and the `plan` command. With Ray: an Engine with every layer kept against one with
 none, two steps, bit for bit.
 """
 
@@ -233,8 +234,9 @@ def test_the_plan_keeps_every_layer_at_small_k_and_the_top_layers_at_large_k() -
     (SEVEN_B, dict(on_gpu=False), "the CPU path; ask for them with keep_activations = all or N"),
     (SEVEN_B, dict(on_gpu=True), "the GPU's free memory is not known"),
     (SEVEN_B, dict(on_gpu=True, gpu_free=80 * GiB, keep_activations="none"), "keep_activations = none"),
-    (SEVEN_B, dict(on_gpu=True, gpu_free=80 * GiB, resident="auto", micro_batches=16),
-     "no room on the device beyond the pipeline, its checkpoints and the resident units"),
+    (SEVEN_B, dict(on_gpu=True, gpu_free=80 * GiB, resident="auto", micro_batches=8),
+     "no room on the device beyond the pipeline, its checkpoints and the resident units; resident first: no "
+     "calibration to predict the split by"),
     (dataclasses.replace(SEVEN_B, model_type="gemma2"), dict(on_gpu=True, gpu_free=80 * GiB),
      "the plan counts the saved bytes of the Llama template's layers only (unwindowed)"),
 ])
@@ -242,7 +244,44 @@ def test_where_the_plan_keeps_none_it_says_why(config: ModelConfig, settings: di
     settings = {"keep_activations": "auto", **settings}
     plan = plan_run(config, 1, 2048, precision="bf16", host_free=1000 * GiB, find_longest=False, **settings)
     assert not plan.kept.indices and plan.kept.bytes == 0
-    assert f"kept activations: none ({why})" in plan.report()
+    assert f"kept activations: none ({why}" in plan.report()
+
+
+@pytest.mark.parametrize(("micro_batches", "first"), [(1, "resident"), (16, "kept")])
+def test_without_a_calibration_the_split_follows_the_rule_and_says_so(micro_batches: int, first: str) -> None:
+    """Resident units and kept layers both auto, no predictor: resident first where the CPU pool's update of every
+    parameter at its nominal rate outlasts the backward's compute at the GPU's (7B bf16: K=1), else kept first (K=16):
+    the same plan as asking for that order's count of the other."""
+    plan = plan_run(SEVEN_B, 1, 2048, micro_batches=micro_batches, resident="auto", keep_activations="auto", **H100)
+    alone = dict(micro_batches=micro_batches, **H100)
+    units = plan_run(SEVEN_B, 1, 2048, resident="auto", keep_activations="none", **alone).resident_units
+    layers = len(plan_run(SEVEN_B, 1, 2048, resident="none", keep_activations="auto", **alone).kept.indices)
+    order = (plan_run(SEVEN_B, 1, 2048, resident=units, keep_activations="auto", **alone) if first == "resident" else
+             plan_run(SEVEN_B, 1, 2048, resident="auto", keep_activations=layers, **alone))
+    assert (plan.resident_units, plan.kept.indices) == (order.resident_units, order.kept.indices)
+    assert (plan.resident_units == units) == (first == "resident") and plan.kept.indices
+    assert (len(plan.kept.indices) == layers) == (first == "kept") and plan.gpu_problem() is None
+    rule = f"{first} first: no calibration to predict the split by, and the "
+    assert rule in plan.resident_note and rule in plan.kept.describe() and "at a nominal" in plan.resident_note
+
+
+def test_a_count_asked_for_either_is_placed_first_and_the_other_takes_the_rest() -> None:
+    """resident = N with keep_activations auto: N units, the layers in the rest; keep_activations = N with resident
+    auto: N layers, the units in the rest (resident first would have left no room for them); both counts: both."""
+    alone = dict(micro_batches=16, **H100)
+    units = plan_run(SEVEN_B, 1, 2048, resident=8, keep_activations="auto", **alone)
+    assert units.resident_units == 8 and "resident = 8" in units.resident_note
+    more = plan_run(SEVEN_B, 1, 2048, resident=2, keep_activations="auto", **alone)
+    assert 0 < len(units.kept.indices) < len(more.kept.indices)  # the layers take what the units leave
+    layers = plan_run(SEVEN_B, 1, 2048, resident="auto", keep_activations=4, **alone)
+    resident_first = plan_run(SEVEN_B, 1, 2048, resident="auto", keep_activations="none", **alone)
+    assert layers.kept.indices == (28, 29, 30, 31) and "keep_activations = 4" in layers.kept.describe()
+    assert 0 < layers.resident_units < resident_first.resident_units
+    for plan in (units, layers):
+        assert plan.gpu_total + 2 * GiB <= plan.gpu_free and plan.gpu_problem() is None
+        assert "split" not in plan.resident_note + plan.kept.describe()  # nothing was left to choose
+    both = plan_run(SEVEN_B, 1, 2048, resident=5, keep_activations=2, **alone)
+    assert both.resident_units == 5 and both.kept.indices == (30, 31)
 
 
 def test_a_count_asked_for_on_the_cpu_path_is_host_memory() -> None:

@@ -1,12 +1,14 @@
 """The calibration cache, the step-time prediction's properties (each term of the engine's schedule it follows: the
 pool's rate beside copies, resident units, kept activations, the update beside the backward and its rollbacks,
-compiled layers), `megatrain calibrate` and `plan --json`, and predicted beside measured in the progress bar and the
-report. No timing is asserted: that is benchmarks/predict.py's."""
+compiled layers), the split of the GPU's spare memory it chooses, `megatrain calibrate` and `plan --json`, a run's
+prediction of its own plan, and predicted beside measured in the progress bar and the report. No timing is asserted:
+that is benchmarks/predict.py's."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from megatrain.config import ModelConfig
 from megatrain.memory.plan import plan_run
 from megatrain.perf.calibrate import CACHE_ENV, Calibration, LayerTiming, layer_key
-from megatrain.perf.predict import CASES, ROLLBACK_COST, auto_optimizer_workers, choose, predict
+from megatrain.perf.predict import CASES, ROLLBACK_COST, auto_optimizer_workers, choose, predict, step_time
 from pipelines.cli import main
 
 GiB = 2**30
@@ -191,6 +193,32 @@ def test_kept_layers_skip_their_recompute() -> None:
     assert predict(planned, SEVEN_B, cal, precision="bf16", optimizer_workers=8).kept_layers == 3
 
 
+def test_the_spare_gpu_memory_goes_where_the_predicted_step_is_shortest() -> None:
+    """Resident units and kept layers both auto, 7B bf16 on the recorded H100 (compiled, as compile auto takes it):
+    at K=16, compute-bound, the plan keeps more layers than resident first does, for a shorter predicted step; at K=1,
+    optimizer-bound, resident first; either way no longer than either pure order, each made here by asking for the
+    count the other order leaves (a count is placed first, the other auto in the rest), and the lines say why."""
+    predicted = step_time(SEVEN_B, h100(), precision="bf16", optimizer_workers=8, compiled=True)
+    for k in (16, 1):
+        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, **ON_H100)
+        chosen = plan(resident="auto", keep_activations="auto", step_time=predicted)
+        units = plan(resident="auto", keep_activations="none").resident_units
+        layers = len(plan(resident="none", keep_activations="auto").kept.indices)
+        resident_first = plan(resident=units, keep_activations="auto")
+        kept_first = plan(resident="auto", keep_activations=layers)
+        assert predicted(chosen) <= min(predicted(resident_first), predicted(kept_first))
+        assert chosen.gpu_problem() is None and chosen.gpu_total + 2 * GiB <= chosen.gpu_free
+        note = (f"splits: {predicted(chosen):.2f} s, against {predicted(resident_first):.2f} s resident-first and "
+                f"{predicted(kept_first):.2f} s kept-first")
+        for line in (chosen.resident_note, chosen.kept.describe()):
+            assert "the spare GPU memory split for the shortest predicted step of" in line and note in line
+        if k == 16:
+            assert len(resident_first.kept.indices) < len(chosen.kept.indices) < layers
+            assert predicted(chosen) < predicted(resident_first)
+        else:
+            assert chosen.resident_units == units and chosen.kept.indices == resident_first.kept.indices
+
+
 def test_compiled_layers_where_the_run_compiles() -> None:
     cal = h100()
     plan = plan_run(SEVEN_B, 1, 2048, micro_batches=4, **ON_H100)
@@ -289,6 +317,7 @@ def test_plan_json_and_the_calibration_it_predicts_from(cache: Path, capsys: pyt
     out = json.loads(capsys.readouterr().out)
     assert out["calibration"]["device"] == "NVIDIA H100 80GB HBM3" and out["calibration"]["path"] == str(H100)
     assert out["compute_source"] == "measured layers, compiled" and out["plan"]["resident_units"] > 0
+    assert "split for the shortest predicted step" in out["plan"]["resident_note"]  # from the calibration given
     assert out["speculate"] == "on" and out["clip_rate"] == 1.0 and out["cases"]["rolled back"]["share"] == 1.0
     assert set(out["phases"]) == {"forward", "head", "backward", "update"}
     assert out["predicted_step_s"] == pytest.approx(out["cases"]["rolled back"]["step_s"])
@@ -335,9 +364,22 @@ def test_auto_optimizer_workers() -> None:
     assert auto_optimizer_workers(8.0, cal=flat) == 2
 
 
-def test_engine_takes_auto_optimizer_workers(ray_session: None) -> None:
+def test_engine_takes_auto_optimizer_workers_and_predicts_its_own_plan(ray_session: None, cache: Path,
+                                                                      tmp_path: Path) -> None:
+    """optimizer_workers auto; and the run's prediction (the progress line's, prediction.json) is of the Engine's own
+    plan, with the resident units and kept layers it resolved, on its device's cached calibration."""
     import megatrain
+    from megatrain.telemetry.report import PREDICTION_FILE
+    from pipelines.train import record_prediction
 
-    with megatrain.Engine("tiny", optimizer_workers="auto", device="cpu", batch_size=2, seq_len=16) as engine:
-        assert engine.engine_config.optimizer_workers == len(engine.workers) == 2  # the session's 2 CPUs, uncalibrated
+    cal = cpu_calibration()
+    cal.save()
+    with megatrain.Engine("tiny", optimizer_workers="auto", device="cpu", batch_size=2, seq_len=16, resident=2,
+                          keep_activations=1) as engine:
+        assert engine.engine_config.optimizer_workers == len(engine.workers) == 2  # the session's 2 CPUs
         engine.step(torch.randint(0, 256, (2, 16)))
+        assert (engine.plan.resident_units, len(engine.plan.kept.indices)) == (2, 1)
+        expected = predict(engine.plan, engine.config, cal, optimizer_workers=2, speculate="auto")
+        assert record_prediction(engine, tmp_path) == pytest.approx(expected.step_s)
+    recorded = json.loads((tmp_path / PREDICTION_FILE).read_text())
+    assert recorded["kept_layers"] == 1 and recorded["resident_update_s"] > 0 and recorded["speculate"] == "auto"

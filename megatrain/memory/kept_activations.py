@@ -1,12 +1,13 @@
 """Which decoder layers keep their activations: their autograd graph kept from the forward to the backward, so the
 backward takes their gradients without rerunning them (megatrain/engine/kept_activations.py does it).
 
-The memory plan calls `with_kept` once everything else is placed (weight buffers, gradients, layer checkpoints, the
-head's workspace, resident units): what the device has left, less the margin resident units leave too, takes layers
-from the top, whose backward comes first, each costing its saved tensors for every micro-batch whose activations
-exist at once (all of a step's under the layer-major schedule, one under per-micro-batch). A kept layer's input is
-in its graph or is the layer below's output, so it needs no checkpoint of its own: its checkpoint's bytes in the plan
-stand for the output the executor keeps to take the gradient from.
+The memory plan calls `plan_kept` once everything else is placed (weight buffers, gradients, layer checkpoints, the
+head's workspace), with the bytes the layers may take (megatrain/memory/on_device.py: what the device has left, less
+a margin, shared with the resident units): layers from the top, whose backward comes first, each costing its saved
+tensors for every micro-batch whose activations exist at once (all of a step's under the layer-major schedule, one
+under per-micro-batch). A kept layer's input is in its graph or is the layer below's output, so it needs no
+checkpoint of its own: its checkpoint's bytes in the plan stand for the output the executor keeps to take the
+gradient from.
 
 A layer's saved tensors per token (`saved_bytes_per_token`) follow the Llama template's ops (megatrain/model/
 templates.py DecoderLayer; ops.py), a being the compute dtype's bytes:
@@ -27,11 +28,10 @@ tiled long-context path runs no layer whole under autograd: it keeps none, and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig, check_resident
-from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION
 from megatrain.model.llama import LlamaFamily
 from megatrain.model.ops import _SDPA_HAS_GQA
 
@@ -84,23 +84,18 @@ class KeptLayers:
                 f"the forward's graph, no recompute; {self.why}")
 
 
-def with_kept(plan: MemoryPlan, config: ModelConfig, requested: int | str, precision: str) -> MemoryPlan:
-    """The plan with the layers that keep their activations placed in what the device has left (choose_kept), the
-    margin kept as the resident units keep it (of the room there was before them); on the CPU path their bytes are host
-    memory."""
-    budget = None
-    if plan.on_gpu and plan.gpu_free is not None:
-        room = plan.gpu_free - plan.gpu_total + plan.gpu_resident
-        budget = room - plan.gpu_resident - max(MARGIN_BYTES, int(MARGIN_FRACTION * room))
+def plan_kept(plan: MemoryPlan, config: ModelConfig, requested: int | str, precision: str, budget: int | None
+              ) -> KeptLayers:
+    """The layers of the run `plan` describes that keep their activations (choose_kept at its micro-batch shape and
+    schedule), in `budget` device bytes (None: not known)."""
     together = plan.micro_batches if plan.schedule == "layer-major" else 1
     recomputes = None  # why this run's layers cannot keep their activations
     if plan.tile_tokens is not None:
         recomputes = "the tiled long-context path (tile_tokens) recomputes tile by tile"
     elif plan.adapter_numels:
         recomputes = "a LoRA run's layers take the adapters' gradients alone"
-    kept = choose_kept(config, requested, budget=budget, on_gpu=plan.on_gpu, precision=precision,
+    return choose_kept(config, requested, budget=budget, on_gpu=plan.on_gpu, precision=precision,
                        tokens=plan.batch * plan.seq, seq=plan.seq, together=together, recomputes=recomputes)
-    return replace(plan, kept=kept, process_bytes=plan.process_bytes + (0 if plan.on_gpu else kept.bytes))
 
 
 def choose_kept(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,

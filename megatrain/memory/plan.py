@@ -6,22 +6,22 @@ megatrain/config.py) and the resident size of the processes (Ray, parameter stor
 executor).
 GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the step's gradients
 when they stay on the device), the layer-input checkpoints, one layer's recompute working set, and one chunk of logits;
-then, in what is left, the units kept resident with their optimizer state (megatrain/memory/residency.py), then the
-top layers that keep their activations instead of recomputing (megatrain/memory/kept_activations.py).
+then, in what is left, the units kept resident with their optimizer state and the top layers that keep their
+activations instead of recomputing, the split between them chosen by megatrain/memory/on_device.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
 from megatrain.lora.config import LoraConfig
-from megatrain.memory.kept_activations import KeptLayers, with_kept
-from megatrain.memory.lora_plan import lora_memory, lora_resident
-from megatrain.memory.residency import Residency, choose_resident
+from megatrain.memory.kept_activations import KeptLayers
+from megatrain.memory.lora_plan import lora_memory
+from megatrain.memory.on_device import StepTime, place_on_device
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
 GiB = 2**30
@@ -91,7 +91,7 @@ class MemoryPlan:
     resident_params: int = 0
     gpu_resident: int = 0  # their device bytes (on the CPU path part of process_bytes too: the device is the host)
     resident_note: str = ""  # which units and why (Residency.describe)
-    kept: KeptLayers = KeptLayers()  # the top layers that keep their activations, their bytes, why (with_kept)
+    kept: KeptLayers = KeptLayers()  # the top layers that keep their activations, their bytes, why (plan_kept)
     # a LoRA run (megatrain/memory/lora_plan.py): the frozen base's arena bytes (part of arena_bytes) and precision, the
     # adapters' parameters, and each unit's adapter elements in forward order (padded ranges)
     frozen_bytes: int = 0
@@ -348,7 +348,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
              find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
              executors: int = 1, resident: int | str = "none", lora: LoraConfig | None = None,
-             lora_base_dtype: str = "bf16", keep_activations: int | str = "none") -> MemoryPlan:
+             lora_base_dtype: str = "bf16", keep_activations: int | str = "none", step_time: StepTime | None = None
+             ) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
     resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room for it (else
     fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -357,9 +358,11 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU path, whose device
     is the host), else as many as fit beside everything else, the rest offloaded. schedule: "layer-major" where it fits
     (or more than one micro-batch is not asked for), else "per-micro-batch" with the gradients in the arena, where that
-    fits. resident: units kept on the device with their optimizer state, in what is left (with_resident; the Engine and
-    `megatrain plan` pass theirs, "auto" by default), and so are the layers that keep activations (keep_activations:
-    with_kept). Where the result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
+    fits. resident: units kept on the device with their optimizer state (the Engine and `megatrain plan` pass theirs,
+    "auto" by default), and keep_activations: the layers that keep activations, in what is left; where both are "auto"
+    the split between them is the one `step_time` (a predictor: megatrain/perf/predict.py step_time) predicts shortest,
+    or without one a rule's (megatrain/memory/on_device.py). Where the result does not fit, its `longest_seq` says the
+    longest sequence that would (find_longest)."""
     if schedule != AUTO:
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
@@ -383,39 +386,15 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
             plan.host_problem() or plan.gpu_problem()):
         fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
                             checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
-                            resident=resident, keep_activations=keep_activations,
+                            resident=resident, keep_activations=keep_activations, step_time=step_time,
                             **{k: v for k, v in kwargs.items() if k != "schedule"})
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback
     if find_longest and (plan.host_problem() or plan.gpu_problem()):
         plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
                                        checkpoint_budget=checkpoint_budget, **kwargs)
-    plan = with_resident(plan, config, resident, precision, executors * nodes)
-    return with_kept(plan, config, keep_activations, precision)  # in what the resident units left
-
-
-def with_resident(plan: MemoryPlan, config: ModelConfig, requested: int | str, precision: str, world: int
-                  ) -> MemoryPlan:
-    """The plan with `requested` resident units placed in what the device has left (megatrain/memory/residency.py),
-    and what no longer crosses PCIe: their weights (in twice a pass), gradients (out once), and the embedding's
-    rows; on the CPU path their bytes are host memory. A LoRA run's resident units are its adapters' (lora_resident)."""
-    if plan.adapter_numels:
-        return lora_resident(plan, requested, world)
-    room = plan.gpu_free - plan.gpu_total if plan.on_gpu and plan.gpu_free is not None else None
-    r: Residency = choose_resident(config, requested, room=room, on_gpu=plan.on_gpu, precision=precision,
-                                   world=world)
-    if not r.units:
-        return replace(plan, resident_note=r.describe())
-    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
-    streamed = 2 if precision == "bf16" and plan.shadow_bytes else 4
-    rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size * 4 if r.embed else 0
-    grads = (r.layers_numel + r.head_numel) * 4
-    h2d = passes * (2 * r.layers_numel + r.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
-    d2h = passes * (grads + rows)
-    return replace(plan, resident_units=r.units, resident_params=r.params, gpu_resident=r.bytes,
-                   resident_note=r.describe(), h2d_bytes=max(0, plan.h2d_bytes - h2d),
-                   d2h_bytes=max(0, plan.d2h_bytes - d2h),
-                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else r.bytes))
+    return place_on_device(plan, config, resident=resident, keep_activations=keep_activations, precision=precision,
+                           world=executors * nodes, step_time=step_time)
 
 
 def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:

@@ -2,8 +2,9 @@
 updated there, so they skip PCIe and the CPU optimizer pool (megatrain/engine/resident.py holds them).
 
 The memory plan calls `choose_resident` once everything else is placed (the pipeline's weight buffers, gradients,
-layer checkpoints): what the device has left, less a margin, takes units in forward order, the embedding first,
-then layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
+layer checkpoints), with the bytes it may take (megatrain/memory/on_device.py: what the device has left, less a
+margin, shared with the layers that keep their activations): units in forward order, the embedding first, then
+layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
 otherwise gate them. Each costs 16 B a parameter (weights, gradient, m, v in fp32) plus, in bf16 runs, a bf16 copy
 of its weights for compute (2 B).
 
@@ -64,10 +65,15 @@ class Residency:
                 f"CPU pool; {self.why}")
 
 
-def choose_resident(config: ModelConfig, requested: int | str, *, room: int | None, on_gpu: bool, precision: str,
+def margin(room: int) -> int:
+    """What stays free of `room`, the device bytes the plan leaves beyond the pipeline (MARGIN_*)."""
+    return max(MARGIN_BYTES, int(MARGIN_FRACTION * room))
+
+
+def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,
                     world: int = 1) -> Residency:
-    """The units to keep resident: `requested` ("auto", "none" or a count) given `room`, the device bytes left
-    beyond everything else (None: not known). world: executors of the run, all nodes'."""
+    """The units to keep resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
+    take, the margin already left (None: not known). world: executors of the run, all nodes'."""
     check_resident(requested)
     total = config.num_layers + 2
     if not on_gpu and requested in ("auto", "none", 0):
@@ -80,9 +86,8 @@ def choose_resident(config: ModelConfig, requested: int | str, *, room: int | No
                               "(or auto).")
         return Residency(total_units=total, why=f"{world} executors: each would hold its own copy")
     if requested == "auto":
-        if room is None:
+        if budget is None:
             return Residency(total_units=total, why="the GPU's free memory is not known")
-        budget = room - max(MARGIN_BYTES, int(MARGIN_FRACTION * room))
         count = None
     else:
         budget, count = None, min(int(requested), total)

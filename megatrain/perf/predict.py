@@ -4,6 +4,9 @@
     plan = plan_run(config, 2, 256, ...)
     pred = predict(plan, config, cal, optimizer_workers=2, clipping=True, speculate="auto", clip_rate=0.0)
     pred.step_s, pred.tokens_per_s, pred.bound, pred.phases, pred.cases
+    # where resident units and kept layers are both "auto", the plan splits the GPU's spare memory between them for
+    # the shortest step this predicts (megatrain/memory/on_device.py):
+    plan = plan_run(config, 2, 256, ..., step_time=step_time(config, cal, precision="bf16", optimizer_workers=2))
 
 A step, one function per part below, each saying which engine behaviour it follows:
   compute    layer_times + compute_phases: the executor's forward, head, and recompute + backward of every
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -326,6 +330,12 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
                       update.rollback_s, update.rate, speculate, clip_rate, kept, cases, phases)
 
 
+def step_time(config: ModelConfig, cal: Calibration, **settings: Any) -> Callable[[MemoryPlan], float]:
+    """A plan's predicted step in seconds, by `predict` with these run settings (its keywords) on `cal`: what plan_run
+    (step_time=) chooses the split of the GPU's spare memory between resident units and kept layers by."""
+    return lambda plan: predict(plan, config, cal, **settings).step_s
+
+
 # ---- picking what was left to "auto" ----
 
 def auto_optimizer_workers(free_cpus: float, reserved_cpus: int = 0, cal: Calibration | None = None) -> int:
@@ -387,4 +397,4 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
     return best
 
 
-__all__ = ["Choice", "Prediction", "choose", "predict"]
+__all__ = ["Choice", "Prediction", "choose", "predict", "step_time"]

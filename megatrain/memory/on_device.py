@@ -1,0 +1,134 @@
+"""What the GPU holds beyond the pipeline's buffers and checkpoints, and how its spare memory is split between the
+units kept resident with their optimizer state (megatrain/memory/residency.py) and the decoder layers that keep their
+activations (megatrain/memory/kept_activations.py).
+
+Both take from one budget: what the plan leaves free on the device, less a margin (residency.margin). A count (or
+"none", "all") asked for either is placed first and the other, where "auto", takes the rest. Where both are "auto"
+they compete for it: a resident unit takes its copies off PCIe and its update off the CPU pool, which bound a step of
+few micro-batches; a kept layer skips its recompute, a quarter of its compute, which bounds a step of many.
+
+With a predictor of the step (`step_time`: megatrain/perf/predict.py's on the run's calibration, handed in by the
+caller, since perf imports memory) the plan predicts a handful of splits, from resident first (the units in the
+budget, the kept layers in what they leave) through more kept layers with the units in the rest, to kept first, and
+takes the shortest (ties: the one with more resident units). Without one it follows a rule from the plan's own
+counts and nominal rates (NOMINAL_*): resident first where the CPU pool's update of every parameter would take longer
+than the backward's compute (recompute included: 6 FLOPs a parameter and token), else kept first. Either way the
+resident and kept lines of the plan say which split and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from megatrain.config import ModelConfig
+from megatrain.memory.kept_activations import KeptLayers, plan_kept
+from megatrain.memory.lora_plan import lora_resident
+from megatrain.memory.residency import Residency, choose_resident, margin
+
+if TYPE_CHECKING:
+    from megatrain.memory.plan import MemoryPlan
+
+StepTime = Callable[["MemoryPlan"], float]  # a plan's predicted step, in seconds (megatrain/perf/predict.py: step_time)
+AUTO = "auto"
+SPLITS = 8  # the kept layers' count from resident first to kept first, in at most this many steps
+# The rule's rates where no calibration predicts the split: the H100's as measured (benchmarks/RESULTS.md): a 7B
+# layer's compute in bf16 (eager) and tf32, the 8192^3 matmul's in fp32; the CPU pool of 8 workers beside the copies
+# in the 7B runs (3.0 to 3.2 G params/s on the H100 and the H200)
+NOMINAL_TFLOPS = {"bf16": 311.0, "tf32": 141.0, "fp32": 52.0}
+NOMINAL_POOL_GPARAMS = 3.1
+
+
+def spare_budget(plan: MemoryPlan) -> int | None:
+    """Device bytes the resident units and the kept layers share: what the plan leaves free, less the margin; None
+    where it is not known (the CPU path, whose "device" is the host; a GPU whose free memory was not measured)."""
+    if not plan.on_gpu or plan.gpu_free is None:
+        return None
+    room = plan.gpu_free - plan.gpu_total
+    return room - margin(room)
+
+
+def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | str, keep_activations: int | str,
+                    precision: str, world: int, step_time: StepTime | None = None) -> MemoryPlan:
+    """The plan with its resident units and kept layers placed as this module's doc says. world: executors of the
+    run, all nodes'; step_time: the predictor the split is chosen by (None: the rule). A LoRA run's resident units
+    are its adapters' (lora_resident), and its layers keep no activations."""
+    if plan.adapter_numels:
+        plan = lora_resident(plan, resident, world)
+        return _with_kept(plan, plan_kept(plan, config, keep_activations, precision, None))
+    budget = spare_budget(plan)
+
+    def resident_in(room: int | None) -> Residency:
+        return choose_resident(config, resident, budget=room, on_gpu=plan.on_gpu, precision=precision, world=world)
+
+    def kept_in(room: int | None) -> KeptLayers:
+        return plan_kept(plan, config, keep_activations, precision, room)
+
+    def less(room: int | None, used: int) -> int | None:
+        return None if room is None else room - used
+
+    if resident == AUTO and keep_activations != AUTO:  # the layers asked for first, the units in the rest
+        kept = kept_in(budget)
+        return with_on_device(plan, config, resident_in(less(budget, kept.bytes)), kept, precision)
+    first = resident_in(budget)
+    first_kept = kept_in(less(budget, first.bytes))
+    if resident != AUTO or keep_activations != AUTO:
+        return with_on_device(plan, config, first, first_kept, precision)
+    last_kept = kept_in(budget)
+    low, high = len(first_kept.indices), len(last_kept.indices)
+    if low == high:  # room for no more kept layers without resident units: nothing to split
+        return with_on_device(plan, config, first, first_kept, precision)
+    per_layer = last_kept.bytes // high
+    step = math.ceil((high - low) / SPLITS)
+    splits = []
+    for n in [*range(low, high, step), high]:  # n kept layers (auto: they fill n x per_layer), the units in the rest
+        kept = kept_in(n * per_layer)
+        splits.append((resident_in(less(budget, kept.bytes)), kept))
+    if step_time is None:
+        resident_first, note = rule(plan, precision)
+        units, kept = splits[0] if resident_first else splits[-1]
+    else:
+        times = [step_time(with_on_device(plan, config, units, kept, precision)) for units, kept in splits]
+        best = min(range(len(splits)), key=times.__getitem__)  # the first of equals: more resident units
+        units, kept = splits[best]
+        note = (f"the spare GPU memory split for the shortest predicted step of {len(splits)} splits: "
+                f"{times[best]:.2f} s, against {times[0]:.2f} s resident-first and {times[-1]:.2f} s kept-first")
+    return with_on_device(plan, config, replace(units, why=f"{units.why}; {note}"),
+                          replace(kept, why=f"{kept.why}; {note}"), precision)
+
+
+def rule(plan: MemoryPlan, precision: str) -> tuple[bool, str]:
+    """Without a calibration: (resident first?, why), from the CPU pool's update of every parameter (this node's
+    share) against the backward's compute (forward recomputed: 6 FLOPs a parameter and token) at the nominal rates."""
+    update = plan.params / plan.nodes / (NOMINAL_POOL_GPARAMS * 1e9)
+    tflops = NOMINAL_TFLOPS.get(precision, NOMINAL_TFLOPS["fp32"])
+    backward = 6 * plan.params * plan.step_tokens / (tflops * 1e12)
+    pool = f"the CPU pool's update (~{update:.2f} s at a nominal {NOMINAL_POOL_GPARAMS:g} G params/s)"
+    compute = f"the backward's compute (~{backward:.2f} s at a nominal {tflops:g} TFLOP/s)"
+    first, longer, shorter = ("resident", pool, compute) if update > backward else ("kept", compute, pool)
+    return update > backward, f"{first} first: no calibration to predict the split by, and {longer} exceeds {shorter}"
+
+
+def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept: KeptLayers, precision: str
+                   ) -> MemoryPlan:
+    """The plan with these units resident and these layers keeping their activations (on the CPU path, whose device
+    is the host, their bytes are host memory), and what no longer crosses PCIe: the resident units' weights (in twice
+    a pass), gradients (out once), and the embedding's rows."""
+    plan = _with_kept(replace(plan, resident_note=units.describe()), kept)
+    if not units.units:
+        return plan
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    streamed = 2 if precision == "bf16" and plan.shadow_bytes else 4
+    rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size * 4 if units.embed else 0
+    grads = (units.layers_numel + units.head_numel) * 4
+    h2d = passes * (2 * units.layers_numel + units.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
+    d2h = passes * (grads + rows)
+    return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=units.bytes,
+                   h2d_bytes=max(0, plan.h2d_bytes - h2d), d2h_bytes=max(0, plan.d2h_bytes - d2h),
+                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes))
+
+
+def _with_kept(plan: MemoryPlan, kept: KeptLayers) -> MemoryPlan:
+    return replace(plan, kept=kept, process_bytes=plan.process_bytes + (0 if plan.on_gpu else kept.bytes))

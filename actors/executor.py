@@ -10,7 +10,6 @@ back into the arena (`write_back`) before it reads the arena."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -26,6 +25,7 @@ from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import Speculation, clip_coefficient
+from megatrain.engine.weight_waits import VersionWaits
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.plan import gpu_free_here
@@ -135,12 +135,9 @@ class GPUExecutor:
         if self.executor.lora is not None:
             self.executor.lora.start_step(step, seed=self.seed)
 
-        def wait_weights(unit: Unit) -> None:
-            self._wait_for_version(unit, expected_version, pending)
-
         def slot_free(unit: Unit) -> None:  # its gradient's host slot is wanted by the next unit
             # a stall of compute only where compute waits for it: not on the sender thread (a GPU's)
-            self._wait_for_version(unit, step + 1, issued, record=not self.executor.send_thread)
+            self._waits(step + 1, issued, record=not self.executor.send_thread).wait(unit)
 
         def grads_landed(unit: Unit, norm_sq: float) -> None:
             nonlocal landed_sq, stopped
@@ -181,7 +178,7 @@ class GPUExecutor:
             mine = self.dp.rows(input_ids.shape[0])
             input_ids, labels, position_ids = (None if t is None else t[mine]
                                                for t in (input_ids, labels, position_ids))
-        out = self.executor.run(input_ids, labels, position_ids, wait_weights=wait_weights,
+        out = self.executor.run(input_ids, labels, position_ids, weight_waits=self._waits(expected_version, pending),
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
                                 hold_grads=self.hold_grads, micro_batches=self.micro_batches,
                                 schedule=self.schedule, loss_tokens=loss_tokens,
@@ -214,7 +211,7 @@ class GPUExecutor:
             self.executor.lora.start_step(expected_version, training=False)
         try:
             out = self.executor.run(input_ids, labels, position_ids,
-                                    wait_weights=lambda unit: self._wait_for_version(unit, expected_version, pending),
+                                    weight_waits=self._waits(expected_version, pending),
                                     micro_batches=self.micro_batches, schedule=self.schedule,
                                     loss_ready=lambda loss: False)
         finally:
@@ -275,14 +272,11 @@ class GPUExecutor:
         if len(self.resident):
             self.resident.load(self.arena.tensors, int(self.versions.table[: len(self.resident)].min()))
 
-    def _wait_for_version(self, unit: Unit, expected_version: int, pending: list[ray.ObjectRef],
-                          record: bool = True) -> None:
-        """Blocks until every worker's update of `unit` reaches `expected_version` (the shared version table),
-        looking every 0.1 s whether one of the `pending` update calls failed instead."""
-        if self.versions.version(unit.index) >= expected_version:
-            return
-        with self.executor.rec.wait("optimizer", unit.index) if record else contextlib.nullcontext():
-            self.versions.wait(unit.index, expected_version, check=lambda: _raise_failed(pending), check_seconds=0.1)
+    def _waits(self, expected_version: int, pending: list[ray.ObjectRef], record: bool = True) -> VersionWaits:
+        """A unit's weights are current once every worker's update of it reaches `expected_version` (the shared
+        version table); while waiting, every 0.1 s, whether one of the `pending` update calls failed instead."""
+        return VersionWaits(self.versions, expected_version, lambda: _raise_failed(pending),
+                            self.executor.rec if record else None)
 
     def close(self) -> None:
         self._held.clear()

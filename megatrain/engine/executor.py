@@ -1,6 +1,8 @@
 """The layer-streaming schedule: forward, head, backward with recompute, per layer and micro-batch.
 
-    forward   for each layer l: H2D weights(l+1) into the free buffer while compute runs layer l;
+    forward   layer 0's H2D and the embedding rows' gather, whichever unit's update is in first going first;
+              for each layer l: H2D weights(l+1) into the free buffer while compute runs layer l (the head's
+              weights right behind the last layer's, where their update is in by then);
               keep the layer input x[l] as an activation checkpoint (or, for the top layers the plan chose, the
               layer's autograd graph: kept activations)
     head      final norm + lm_head + cross-entropy, forward and backward at once, in token chunks
@@ -10,19 +12,19 @@
     (or, with hold_grads, the gradients stay on the device and `send_held` copies them out later, in
     forward order, once the caller knows what to do with them: the global norm for clipping)
 
-The rooms beside this one: the two rotating weight buffers (weight_slots.py), one layer's forward and backward
+The rooms beside this one: the two rotating weight buffers and the head's copy (weight_slots.py), when a unit's
+weights may be read (weight_waits.py), the embedding rows (embedding_rows.py), one layer's forward and backward
 over the micro-batches (layer_passes.py) with the layer inputs kept for the backward (activation_checkpoints.py) or
 the layers' graphs (kept_activations.py), the gradients' way to the host and its waits for slots
 (grad_egress.py), what a batch must be (batch_checks.py), the units resident on the device with their
 optimizer state, whose weights are bound and gradients written there, never crossing (resident.py), and what a
 step is made of and returns (step_state.py).
 
-The embedding never crosses PCIe whole: the rows a batch uses are gathered on the host and only their
-gradient rows come back. On the CPU path the "buffers" are views of the arena and every copy is a plain
-copy, so tests exercise the same schedule without a GPU.
+On the CPU path the "buffers" are views of the arena and every copy is a plain copy, so tests exercise the same
+schedule without a GPU.
 
 This file knows nothing of Ray or of the optimizer: it is told when a unit's weights may be read
-(`wait_weights`) and tells when a unit's gradients have landed (`grads_landed`).
+(`weight_waits`) and tells when a unit's gradients have landed (`grads_landed`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from megatrain.config import PRECISIONS, SCHEDULES, MegatrainError, ModelConfig, check_choice
 from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.batch_checks import check_batch, check_extra_loss, check_micro_batches, check_positions
+from megatrain.engine.embedding_rows import EmbeddingRows
 from megatrain.engine.grad_egress import GradEgress, GradsOut, LandedCallback, Sends, UnitCallback, noop
 from megatrain.engine.host_buffers import HostBuffers
 from megatrain.engine.layer_passes import LayerPasses
@@ -45,9 +48,10 @@ from megatrain.engine.step_state import PreparedStep, StepOutput
 from megatrain.engine.streams import make_streams
 from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.engine.weight_slots import WeightSlots
+from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
-from megatrain.model.templates import Weights, embed, embed_backward, head_loss_and_grads
+from megatrain.model.templates import Weights, head_loss_and_grads
 from megatrain.telemetry import Recorder
 
 
@@ -115,21 +119,24 @@ class Executor:
         self.slots = WeightSlots(self.layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
                                  self.on_device)
         self.egress = GradEgress(self.streams, self.grad_layout, self.rec, self.send_thread)
-        self._embed_rows_written: torch.Tensor | None = None  # rows of the embedding grad written last step
-        self.host_buffers = HostBuffers(self.streams)  # gathered embedding rows, their gradients
+        self.host_buffers = HostBuffers(self.streams)  # gathered embedding rows, their gradients, the loss
+        self.embedding = EmbeddingRows(self.layout.embed, self.weights, self.on_device, self.dtype,
+                                       self.arch.embed_scale, config.pad_token_id, self.host_buffers, self._to_device,
+                                       self.rec)
 
     # ---- the step ----
     def check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
         check_batch(self.config, input_ids, labels)
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            *, wait_weights: UnitCallback = noop, grads_landed: LandedCallback = noop,
+            *, weight_waits: WeightWaits = NO_WAITS, grads_landed: LandedCallback = noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = noop,
             hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major",
             loss_tokens: int | None = None, also_send: bool = False) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
-        wait_weights(unit) blocks until `unit`'s weights in the arena may be read (its update is done);
+        weight_waits: when a unit's weights in the arena may be read (its update is done), asked blocking or not
+        (weight_waits.py);
         grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
         asked before the backward whether to go on (False: skip, e.g. a non-finite loss); slot_free(unit)
         blocks until the optimizer has read `unit`'s gradient, whose host slot the next unit is about to reuse.
@@ -168,17 +175,16 @@ class Executor:
         if position_ids is not None:
             position_ids = check_positions(position_ids, input_ids)
         if len(self.resident):  # their weights are on the device, updated by this process: nothing to wait for
-            wait_streamed = wait_weights
-            wait_weights = lambda unit: None if self.resident.holds(unit) else wait_streamed(unit)  # noqa: E731
+            weight_waits = ResidentCurrent(weight_waits, self.resident)
 
-        step = self._prepare(input_ids, host_targets, position_ids, k, loss_tokens, wait_weights)
+        step = self._prepare(input_ids, host_targets, position_ids, k, loss_tokens, weight_waits)
         passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
         # loss_ready sees each pass's share of the loss (finite if and only if their sum is); once it says stop
         # (a non-finite loss, or an evaluation), the remaining passes run their forward only, for the loss
         loss, out, backward = 0.0, StepOutput(0.0, n_tokens), True
         for number, ms in enumerate(passes):
             final = number == len(passes) - 1
-            out = self._pass(step, ms, wait_weights, grads_landed if final else noop, loss_ready, slot_free,
+            out = self._pass(step, ms, weight_waits, grads_landed if final else noop, loss_ready, slot_free,
                              hold_grads, accumulate=number > 0, forward_only=not backward, also_send=also_send)
             loss += out.loss
             backward = backward and bool(out.unit_grad_norms_sq)
@@ -187,41 +193,35 @@ class Executor:
         return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held)
 
     def _prepare(self, input_ids: torch.Tensor, host_targets: torch.Tensor, position_ids: torch.Tensor | None,
-                 k: int, loss_tokens: int, wait_weights: UnitCallback) -> PreparedStep:
+                 k: int, loss_tokens: int, waits: WeightWaits) -> PreparedStep:
         """The step's k micro-batches, and the embedding rows its tokens use, gathered on the host (every
-        micro-batch's: one gather) and brought to the device with the targets."""
+        micro-batch's: one gather) and brought to the device with the targets. Layer 0's H2D goes first where its
+        update is in before the embedding's (the pool's order, backward order, when updates go beside the
+        backward): it then runs while the embedding's update ends and the rows are gathered."""
         rows_per_micro = input_ids.shape[0] // k
         micro = [slice(m * rows_per_micro, (m + 1) * rows_per_micro) for m in range(k)]
         batches = [self.arch.batch(rows_per_micro, input_ids.shape[1], self.device, self.dtype,
                                    None if position_ids is None else position_ids[rows]) for rows in micro]
         check_extra_loss(batches)
         self.slots.invalidate()
-        embed_unit = self.layout.embed
-        wait_weights(embed_unit)
-        with self.rec.span("host", "embed", embed_unit.index):
-            rows_idx, row_of_token = torch.unique(input_ids, return_inverse=True)
-            resident = self.on_device.holds(embed_unit)  # then the table is on the device, and gathered there
-            weights = self.on_device.weights_of(embed_unit) if resident else embed_unit.range_of(self.weights)
-            table = embed_unit.bind(weights)["embed_tokens.weight"]
-            if resident:
-                rows = torch.index_select(table, 0, self._to_device(rows_idx)).to(self.dtype)
-            else:  # gathered straight into page-locked memory on a GPU: one host pass over the rows, not two
-                rows = self.host_buffers.get("rows", rows_idx.numel(), table.shape[1], table.dtype)
-                rows = self._to_device(torch.index_select(table, 0, rows_idx, out=rows), self.dtype)
-            row_of_token = self._to_device(row_of_token)
-            targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
-        return PreparedStep(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, loss_tokens, table)
+        layer0, embed_unit = self.layout.layers[0], self.layout.embed
+        if waits.wait_first([layer0, embed_unit]) is layer0:
+            self._fetch_layer(0, waits)
+        waits.wait(embed_unit)
+        rows, rows_idx, row_of_token = self.embedding.gather(input_ids)
+        targets = self._to_device(host_targets)  # one copy for the head, not one per loss chunk
+        return PreparedStep(batches, micro, rows, rows_idx, row_of_token, targets, host_targets, loss_tokens)
 
-    def _pass(self, step: PreparedStep, ms: list[int], wait_weights: UnitCallback, grads_landed: LandedCallback,
+    def _pass(self, step: PreparedStep, ms: list[int], waits: WeightWaits, grads_landed: LandedCallback,
               loss_ready: Callable[[float], bool] | None, slot_free: UnitCallback, hold_grads: bool,
               accumulate: bool, forward_only: bool, also_send: bool = False) -> StepOutput:
         """Forward, head and backward of micro-batches `ms` of `step`, layer-major; accumulate: their gradients are
         added to those in the arena (an earlier pass's of the same step). forward_only: the loss alone."""
         batches = [step.batches[m] for m in ms]
         self.passes.begin(batches)
-        xs = self._forward(step, ms, wait_weights)
+        xs = self._forward(step, ms, waits)
         extra_loss = batches[0].forward_done() if len(ms) == 1 else None  # several: refused by run
-        loss, grad_norm_w, grad_lm = self._head(step, ms, xs, wait_weights, extra_loss)
+        loss, grad_norm_w, grad_lm = self._head(step, ms, xs, waits, extra_loss)
         if forward_only:
             self.passes.end()
             return StepOutput(float(loss), step.n_tokens)
@@ -238,12 +238,11 @@ class Executor:
         finally:
             self.passes.end()
 
-    def _forward(self, step: PreparedStep, ms: list[int], wait_weights: UnitCallback) -> list[torch.Tensor]:
+    def _forward(self, step: PreparedStep, ms: list[int], waits: WeightWaits) -> list[torch.Tensor]:
         """Every layer over micro-batches `ms`, layer-major: what the backward needs of x[l] of the j-th micro-batch
         kept as activation l * k + j (layer_passes.py). Returns each micro-batch's output of the last layer."""
         layers = self.layout.layers
-        wait_weights(layers[0])
-        self.slots.fetch(layers[0], keep=None)
+        self._fetch_layer(0, waits)
         xs: list[torch.Tensor] = []
         for i, unit in enumerate(layers):
             slot, w = self.slots.acquire(unit)
@@ -258,30 +257,39 @@ class Executor:
                 del x
             self.slots.release(slot)
             if i + 1 < len(layers):
-                wait_weights(layers[i + 1])
-                self.slots.fetch(layers[i + 1], keep=unit)
+                self._fetch_layer(i + 1, waits, keep=unit)
         return xs
+
+    def _fetch_layer(self, i: int, waits: WeightWaits, keep: Unit | None = None) -> None:
+        """Layer i's weights on their way in once current (into the buffer that does not hold `keep`). Behind the
+        last layer's, the head's (a tied head: the table's too) where their update is in by now: their copy then runs
+        beside the last layer's forward, which never waits for the head's update (else they go in at the head)."""
+        layers, head = self.layout.layers, self.layout.head
+        waits.wait(layers[i])
+        self.slots.fetch(layers[i], keep=keep)
+        tied = all(t.name != "lm_head.weight" for t in head.slots)
+        whole = [head, self.layout.embed] if tied else [head]
+        if i == len(layers) - 1 and all(waits.ready(unit) for unit in whole):
+            for unit in whole:
+                self.slots.fetch_whole(unit)
 
     def _embedded(self, step: PreparedStep, m: int) -> torch.Tensor:
         """Micro-batch m's token embeddings: the first layer's input."""
         with self.rec.span("compute", "embed", self.layout.embed.index, self.streams.compute):
-            x = embed(step.rows, step.row_of_token[step.micro[m]])
-            if self.arch.embed_scale is not None:  # in the compute dtype, as transformers' scaled embeddings
-                x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
-        return x
+            return self.embedding.embedded(step.rows, step.row_of_token[step.micro[m]])
 
-    def _head(self, step: PreparedStep, ms: list[int], xs: list[torch.Tensor], wait_weights: UnitCallback,
+    def _head(self, step: PreparedStep, ms: list[int], xs: list[torch.Tensor], waits: WeightWaits,
               extra_loss: torch.Tensor | None) -> tuple[torch.Tensor, Weights, torch.Tensor]:
         """The head's forward and backward at once, micro-batch by micro-batch, each scaled by the whole step's
         tokens: xs[j] becomes the gradient with respect to its input. Returns the loss (plus `extra_loss`, a
         router's) and the gradients of the final norm's weights and of the lm_head (the table's, tied)."""
         head_unit, embed_unit = self.layout.head, self.layout.embed
-        wait_weights(head_unit)
-        head_w = head_unit.bind(self._head_weights(head_unit))
+        waits.wait(head_unit)
+        head_w = head_unit.bind(self.slots.take_whole(head_unit))  # copied in by now where _fetch_layer started it
         lm_head = head_w.get("lm_head.weight")
         if lm_head is None:  # tied: the embedding table is the output projection
-            wait_weights(embed_unit)
-            lm_head = self._to_device(step.table, self.dtype)
+            waits.wait(embed_unit)
+            lm_head = embed_unit.bind(self.slots.take_whole(embed_unit))["embed_tokens.weight"]
         with self.rec.span("compute", "head", head_unit.index, self.streams.compute):
             norm_w = {name: t for name, t in head_w.items() if name != "lm_head.weight"}  # final norm, a head bias
             sums = None
@@ -371,18 +379,7 @@ class Executor:
         if not self.trainable.embed.slots:  # frozen (a LoRA run's): no gradient
             return self._gradients(embed_unit, [])
         with self.rec.span("compute", "embed-backward", embed_unit.index, self.streams.compute):
-            grad_rows = None
-            for m, micro in enumerate(ms):
-                grad = grads[m]
-                if self.arch.embed_scale is not None:
-                    grad = grad * torch.tensor(self.arch.embed_scale, dtype=grad.dtype)
-                micro_rows = embed_backward(grad.float(), step.row_of_token[step.micro[micro]], rows_idx.numel())
-                grad_rows = micro_rows if grad_rows is None else grad_rows.add_(micro_rows)
-                grads[m] = grad = micro_rows = None  # type: ignore[assignment]
-            assert grad_rows is not None
-            pad = self.config.pad_token_id
-            if pad is not None:  # transformers' embedding (padding_idx) gives the padding row no gradient
-                grad_rows.masked_fill_(self._to_device(rows_idx == pad).unsqueeze(1), 0.0)
+            grad_rows = self.embedding.grad_rows(grads, [step.row_of_token[step.micro[m]] for m in ms], rows_idx)
         embed_grad = self._grad_dst(embed_unit)["embed_tokens.weight"]
         if self.config.tie_embeddings or self.dp is not None:  # data parallel: the executors' rows differ
             full = grad_lm.float() if self.config.tie_embeddings else grad_rows.new_zeros(embed_grad.shape)
@@ -391,7 +388,8 @@ class Executor:
         if accumulate:  # this step's rows, which an earlier pass wrote (resident: on the device)
             idx = self._to_device(rows_idx) if self.resident.holds(embed_unit) else rows_idx
             grad_rows += self._to_device(embed_grad.index_select(0, idx))
-        return self._embed_rows(grad_rows, rows_idx, embed_grad, embed_unit)
+        pairs, scatter = self.embedding.to_arena(grad_rows, rows_idx, embed_grad, self.resident.holds(embed_unit))
+        return self._gradients(embed_unit, pairs, scatter)
 
     def send_held(self, held: list[GradsOut], landed: LandedCallback = noop, slot_free: UnitCallback = noop
                   ) -> None:
@@ -446,32 +444,3 @@ class Executor:
         """Where the unit's gradient tensors go: its range of the arena's gradients, or on the device if resident."""
         unit = self.trainable.units[unit.index]  # a LoRA run's: the adapters'
         return self.resident.grads_of(unit) if self.resident.holds(unit) else self.grad_layout.bind(unit, self.grads)
-
-    def _head_weights(self, head_unit: Unit) -> torch.Tensor:
-        if self.on_device.holds(head_unit):
-            return self.on_device.weights_of(head_unit)
-        src = head_unit.range_of(self.weights)
-        if not self.streams.asynchronous and self.dtype == src.dtype:
-            return src
-        with self.rec.span("h2d", "load", head_unit.index, self.streams.h2d, src.numel() * src.element_size()):
-            return self._to_device(src, self.dtype)
-
-    def _embed_rows(self, grad_rows: torch.Tensor, rows_idx: torch.Tensor, embed_grad: torch.Tensor,
-                    unit: Unit) -> GradsOut:
-        """The gradient rows of this batch's tokens, to be written into the (otherwise zero) embedding
-        gradient in the arena once they have landed (resident: on the device, from where they are)."""
-        if self.resident.holds(unit):
-            on_device = self._to_device(rows_idx)
-            return self._gradients(unit, [(grad_rows, grad_rows)],
-                                   lambda: embed_grad.zero_().index_copy_(0, on_device, grad_rows))
-        host_rows = self.host_buffers.get("grad_rows", grad_rows.shape[0], grad_rows.shape[1], torch.float32)
-
-        def scatter() -> None:
-            if self._embed_rows_written is None:
-                embed_grad.zero_()
-            else:
-                embed_grad.index_fill_(0, self._embed_rows_written, 0.0)
-            embed_grad.index_copy_(0, rows_idx, host_rows)
-            self._embed_rows_written = rows_idx
-
-        return self._gradients(unit, [(grad_rows, host_rows)], scatter)

@@ -24,7 +24,6 @@ class PreparedStep:
     targets: torch.Tensor  # shifted labels (device)
     host_targets: torch.Tensor  # the same on the host
     n_tokens: int  # labelled tokens of the whole step: every micro-batch's loss is divided by it
-    table: torch.Tensor  # the embedding table in the arena, or on the device where resident (a tied head's weights)
 
 
 @dataclass

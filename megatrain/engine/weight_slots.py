@@ -1,7 +1,8 @@
 """The weights' way onto the device: two buffers that decoder layers rotate through, each filled on the H2D
 stream while compute runs the layer in the other (on the CPU path, where nothing needs copying, the arena's
-views themselves). A resident unit (megatrain/engine/resident.py) takes no buffer: its weights are bound where
-they live on the device."""
+views themselves); the head (and a tied head's table) whole, into a device tensor of its own, started early where
+its weights are current and handed to compute when the head runs. A resident unit (megatrain/engine/resident.py)
+takes no buffer: its weights are bound where they live on the device."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class WeightSlots:
         self.resident: list[int | None] = [None] * n
         self.ready: list[Any] = [None] * n
         self.free: list[Any] = [None] * n
+        self.whole: dict[int, tuple[torch.Tensor, Any]] = {}  # unit -> (its weights on the device, copied after)
 
     def fetch(self, unit: Unit, keep: Unit | None) -> None:
         """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
@@ -65,6 +67,29 @@ class WeightSlots:
         self.streams.compute_uses(self.buffers[slot])
         return slot, unit.bind(self.buffers[slot][: unit.numel])
 
+    def fetch_whole(self, unit: Unit) -> None:
+        """Starts bringing `unit` in whole (the head, a tied head's table: they take no buffer), into a device tensor of
+        its own that `take_whole` hands to compute; compute waits for the copy only then."""
+        if not self.copy_needed or unit.index in self.whole or self._on_device(unit):
+            return
+        src, s = unit.range_of(self.weights), self.streams
+        with self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
+            weights = s.to_device(src, s.h2d)
+        self.whole[unit.index] = weights, s.record(s.h2d)
+
+    def take_whole(self, unit: Unit) -> torch.Tensor:
+        """`unit`'s weights on the device in the compute dtype, flat, compute ordered after their copy (started now
+        where `fetch_whole` did not start it)."""
+        if self._on_device(unit):
+            return self.resident_units.weights_of(unit)  # type: ignore[union-attr]
+        if not self.copy_needed:
+            return unit.range_of(self.weights)
+        self.fetch_whole(unit)
+        weights, ready = self.whole.pop(unit.index)
+        self.streams.wait(self.streams.compute, ready)
+        self.streams.compute_uses(weights)
+        return weights.to(self.dtype)
+
     def _on_device(self, unit: Unit) -> bool:
         return self.resident_units is not None and self.resident_units.holds(unit)
 
@@ -73,6 +98,8 @@ class WeightSlots:
             self.free[slot] = self.streams.record(self.streams.compute)
 
     def invalidate(self) -> None:
-        """Forgets what is resident: the optimizer may have rewritten the arena since."""
+        """Forgets what is resident, and any whole unit fetched and not taken (a failed step's): the optimizer may
+        have rewritten the arena since."""
         self.resident = [None] * len(self.resident)
+        self.whole.clear()
 

@@ -212,9 +212,11 @@ def embed(rows: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
     return F.embedding(row_index, rows)
 
 
-def embed_backward(grad_x: torch.Tensor, row_index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Gradient of the gathered rows: scatter-add of the token gradients, [u, h]."""
-    grad_rows = grad_x.new_zeros(num_rows, grad_x.shape[-1])
+def embed_backward(grad_x: torch.Tensor, row_index: torch.Tensor, num_rows: int, into: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Gradient of the gathered rows: scatter-add of the token gradients, [u, h]; into: the gradient so far (earlier
+    micro-batches'), added to in place where a new one would start from zero."""
+    grad_rows = grad_x.new_zeros(num_rows, grad_x.shape[-1]) if into is None else into
     return grad_rows.index_add_(0, row_index.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]))
 
 

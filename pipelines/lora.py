@@ -17,7 +17,6 @@ from megatrain.lora.config import LoraConfig
 from megatrain.lora.layout import lora_layout
 from megatrain.lora.peft_format import load_adapter, read_lora_config
 from megatrain.memory.arena import FROZEN_SEGMENT, ArenaHandle
-from megatrain.model.registry import generic
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +45,6 @@ def lora_settings(lora: LoraConfig | str | dict[str, Any] | None, adapter: str |
         lora = lora or read_lora_config(adapter)
     if lora is None:
         return None
-    if config.family is generic():
-        raise ConfigError(f"LoRA trains on megatrain's native families for now; {config.model_type} runs on the "
-                          "generic path (transformers' own layers), which has no adapters yet: train it without "
-                          "lora, or pick a native model type (llama, qwen2, qwen3, gemma2, ...).")
     layout = lora_layout(config, lora)  # a target the model lacks: one sentence
     if adapter is not None:
         load_adapter(adapter, layout.frozen, lora)  # another rank, targets or base model: one sentence

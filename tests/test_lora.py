@@ -1,14 +1,20 @@
-"""LoRA on the native layers against PEFT + transformers: loss and every adapter gradient (fp32, 1e-5 relative), no
-gradient for the base, dropout masks replayed by the recompute, PEFT's format out and in, one-sentence refusals.
+"""LoRA against PEFT + transformers, without Ray: loss and every adapter gradient (fp32, 1e-5 relative) on the native
+layers and on the generic path (transformers' own layers, adapters hooked onto their nn.Linear modules), no gradient
+for the base, micro-batches that are the whole batch, dropout masks replayed by the recompute, the modules PEFT's
+target rule picks, PEFT's format out and in, one-sentence refusals.
 
-The megatrain side runs what the executor will run once it binds adapters (it does not yet): the family's
-architecture wrapped in LoraArchitecture, its layers' forward without grad, the templates' chunked head, then each
-layer's LoraLayer.backward from its saved input, top layer first.
+The native cases run the pieces by hand: the family's architecture wrapped in LoraArchitecture, its layers' forward
+without grad, the templates' chunked head, then each layer's LoraLayer.backward from its saved input, top layer first.
+The generic path and the micro-batches run the executor itself in this process, on a LoRA store's arena.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import peft
 import pytest
@@ -17,6 +23,8 @@ import torch.nn.functional as F
 from helpers import (
     FAMILIES,
     REL_TOL,
+    SHAPE,
+    VOCAB,
     assert_one_sentence,
     build_hf_model,
     error,
@@ -25,18 +33,28 @@ from helpers import (
     rel_err,
 )
 from peft.utils import set_peft_model_state_dict
+from transformers import GPT2Config, MixtralConfig, Phi3Config, Qwen3MoeConfig
 
 from megatrain.config import ModelConfig
+from megatrain.engine.executor import Executor
 from megatrain.lora import Adapters, LoraArchitecture, LoraConfig, load_adapter, save_adapter
+from megatrain.lora.targets import adapted_modules
 from megatrain.model import ops
 from megatrain.model.layout import ModelLayout, Unit
 from megatrain.model.templates import embed, head_loss_and_grads
+from megatrain.store import ParameterStore
 
 CASES = {  # name -> (transformers config, LoRA settings)
     "llama-all-linear": (micro_llama_config, "r=4,alpha=8,targets=all-linear"),
     "qwen2-biases-rslora": (FAMILIES["qwen2-tied"], "r=4,alpha=16,targets=q_proj,v_proj,down_proj,rslora=true"),
     "gemma2-softcap": (gemma2_config, "r=2,alpha=4,targets=o_proj,gate_proj,up_proj"),
 }
+# the generic path, on a model type no native family covers: Phi-3's fused qkv and gate/up projections, a target
+# spelled with its parent (PEFT's suffix rule)
+GENERIC = {"phi3-fused": (lambda: Phi3Config(**SHAPE, intermediate_size=96, num_hidden_layers=2, pad_token_id=0),
+                          "r=4,alpha=16,targets=qkv_proj,self_attn.o_proj,gate_up_proj,down_proj,rslora=true")}
+CASES.update(GENERIC)
+NATIVE = sorted(set(CASES) - set(GENERIC))
 
 
 def setup(case: str, seed: int = 0) -> tuple[torch.nn.Module, ModelLayout, Adapters]:
@@ -61,6 +79,52 @@ def peft_model(hf: torch.nn.Module, adapters: Adapters) -> torch.nn.Module:
     result = set_peft_model_state_dict(model, adapters.tensors)
     assert not result.unexpected_keys
     return model
+
+
+def peft_loss_and_grads(hf: torch.nn.Module, adapters: Adapters, ids: torch.Tensor, labels: torch.Tensor
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PEFT's loss and its adapters' gradients by PEFT name; its base gets none."""
+    model = peft_model(hf, adapters)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)  # PEFT's base is frozen
+    return loss.detach(), {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_matches_peft(loss: torch.Tensor, grads: dict[str, torch.Tensor], peft_loss: torch.Tensor,
+                        peft_grads: dict[str, torch.Tensor]) -> None:
+    assert rel_err(loss, peft_loss) <= REL_TOL, (loss.item(), peft_loss.item())
+    assert set(grads) == set(peft_grads)
+    errors = {n: rel_err(grads[n], g) for n, g in peft_grads.items()}
+    assert max(errors.values()) <= REL_TOL, errors
+    assert all(g.abs().max() > 0 for g in peft_grads.values())  # else the comparison would not see a wrong value
+
+
+@contextlib.contextmanager
+def lora_executor(hf: torch.nn.Module, adapters: Adapters, directory: Path, device: str = "cpu"
+                  ) -> Iterator[tuple[ParameterStore, Executor]]:
+    """The executor of a LoRA run in this process: its store's arena holds `hf` as the frozen base (fp32) and the
+    adapters, loaded from the PEFT directory they are saved to."""
+    hf.save_pretrained(directory / "model")
+    save_adapter(adapters, directory / "adapter")
+    store = ParameterStore(directory / "model", lora=adapters.lora, lora_base_dtype="fp32",
+                           adapter=directory / "adapter", check_memory=False)
+    try:
+        executor = Executor(store.config, store.layout, store.arena.params, store.arena.grads, device, "fp32",
+                            frozen=store.arena.frozen)
+        try:
+            yield store, executor
+        finally:
+            executor.close()
+    finally:
+        store.close()
+
+
+def run_executor(executor: Executor, store: ParameterStore, ids: torch.Tensor, labels: torch.Tensor, **options
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, {PEFT name: gradient}) of one forward + backward: the arena's gradients, which are the adapters' alone."""
+    loss = executor.run(ids, labels, **options).loss
+    return torch.tensor(loss), {n: g.clone() for n, g in store.layout.hf_views(store.arena.grads).items()}
 
 
 def unit_weights(unit: Unit, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,21 +173,56 @@ def tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", NATIVE)
 def test_loss_and_adapter_gradients_match_peft(case: str) -> None:
     hf, layout, adapters = setup(case)
     ids, labels = tokens()
     loss, grads, _ = megatrain_run(hf, layout, adapters, ids, labels)
-    model = peft_model(hf, adapters)
-    peft_loss = model(input_ids=ids, labels=labels).loss
-    peft_loss.backward()
-    peft_grads = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)  # PEFT's base is frozen
-    assert rel_err(loss, peft_loss.detach()) <= REL_TOL, (loss.item(), peft_loss.item())
-    assert set(grads) == set(peft_grads) == set(adapters.tensors)
-    errors = {n: rel_err(grads[n], g) for n, g in peft_grads.items()}
-    assert max(errors.values()) <= REL_TOL, errors
-    assert all(g.abs().max() > 0 for g in peft_grads.values())  # else the comparison would not see a wrong value
+    assert set(grads) == set(adapters.tensors)
+    assert_matches_peft(loss, grads, *peft_loss_and_grads(hf, adapters, ids, labels))
+
+
+@pytest.mark.parametrize("case", sorted(GENERIC))
+def test_generic_path_loss_and_adapter_gradients_match_peft(case: str, tmp_path: Path) -> None:
+    """transformers' own layers with adapters hooked onto their nn.Linear modules, as the executor runs them: PEFT's
+    loss and gradients; the base is untouched and no hook outlives the call."""
+    hf, _, adapters = setup(case)
+    ids, labels = tokens()
+    with lora_executor(hf, adapters, tmp_path) as (store, executor):
+        frozen = store.arena.frozen.clone()
+        loss, grads = run_executor(executor, store, ids, labels)
+        assert torch.equal(store.arena.frozen, frozen)
+        assert not any(m._forward_hooks for m in executor.arch.arch.model.modules())
+    assert set(grads) == set(adapters.tensors)
+    assert_matches_peft(loss, grads, *peft_loss_and_grads(hf, adapters, ids, labels))
+
+
+def test_generic_path_with_dropout_under_simulated_streams_is_bit_identical(tmp_path: Path) -> None:
+    """The GPU's schedule (asynchronous copies, the adapters copied in beside the base) on transformers' own layers,
+    dropout on: the plain CPU path's loss and gradients, bit for bit (the masks come from the batch's seed)."""
+    hf, _, adapters = setup("phi3-fused")
+    adapters.lora = replace(adapters.lora, dropout=0.2)
+    ids, labels = tokens()
+    runs = []
+    for device in ("cpu", "cpu-async:3"):
+        with lora_executor(hf, adapters, tmp_path / device, device) as (store, executor):
+            runs.append(run_executor(executor, store, ids, labels))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], g) for n, g in runs[1][1].items())
+
+
+@pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
+def test_micro_batches_are_the_whole_batch(schedule: str, tmp_path: Path) -> None:
+    """Two micro-batches of one row give the loss and adapter gradients of the batch of two (fp32 rounding apart: the
+    gradients are summed in another order) and PEFT's."""
+    hf, _, adapters = setup("qwen2-biases-rslora")
+    ids, labels = tokens()
+    with lora_executor(hf, adapters, tmp_path) as (store, executor):
+        whole_loss, whole = run_executor(executor, store, ids, labels)
+        loss, grads = run_executor(executor, store, ids, labels, micro_batches=2, schedule=schedule)
+    assert rel_err(loss, whole_loss) <= 1e-6
+    assert max(rel_err(grads[n], g) for n, g in whole.items()) <= REL_TOL
+    assert_matches_peft(loss, grads, *peft_loss_and_grads(hf, adapters, ids, labels))
 
 
 def test_saved_adapter_loads_in_peft_with_the_same_logits(tmp_path) -> None:
@@ -145,9 +244,10 @@ def test_saved_adapter_loads_in_peft_with_the_same_logits(tmp_path) -> None:
         assert all(torch.equal(back.tensors[n], t) for n, t in adapters.tensors.items())
 
 
-def test_dropout_masks_replay_in_the_recompute() -> None:
-    hf, layout, adapters = setup("llama-all-linear")
-    adapters.lora = LoraConfig.parse("r=4,alpha=8,targets=all-linear,dropout=0.3")
+@pytest.mark.parametrize("case", ["llama-all-linear", "phi3-fused"])
+def test_dropout_masks_replay_in_the_recompute(case: str) -> None:
+    hf, layout, adapters = setup(case)
+    adapters.lora = replace(adapters.lora, dropout=0.3)
     config = layout.config
     arch = LoraArchitecture(config.family.architecture(config), adapters.lora, seed=7)
     unit = layout.layers[0]
@@ -169,6 +269,54 @@ def test_dropout_masks_replay_in_the_recompute() -> None:
     grad_x, grads = layer.backward(x, w, grad_out, *first.layer_args(0))
     assert torch.equal(grad_x, want[0])
     assert all(torch.equal(grads[n], g) for n, g in zip([n for n in leaves if ".lora_" in n], want[1:], strict=True))
+
+
+def mixtral_config() -> MixtralConfig:
+    """A tiny Mixtral: attention projections that are nn.Linear, a router and fused experts that are not."""
+    return MixtralConfig(**SHAPE, intermediate_size=48, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize(("make_config", "settings"), [*CASES.values(), (
+    mixtral_config, "r=2,alpha=4,targets=q_proj,self_attn.v_proj")], ids=[*CASES, "mixtral-attention"])
+def test_targets_adapt_the_modules_peft_adapts(make_config, settings: str) -> None:
+    """PEFT's own target rule on the transformers model (all-linear, and suffixes of a module's name) picks the
+    modules megatrain adapts, the same whatever the spelling."""
+    hf = build_hf_model(make_config())
+    targets = LoraConfig.parse(settings).target_modules
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=2, target_modules="all-linear" if targets == ("all-linear",) else list(targets)))
+    theirs = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
+              if isinstance(m, peft.tuners.lora.LoraLayer)}
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    ours = adapted_modules(targets, config)
+    assert ours == theirs and ours
+    resolved = LoraConfig.parse(settings).for_model(config).target_modules  # what adapter_config.json lists
+    assert adapted_modules(resolved, config) == ours and "all-linear" not in resolved
+
+
+def test_targets_megatrain_cannot_adapt_are_one_sentence() -> None:
+    """A router or fused experts (PEFT adapts them through their parameters, by their names in the checkpoint too), a
+    whole attention block, a layer picked by index, the embedding or the head, GPT-2's Conv1D (PEFT adapts it
+    transposed), and PEFT's all-linear where it would reach more than nn.Linear modules: each one sentence, before
+    anything is allocated."""
+    mixtral = ModelConfig.from_hf(mixtral_config().to_dict())
+    for targets in ("gate", "experts", "gate_up_proj", "w1", "self_attn", "layers.0.self_attn.q_proj", "embed_tokens",
+                    "lm_head", "wq", "all-linear"):
+        message = error(LoraConfig.parse(f"r=2,alpha=4,targets={targets}").for_model, mixtral)
+        assert_one_sentence(message)
+        assert "q_proj" in message or "index" in message, message  # what to write instead
+    # PEFT reads gate_proj as the checkpoint's experts (fused by transformers), not the dense layer 1's nn.Linear
+    moe = ModelConfig.from_hf(Qwen3MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=32,
+                                             num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                             mlp_only_layers=[1]).to_dict())
+    assert_one_sentence(message := error(LoraConfig.parse("r=2,alpha=4,targets=gate_proj").for_model, moe))
+    assert "fuses" in message
+    gpt2 = ModelConfig.from_hf(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, bos_token_id=0,
+                                          eos_token_id=0).to_dict())
+    for targets in ("c_attn", "all-linear"):
+        message = error(LoraConfig.parse(f"r=2,alpha=4,targets={targets}").for_model, gpt2)
+        assert_one_sentence(message)
+        assert "Conv1D" in message
 
 
 def test_config_from_the_command_line_and_toml() -> None:

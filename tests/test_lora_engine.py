@@ -1,9 +1,10 @@
-"""LoRA through the Engine: a tiny Qwen2 (q/k/v biases, tied embeddings) whose frozen base is kept in bf16 (the
-default) trains adapters started from a PEFT directory; its loss, every adapter gradient and three AdamW steps are
-held against PEFT + transformers + torch.optim.AdamW on the same bf16-rounded base (fp32 within 1e-5; the steps
-judged against fp64), the base stays bit for bit what was loaded, and what it writes loads in PEFT (the adapter) and
-transformers (the merged model). The store's side (checkpoint, merge) is checked without Ray; the memory plan's
-arithmetic for the real 32B and 70B shapes; bad settings get one sentence. Recovery, resume, resident adapters,
+"""LoRA through the Engine: a tiny Qwen2 (native: q/k/v biases, tied embeddings) and a tiny Mixtral (the generic
+path: transformers' own layers, the router's auxiliary loss) whose frozen bases are kept in bf16 (the default) train
+adapters started from a PEFT directory; their loss, every adapter gradient and three AdamW steps are held against
+PEFT + transformers + torch.optim.AdamW on the same bf16-rounded base (fp32 within 1e-5; the steps judged against
+fp64), the base stays bit for bit what was loaded, and what they write loads in PEFT (the adapter) and transformers
+(the merged model). The store's side (checkpoint, merge) is checked without Ray; the memory plan's arithmetic for
+the real 32B and 70B shapes; bad settings get one sentence. Recovery, resume, resident adapters, micro-batches,
 several executors and the command line end to end are slow."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from helpers import (
     FAMILIES,
     REL_TOL,
+    SHAPE,
     THREE_STEPS_OPTIM,
     VOCAB,
     assert_one_sentence,
@@ -32,7 +34,7 @@ from helpers import (
     worker_pids,
 )
 from peft.utils import set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, get_cosine_schedule_with_warmup
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
@@ -46,6 +48,7 @@ from pipelines.finetune import LORA_LR, finetune_config
 from pipelines.lora import as_lora_config, lora_settings
 
 LORA = "r=4,alpha=16,targets=q_proj,v_proj,down_proj,rslora=true"
+GENERIC_LORA = "r=4,alpha=8,targets=self_attn.q_proj,k_proj,v_proj,o_proj"
 GiB = 2**30
 
 
@@ -60,15 +63,13 @@ def lora_batches(n: int = 3, rows: int = 2, seed: int = 5) -> list[tuple[torch.T
     return batches
 
 
-@pytest.fixture(scope="module")
-def lora_model(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path, Adapters]:
+def make_lora_model(root: Path, config: PretrainedConfig, lora: str) -> tuple[torch.nn.Module, Path, Path, Adapters]:
     """The transformers model, its directory, and a PEFT adapter directory with B random (PEFT starts B at zero,
     which would leave A without a gradient at the first step)."""
-    root = tmp_path_factory.mktemp("lora")
-    hf = build_hf_model(FAMILIES["qwen2-tied"](), 0)
+    hf = build_hf_model(config, 0)
     hf.save_pretrained(root / "model")
     layout = ModelLayout.build(ModelConfig.from_hf(root / "model"))
-    adapters = Adapters.init(layout, LoraConfig.parse(LORA), seed=3)
+    adapters = Adapters.init(layout, LoraConfig.parse(lora), seed=3)
     gen = torch.Generator().manual_seed(4)
     for name, t in adapters.tensors.items():
         if ".lora_B." in name:
@@ -77,14 +78,29 @@ def lora_model(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path, Adapters]
     return hf, root / "model", root / "adapter", adapters
 
 
-def peft_model(hf: torch.nn.Module, adapters: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-               bf16_base: bool = True) -> torch.nn.Module:
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path, Adapters]:
+    return make_lora_model(tmp_path_factory.mktemp("lora"), FAMILIES["qwen2-tied"](), LORA)
+
+
+@pytest.fixture(scope="module")
+def generic_model(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path, Adapters]:
+    """Mixtral on the generic path (transformers' own layers): adapters on its attention, and the router's auxiliary
+    loss, whose gradient reaches them through the layers' recompute."""
+    config = MixtralConfig(**SHAPE, intermediate_size=48, num_hidden_layers=2, num_local_experts=4,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.05, output_router_logits=True)
+    return make_lora_model(tmp_path_factory.mktemp("generic"), config, GENERIC_LORA)
+
+
+def peft_model(hf: torch.nn.Module, adapters: dict[str, torch.Tensor], lora: LoraConfig,
+               dtype: torch.dtype = torch.float32, bf16_base: bool = True) -> torch.nn.Module:
     """PEFT's LoRA on `hf` (its weights rounded to bf16 first, as the run keeps its base) in `dtype`."""
     base = copy.deepcopy(hf)
     if bf16_base:
         for p in base.parameters():
             p.data = p.data.to(torch.bfloat16).float()
-    lora = LoraConfig.parse(LORA)
+    if dtype == torch.float64 and any(".experts." in n for n, _ in base.named_parameters()):
+        base.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
     model = peft.get_peft_model(base.to(dtype), peft.LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), use_rslora=lora.use_rslora))
     assert not set_peft_model_state_dict(model, {n: t.to(dtype) for n, t in adapters.items()}).unexpected_keys
@@ -95,7 +111,7 @@ def peft_training(hf: torch.nn.Module, adapters: Adapters, batches: list, dtype:
                   ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """(losses, each step's adapter gradients as clipped at 1, the adapters after the steps) of PEFT +
     torch.optim.AdamW (weight decay on the adapters, as on every trainable parameter) on HF's cosine schedule."""
-    model = peft_model(hf, adapters.tensors, dtype)
+    model = peft_model(hf, adapters.tensors, adapters.lora, dtype)
     named = [(n.replace(".default.", "."), p) for n, p in model.named_parameters() if p.requires_grad]
     o = THREE_STEPS_OPTIM
     opt = torch.optim.AdamW([p for _, p in named], lr=o["lr"], betas=o["betas"], eps=o["eps"],
@@ -117,15 +133,12 @@ def peft_training(hf: torch.nn.Module, adapters: Adapters, batches: list, dtype:
 ENGINE = dict(optimizer_workers=1, precision="fp32", device="cpu", max_grad_norm=1.0, **THREE_STEPS_OPTIM)
 
 
-@pytest.fixture(scope="module")
-def trained(ray_session, lora_model, tmp_path_factory) -> dict:
+def train_lora(model_dir: Path, adapter_dir: Path, lora: str, out: Path) -> dict:
     """Three steps of the Engine with adapters: the losses, each step's adapter gradients (the arena's, which the
     optimizer clipped there in place: every step here clips, so the clip coefficient is checked too), a checkpoint
     after the second step, the adapters and the frozen segment after the third, the adapter it saved."""
-    hf, model_dir, adapter_dir, _ = lora_model
-    out = tmp_path_factory.mktemp("trained")
     losses, grads = [], []
-    with megatrain.Engine(model_dir, lora=LORA, adapter=adapter_dir, **ENGINE) as engine:
+    with megatrain.Engine(model_dir, lora=lora, adapter=adapter_dir, **ENGINE) as engine:
         assert engine.engine_config.lora_base_dtype == "bf16" and engine.grads == "arena"
         for step, (ids, labels) in enumerate(lora_batches()):
             losses.append(engine.step(ids, labels))
@@ -140,8 +153,28 @@ def trained(ray_session, lora_model, tmp_path_factory) -> dict:
     return dict(losses=losses, grads=grads, params=params, segments=segments, frozen=frozen, out=out)
 
 
-def test_loss_and_every_adapter_gradient_match_peft(trained, lora_model) -> None:
-    hf, _, _, adapters = lora_model
+@pytest.fixture(scope="module")
+def trained(ray_session, lora_model, tmp_path_factory) -> dict:
+    _, model_dir, adapter_dir, _ = lora_model
+    return train_lora(model_dir, adapter_dir, LORA, tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="module")
+def generic_trained(ray_session, generic_model, tmp_path_factory) -> dict:
+    _, model_dir, adapter_dir, _ = generic_model
+    return train_lora(model_dir, adapter_dir, GENERIC_LORA, tmp_path_factory.mktemp("generic-trained"))
+
+
+@pytest.fixture(params=["native", "generic"])
+def run(request) -> tuple[tuple[torch.nn.Module, Path, Path, Adapters], dict]:
+    """(the model, its Engine run) of the native Qwen2 and of the generic path's Mixtral."""
+    if request.param == "native":
+        return request.getfixturevalue("lora_model"), request.getfixturevalue("trained")
+    return request.getfixturevalue("generic_model"), request.getfixturevalue("generic_trained")
+
+
+def test_loss_and_every_adapter_gradient_match_peft(run) -> None:
+    (hf, _, _, adapters), trained = run
     losses, grads, _ = peft_training(hf, adapters, lora_batches())
     assert trained["losses"] == pytest.approx(losses, rel=REL_TOL)
     for step, want in enumerate(grads):
@@ -151,16 +184,21 @@ def test_loss_and_every_adapter_gradient_match_peft(trained, lora_model) -> None
         assert all(g.abs().max() > 0 for g in want.values())  # else a wrong value would go unseen
 
 
-def test_three_steps_match_peft_adamw_within_fp32_rounding(trained, lora_model) -> None:
-    """megatrain's distance to the fp64 run within twice PEFT's fp32 distance (or 1e-5): helpers' house rule."""
-    hf, _, _, adapters = lora_model
+def assert_judged_against_fp64(params: dict[str, torch.Tensor], hf: torch.nn.Module, adapters: Adapters) -> None:
+    """megatrain's distance to PEFT's fp64 run of lora_batches() within twice PEFT's fp32 distance (or 1e-5): helpers'
+    house rule."""
     batches = lora_batches()
     _, _, exact = peft_training(hf, adapters, batches, torch.float64)
     _, _, fp32 = peft_training(hf, adapters, batches)
-    ours, theirs = max_rel(trained["params"], exact), max_rel(fp32, exact)
+    ours, theirs = max_rel(params, exact), max_rel(fp32, exact)
     too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(1e-5, 2 * theirs[n])}
     assert not too_far, f"(megatrain, PEFT fp32) relative errors against fp64: {too_far}"
-    assert all(not torch.equal(trained["params"][n], t) for n, t in adapters.tensors.items())  # they trained
+    assert all(not torch.equal(params[n], t) for n, t in adapters.tensors.items())  # they trained
+
+
+def test_three_steps_match_peft_adamw_within_fp32_rounding(run) -> None:
+    (hf, _, _, adapters), trained = run
+    assert_judged_against_fp64(trained["params"], hf, adapters)
 
 
 def test_the_base_is_frozen_bit_for_bit_with_no_gradient_or_moments(trained, lora_model) -> None:
@@ -177,12 +215,12 @@ def test_the_base_is_frozen_bit_for_bit_with_no_gradient_or_moments(trained, lor
     assert layout.adapter_numel() == adapters.numel()
 
 
-def test_the_saved_adapter_loads_in_peft_with_identical_logits(trained, lora_model) -> None:
-    hf, _, _, _ = lora_model
+def test_the_saved_adapter_loads_in_peft_with_identical_logits(run) -> None:
+    (hf, _, _, adapters), trained = run
     ids = lora_batches(1)[0][0]
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), trained["out"] / "final").eval()
     with torch.no_grad():
-        want = peft_model(hf, trained["params"], bf16_base=False).eval()(input_ids=ids).logits
+        want = peft_model(hf, trained["params"], adapters.lora, bf16_base=False).eval()(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, want)
     # a checkpoint of the run is a PEFT adapter directory too (its adapters as of step 2)
     checkpoint = peft.PeftModel.from_pretrained(copy.deepcopy(hf), trained["out"] / "step-2")
@@ -191,11 +229,12 @@ def test_the_saved_adapter_loads_in_peft_with_identical_logits(trained, lora_mod
     assert state[lora_a].shape == trained["params"][lora_a].shape
 
 
-def test_store_merges_and_checkpoints_adapters(lora_model, tmp_path) -> None:
+@pytest.mark.parametrize("model", ["lora_model", "generic_model"])
+def test_store_merges_and_checkpoints_adapters(request, model: str, tmp_path) -> None:
     """Without Ray: a store with an fp32 base writes the merged model, which transformers loads with the logits of
     base + adapter (PEFT's), and its checkpoint of the adapters and their moments loads back bit for bit."""
-    hf, model_dir, adapter_dir, adapters = lora_model
-    lora = LoraConfig.parse(LORA)
+    hf, model_dir, adapter_dir, adapters = request.getfixturevalue(model)
+    lora = adapters.lora
     store = ParameterStore(model_dir, lora=lora, lora_base_dtype="fp32", adapter=adapter_dir, check_memory=False)
     try:
         for moment in store.layout.hf_views(store.arena.exp_avg).values():  # as if trained
@@ -208,7 +247,7 @@ def test_store_merges_and_checkpoints_adapters(lora_model, tmp_path) -> None:
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = lora_batches(1)[0][0]
     with torch.no_grad():
-        want = peft_model(hf, adapters.tensors, bf16_base=False).eval()(input_ids=ids).logits
+        want = peft_model(hf, adapters.tensors, lora, bf16_base=False).eval()(input_ids=ids).logits
         assert rel_err(merged(input_ids=ids).logits, want) <= REL_TOL
     again = ParameterStore(model_dir, lora=lora, lora_base_dtype="fp32", check_memory=False, seed=1)
     try:
@@ -234,7 +273,9 @@ def test_bad_settings_are_refused_in_one_sentence(lora_model, tmp_path) -> None:
     assert "rank" in error(megatrain.Engine, model_dir, lora="r=8,alpha=8,targets=q_proj,v_proj,down_proj",
                            adapter=adapter_dir)
     generic = ModelConfig.from_hf(Path(__file__).parent / "data" / "hf_configs" / "starcoder2-15b.json")
-    assert "generic path" in error(lora_settings, LORA, None, generic, EngineConfig())
+    targets = lora_settings("r=8,alpha=16,targets=v_proj,q_proj", None, generic, EngineConfig()).target_modules
+    assert targets == ("q_proj", "v_proj")  # the generic path takes adapters, in its layers' order
+    assert "c_fc" in error(lora_settings, LORA, None, generic, EngineConfig())  # its MLP has no down_proj
     with pytest.raises(ConfigError):
         EngineConfig(lora_base_dtype="fp16")
     run = run_cli("finetune", "--model", str(model_dir), "--data", str(tmp_path / "none.txt"), "--out",
@@ -315,6 +356,21 @@ def test_resident_adapters_and_simulated_streams_train_bit_for_bit_as_the_pool(r
         params = engine.parameters()
     assert losses == trained["losses"]
     assert all(torch.equal(params[n], t) for n, t in trained["params"].items())
+
+
+@pytest.mark.slow  # CI: micro-batches through the executor without Ray (tests/test_lora.py)
+@pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
+def test_micro_batches_train_as_the_whole_batch(ray_session, trained, lora_model, schedule: str) -> None:
+    """Each step's two rows as two micro-batches: the whole batch's losses and, fp32 rounding apart (the gradients are
+    summed in another order), its adapters after three steps, judged against PEFT's fp64 run as the whole batch is."""
+    hf, model_dir, adapter_dir, adapters = lora_model
+    with megatrain.Engine(model_dir, lora=LORA, adapter=adapter_dir, micro_batches=2, schedule=schedule,
+                          batch_size=1, seq_len=16, **ENGINE) as engine:
+        losses = [engine.step(ids, labels) for ids, labels in lora_batches()]
+        params = engine.parameters()
+    assert losses == pytest.approx(trained["losses"], rel=1e-6)
+    assert max(max_rel(params, trained["params"]).values()) <= REL_TOL
+    assert_judged_against_fp64(params, hf, adapters)
 
 
 def train_with_kills(model_dir: Path, batches: list, kill: bool, **settings) -> tuple[list[float], dict]:

@@ -1,6 +1,6 @@
 """A LoRA run's side of the executor: the frozen base streams as a whole model's weights do, and each decoder
 layer's adapters are bound beside them (megatrain/lora/adapters.py: LoraLayer, whose backward gives the adapters'
-gradients alone).
+gradients alone; on a native family's layers or, hooked onto their nn.Linear modules, on the generic path's).
 
 The run's layout is a LoraLayout (megatrain/lora/layout.py): its units' own tensors are the adapters, unit for unit
 beside the base's (`layout.frozen`). The executor streams `layout.frozen` from the arena's frozen segment, in the

@@ -1,5 +1,5 @@
-"""LoRA on a frozen, streamed base: the adapters' config, their tensors and the LoRA linear inside the layer math,
-and PEFT's format out and in."""
+"""LoRA on a frozen, streamed base: the adapters' config, the modules its targets name (PEFT's rule), their tensors
+and the LoRA linear inside the layer math (native and generic), and PEFT's format out and in."""
 
 from megatrain.lora.adapters import Adapters, LoraArchitecture, LoraLayer, adapter_slots, lora_linear
 from megatrain.lora.config import LoraConfig

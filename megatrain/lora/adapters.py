@@ -11,6 +11,11 @@ lora_linear; every other projection, norm and the attention run as they always d
 never meets a LoraWeight. The math knows nothing of adapters' storage, actors or streams: whoever binds a
 layer's weights adds its adapters to the dict.
 
+And the generic path's layers, transformers' own modules bound by functional_call (which binds tensors only, and
+whose nn.Linear may be read other than through F.linear): there the base weights are bound as always and, for the
+one call, a forward hook on each adapted nn.Linear adds the adapter's term to its output (hooked_adapters), which is
+what PEFT's LoRA Linear does around its base layer. Which modules are adapted: megatrain/lora/targets.py.
+
 Gradients: LoraLayer.backward reruns the layer from its input with only the adapters (and the input) as autograd
 leaves (templates.recompute_grads), so the base gets no gradient (none is computed, none allocated) and the
 result holds the adapters' gradients alone, by their names in the layer. It recomputes the layer whole, not tile by
@@ -22,15 +27,19 @@ so with `compilable = False`).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from megatrain.config import ConfigError
 from megatrain.lora.config import LoraConfig
+from megatrain.lora.targets import adapted_modules
 from megatrain.model.architecture import Architecture, Batch, LayerFn
 from megatrain.model.layout import ModelLayout
 from megatrain.model.templates import Weights, recompute_grads
@@ -63,16 +72,12 @@ class AdapterSlot:
 
 
 def adapter_slots(layout: ModelLayout, lora: LoraConfig) -> list[AdapterSlot]:
-    """Every adapted projection of the model, layer by layer in layout order; lora's targets must be the model's
-    (LoraConfig.for_model)."""
-    targets = set(lora.for_model(layout.config).target_modules)
-    slots = []
-    for unit in layout.layers:
-        for s in unit.slots:
-            parts = s.name.split(".")
-            if len(s.shape) == 2 and parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in targets:
-                slots.append(AdapterSlot(unit.layer, s.name.removesuffix(".weight"), s.hf_name, *s.shape))
-    return slots
+    """Every adapted projection of the model, layer by layer in layout order: the decoder layers' Linear modules
+    lora's targets name (megatrain/lora/targets.py; ConfigError for targets megatrain cannot adapt)."""
+    adapted = adapted_modules(lora.target_modules, layout.config)
+    return [AdapterSlot(unit.layer, s.name.removesuffix(".weight"), s.hf_name, *s.shape)
+            for unit in layout.layers for s in unit.slots
+            if s.name.endswith(".weight") and s.hf_name.removesuffix(".weight") in adapted]
 
 
 @dataclass
@@ -114,15 +119,20 @@ class Adapters:
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scaling: float, dropout: float = 0.0, seed: int = 0) -> torch.Tensor:
-    """The LoRA linear, in PEFT's order of operations: the base projection, plus B(A(dropout(x))) * scaling. The
-    adapters are cast to x's dtype (bf16 compute on fp32 masters, as PEFT casts); dropout's mask comes from `seed`."""
-    y = F.linear(x, weight, bias)
+    """The LoRA linear, in PEFT's order of operations: the base projection, plus the adapter's term (lora_term)."""
+    return F.linear(x, weight, bias) + lora_term(x, lora_a, lora_b, scaling, dropout, seed)
+
+
+def lora_term(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dropout: float = 0.0,
+              seed: int = 0) -> torch.Tensor:
+    """B(A(dropout(x))) * scaling, what the adapter adds to its projection's output. The adapters are cast to x's
+    dtype (bf16 compute on fp32 masters, as PEFT casts); dropout's mask comes from `seed`."""
     h = x
     if dropout > 0:
         gen = torch.Generator(device=x.device).manual_seed(seed)
         keep = torch.rand(x.shape, generator=gen, device=x.device) >= dropout
         h = x * keep.to(x.dtype) / (1.0 - dropout)
-    return y + F.linear(F.linear(h, lora_a.to(x.dtype)), lora_b.to(x.dtype)) * scaling
+    return F.linear(F.linear(h, lora_a.to(x.dtype)), lora_b.to(x.dtype)) * scaling
 
 
 class LoraWeight:
@@ -144,17 +154,41 @@ class LoraWeight:
         return lora_linear(x, w.base, bias, w.lora_a, w.lora_b, w.scaling, w.dropout, w.seed)
 
 
-def with_adapters(w: Weights, lora: LoraConfig, seed: int | None = 0) -> dict[str, Any]:
-    """A layer's weights (base and adapters, as LoraLayer gets them) as its template takes them: each adapted
-    projection's weight a LoraWeight, the adapters' own entries gone. Target k's dropout mask is seeded seed + k;
-    seed None: no dropout (evaluation, as PEFT's eval mode)."""
-    out: dict[str, Any] = {n: t for n, t in w.items() if LORA not in n}
+def _adapted(w: Weights, lora: LoraConfig, seed: int | None) -> list[tuple[str, LoraWeight]]:
+    """Each adapted projection of a layer's weights (base and adapters) by its module's name in the layer, as a
+    LoraWeight. Target k's dropout mask is seeded seed + k; seed None: no dropout (evaluation, as PEFT's eval mode)."""
     modules = [n.removesuffix(".lora_A.weight") for n in w if n.endswith(".lora_A.weight")]
     dropout = 0.0 if seed is None else lora.dropout
-    for k, module in enumerate(modules):
-        out[f"{module}.weight"] = LoraWeight(w[f"{module}.weight"], w[f"{module}.lora_A.weight"],
-                                             w[f"{module}.lora_B.weight"], lora.scaling, dropout, (seed or 0) + k)
+    return [(module, LoraWeight(w[f"{module}.weight"], w[f"{module}.lora_A.weight"], w[f"{module}.lora_B.weight"],
+                                lora.scaling, dropout, (seed or 0) + k)) for k, module in enumerate(modules)]
+
+
+def with_adapters(w: Weights, lora: LoraConfig, seed: int | None = 0) -> dict[str, Any]:
+    """A layer's weights (base and adapters, as LoraLayer gets them) as a native template takes them: each adapted
+    projection's weight a LoraWeight, the adapters' own entries gone."""
+    out: dict[str, Any] = {n: t for n, t in w.items() if LORA not in n}
+    out.update((f"{module}.weight", adapted) for module, adapted in _adapted(w, lora, seed))
     return out
+
+
+@contextlib.contextmanager
+def hooked_adapters(module: nn.Module, w: Weights, lora: LoraConfig, seed: int | None) -> Iterator[Weights]:
+    """transformers' own layer `module` (the generic path) with adapters, for one call: a forward hook on each adapted
+    nn.Linear adds lora_term of the Linear's input to its output, as PEFT's LoRA Linear adds it to its base layer's.
+    Yields the base weights alone, which the layer binds as its own (functional_call)."""
+    handles = []
+    try:
+        for name, adapted in _adapted(w, lora, seed):
+            def add_term(_: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor, a: LoraWeight = adapted
+                         ) -> torch.Tensor:
+                x = args[0] if args else kwargs["input"]
+                return output + lora_term(x, a.lora_a, a.lora_b, a.scaling, a.dropout, a.seed)
+
+            handles.append(module.get_submodule(name).register_forward_hook(add_term, with_kwargs=True))
+        yield {n: t for n, t in w.items() if LORA not in n}
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class LoraLayer:
@@ -168,6 +202,10 @@ class LoraLayer:
 
     def __call__(self, x: torch.Tensor, w: Weights, *args: Any) -> torch.Tensor:
         *layer_args, seed = args
+        module = getattr(self.layer, "module", None)  # transformers' own layer, on the generic path
+        if isinstance(module, nn.Module):
+            with hooked_adapters(module, w, self.lora, seed) as base:
+                return self.layer(x, base, *layer_args)
         return self.layer(x, with_adapters(w, self.lora, seed), *layer_args)
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, *args: Any
@@ -189,6 +227,10 @@ class LoraBatch:
     def layer_args(self, index: int) -> tuple[Any, ...]:
         seed = None if self.seed is None else hash((self.seed, index)) & 0x7FFF_FFFF_FFFF
         return (*self.inner.layer_args(index), seed)
+
+    @property
+    def adds_loss(self) -> bool:
+        return getattr(self.inner, "adds_loss", False)
 
     def forward_done(self) -> torch.Tensor | None:
         return self.inner.forward_done()

@@ -1,9 +1,9 @@
 """LoraConfig: which projections get low-rank adapters, their rank, alpha, dropout and scaling, read from the command
 line (`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05,rslora=true`) or a TOML table, and checked against a model.
 
-Target modules are spelled as PEFT spells them: the last part of a projection's name inside a decoder layer
-(`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, as transformers names them), or
-PEFT's `all-linear` for every projection of the layers (never lm_head, as PEFT).
+Target modules are spelled as PEFT spells them and matched by PEFT's rule (megatrain/lora/targets.py): the end of a
+projection's name inside a decoder layer (`q_proj`, `self_attn.q_proj`, `down_proj`, as transformers names them),
+or PEFT's `all-linear` for every projection of the layers (never lm_head, as PEFT).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.lora.targets import resolve_targets
 
-ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the decoder layers
 # the keys the command line and TOML take, with PEFT's own spelling of each beside it
 KEYS = {"r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout", "lora_dropout": "dropout",
         "targets": "targets", "target_modules": "targets", "rslora": "rslora", "use_rslora": "rslora"}
@@ -93,28 +93,10 @@ class LoraConfig:
                 f"dropout={self.dropout:g},rslora={str(self.use_rslora).lower()}")
 
     def for_model(self, config: ModelConfig) -> LoraConfig:
-        """This config with its targets checked against the model's projections and put in their order (all-linear:
-        every one of them); a target the model does not have is refused in one sentence."""
-        available = projections(config)
-        if ALL_LINEAR in self.target_modules:
-            return replace(self, target_modules=available)
-        unknown = [t for t in self.target_modules if t not in available]
-        if unknown:
-            raise ConfigError(f"LoRA targets {', '.join(unknown)} are no projections of this {config.model_type} "
-                              f"model; its decoder layers have {', '.join(available)} (or use targets=all-linear).")
-        return replace(self, target_modules=tuple(t for t in available if t in self.target_modules))
-
-
-def projections(config: ModelConfig) -> tuple[str, ...]:
-    """The names PEFT gives the decoder layers' linear projections (`q_proj` of `self_attn.q_proj.weight`), in layer
-    order: the 2-D weights of every layer."""
-    names: dict[str, None] = {}
-    for i in range(config.num_layers):
-        for name, shape, _ in config.family.layer_tensors(config, i):
-            parts = name.split(".")
-            if len(shape) == 2 and len(parts) >= 2 and parts[-1] == "weight":
-                names[parts[-2]] = None
-    return tuple(names)
+        """This config with its targets checked against the model's modules by PEFT's rule and put in their order
+        (all-linear: the decoder layers' linear projections; megatrain/lora/targets.py); what megatrain cannot adapt
+        is refused in one sentence."""
+        return replace(self, target_modules=resolve_targets(self.target_modules, config))
 
 
 def _number(value: Any, key: str, kind: type) -> Any:

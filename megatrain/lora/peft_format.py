@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from megatrain.config import ConfigError
 from megatrain.lora.adapters import Adapters, adapter_slots
 from megatrain.lora.config import LoraConfig
+from megatrain.lora.targets import adapted_modules
 from megatrain.model.layout import ModelLayout
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -99,7 +100,9 @@ def load_adapter(directory: str | Path, layout: ModelLayout, expected: LoraConfi
     lora = read_lora_config(directory).for_model(layout.config)
     if expected is not None:
         want = expected.for_model(layout.config)
-        if (lora.r, set(lora.target_modules)) != (want.r, set(want.target_modules)):
+        same_modules = (adapted_modules(lora.target_modules, layout.config)
+                        == adapted_modules(want.target_modules, layout.config))  # however the targets spell them
+        if lora.r != want.r or not same_modules:
             raise ConfigError(f"the adapter in {directory} has rank {lora.r} on {','.join(lora.target_modules)} but "
                               f"this run asks for rank {want.r} on {','.join(want.target_modules)}; make them agree.")
     slots = adapter_slots(layout, lora)

@@ -3,7 +3,8 @@
 A layer is its meta module called through torch.func.functional_call with the streamed buffer's views bound as its
 parameters (and its persistent buffers, a router's correction bias, as frozen tensors), so the executor's weight
 buffers, recompute and gradient streaming work as for the native families. Layers of one structure
-(hf_model.layer_structure) share one function.
+(hf_model.layer_structure) share one function. A LoRA run adds its adapters around that call, by forward hooks on the
+layer's nn.Linear modules (`module`; megatrain/lora/adapters.py): nothing here knows of them.
 
 What the model's own forward computes around its layers (rotary tables, per-layer-type masks, position ids) is made
 by that forward: a skeleton of the base model whose layers are stand-ins that record what they are called with runs
@@ -170,6 +171,11 @@ class FirstLayer:
 
     def __init__(self, layer: GenericLayer, arch: GenericArchitecture):
         self.layer, self.arch = layer, arch
+
+    @property
+    def module(self) -> nn.Module:
+        """The layer's module (whose submodules a LoRA run hooks adapters onto)."""
+        return self.layer.module
 
     def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
         pre = {name[len(PRE):]: t for name, t in w.items() if name.startswith(PRE)}

@@ -122,6 +122,33 @@ class GenericFamily:
         assert c.hf_config is not None
         return model_parts(c.hf_config).passthrough
 
+    def module_kinds(self, c: ModelConfig) -> dict[str, str]:
+        """Every module of the model that its text forward runs, but the output projection, by name to its class
+        name: what LoRA's target modules are matched against, as PEFT matches them (megatrain/lora/targets.py).
+        Modules that hold only pass-through tensors (a vision tower) are left out: text never runs them."""
+        assert c.hf_config is not None
+        model, parts = meta_model(c.hf_config), model_parts(c.hf_config)
+        head, untrained = submodule(model, parts.head), set(parts.passthrough)
+        holding, trained = set(), set()  # the modules that hold tensors, and those that hold some that train
+        for name in model.state_dict(keep_vars=True):
+            owners = [name[:i] for i, char in enumerate(name) if char == "."]
+            holding.update(owners)
+            if name not in untrained:
+                trained.update(owners)
+        return {name: type(m).__name__ for name, m in model.named_modules()
+                if name and m is not head and (name in trained or name not in holding)}
+
+    def fused_names(self, c: ModelConfig) -> tuple[str, ...]:
+        """The names of the checkpoint's modules whose weights transformers fuses into other tensors as it loads them
+        (Mixtral's per-expert w1, w2, w3): PEFT maps LoRA targets so named onto the fused parameters."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        assert c.hf_config is not None
+        mapping = get_model_conversion_mapping(meta_model(c.hf_config))
+        return tuple(dict.fromkeys(pattern.removesuffix(".weight").rpartition(".")[2] for converter in mapping
+                                   if isinstance(converter, WeightConverter) for pattern in converter.source_patterns))
+
     def architecture(self, c: ModelConfig) -> GenericArchitecture:
         return GenericArchitecture(c)
 

@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Con
 
 import megatrain
 from megatrain.config import (
+    COMPILE,
     PRESETS,
     EngineConfig,
     MegatrainError,
@@ -356,7 +357,8 @@ TRAIN_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "seed": COUNT, "address": st.sampled_from(["auto", "127.0.0.1:6379"]), "checkpoint_every": COUNT,
     "keep_checkpoints": COUNT, "eval_every": COUNT, "log_every": COUNT, "resume": st.booleans(),
     "trace": st.booleans(), "save_final": st.booleans(), "max_nonfinite_steps": COUNT,
-    "grads": st.sampled_from(["auto", "arena", "stream", "device", "gpu"]), "compile": st.booleans(),
+    "grads": st.sampled_from(["auto", "arena", "stream", "device", "gpu"]),
+    "compile": st.booleans() | st.sampled_from(["auto", "on", "off", "sometimes"]),
 }
 DATA_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "source": st.sampled_from(["synthetic", "data.jsonl"]),
@@ -413,8 +415,9 @@ def check_train_config(cfg: TrainConfig) -> None:
     refuse in one sentence) before any actor starts."""
     for name in TRAIN_INTS:
         assert type(getattr(cfg, name)) is int, name
-    for name in ("decay", "resume", "trace", "save_final", "compile"):
+    for name in ("decay", "resume", "trace", "save_final"):
         assert type(getattr(cfg, name)) is bool, name
+    assert cfg.compile in COMPILE  # true / false read as "on" / "off"
     for name in ("model", "out_dir", "precision", "device", "grads"):
         assert type(getattr(cfg, name)) is str, name
     assert isinstance(cfg.data, DataConfig)

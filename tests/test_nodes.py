@@ -203,15 +203,12 @@ try:
         if full:
             result["two"] += train(two, batches[3:], kill_at=0, victim="worker")
         else:  # the resumed runs below are left out: this run meets their executor kill and node loss itself
-            result["two"] += train(two, batches[3:4], kill_at=0, victim="worker")
-            two.wait_for_updates()
-            worker_restarts = two.restarts
-            result["two"] += train(two, batches[4:], kill_at=0)
+            result["two"] += train(two, batches[3:], kill_at=0)
         save_file(two.parameters(), out + "/two-5.safetensors")
         result["worker-restarts"] = two.restarts  # after parameters(): a kill after the last step's update was
         # issued is found by its wait for the updates
         if not full:
-            result["worker-restarts"], result["restarts"] = worker_restarts, two.restarts - worker_restarts
+            result["restarts"] = two.restarts
             lose_the_second_node(two)
     if not full:
         result["files"] = sorted(os.listdir(out + "/ckpt"))
@@ -237,8 +234,8 @@ finally:
 """
 
 
-# CI: one run on two nodes meets a killed worker, a killed executor and the lost node; slow: the checkpoint resumed
-# on 1 node and on 2 as well (resharding without Ray: test_checkpoints_reshard)
+# CI: one run on two nodes meets a killed executor and the lost node; slow: a killed worker, and the checkpoint
+# resumed on 1 node and on 2 (resharding without Ray: test_checkpoints_reshard)
 @pytest.mark.parametrize("mode", ["ci", pytest.param("full", marks=pytest.mark.slow)])
 def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path, mode: str) -> None:
     shm = [tmp_path / "shm0", tmp_path / "shm1"]
@@ -270,7 +267,7 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
             assert torch.equal(got[name], value), f"{run}: {name}"
     if mode == "full":
         assert result["resumed-1"] == result["resumed-2"] == result["one"][3:]
-    assert result["restarts"] >= 1 and result["worker-restarts"] >= 1
+    assert result["restarts"] >= 1 and (mode == "ci" or result["worker-restarts"] >= 1)
     assert result["lost"].startswith("node 1 of the run (") and f"Ray node {second[:8]}) was lost" in result["lost"]
     assert result["lost"].endswith("on 2 nodes once it is back or on fewer (--nodes 1: checkpoints reshard).")
     assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"

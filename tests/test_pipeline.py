@@ -138,7 +138,7 @@ def test_resumed_run_logs_each_step_once(ray_session, tmp_path, capsys) -> None:
     run that produced the model in the directory; a fresh run into the directory starts a fresh log."""
     run = tmp_path / "run"
     flags = ["--steps", "6", "--checkpoint-every", "3", "--out", str(run), "--batch-size", "2", "--seq-len", "16",
-             "--device", "cpu", "--no-save-final"]
+             "--device", "cpu", "--no-save-final", "--optimizer-workers", "1"]
     assert main(["train", *flags]) == 0
     shutil.rmtree(run / "checkpoints" / "step-00000006")
     with open(run / "steps.jsonl", "a") as f:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 
 from megatrain.memory.arena import list_segments
 from megatrain.perf.calibrate import ArenaCopyRates, CopyRates
@@ -24,27 +23,28 @@ NAMES = ["versions", "gpu", "host", "shm", "memlock", "host_register", "optimize
 GPU_CHECKS = ("gpu", "host_register", "gpu_step")
 
 
-def test_cli_reports_every_check(shm_dir: Path) -> None:
-    env = {**os.environ, "MEGATRAIN_SHM_DIR": str(shm_dir), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "doctor"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
+def test_cli_reports_every_check(ray_session: None, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRAIN_SHM_DIR", str(shm_dir))
+    run = run_cli("doctor", cwd=REPO)  # in this process: the ray check reports the session's Ray
+    out = run.output
+    assert run.returncode == 0, out
+    assert "Traceback" not in out
+    lines = [line for line in out.splitlines() if line]
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("megatrain doctor (")):]
     assert lines[0].startswith("megatrain doctor (megatrain ")
     rows = [line.split(None, 2) for line in lines[1:-1] if not line.startswith(" ")]
-    assert [name for _, name, _ in rows] == NAMES, proc.stdout
+    assert [name for _, name, _ in rows] == NAMES, out
     status = {name: s for s, name, _ in rows}
     assert FAIL not in status.values()
     if CUDA:
-        assert all(status[name] in (OK, WARN) for name in GPU_CHECKS), proc.stdout
+        assert all(status[name] in (OK, WARN) for name in GPU_CHECKS), out
     else:  # each GPU check says it was skipped and, on the line under it, why
         for name in GPU_CHECKS:
-            assert status[name] == SKIPPED, proc.stdout
+            assert status[name] == SKIPPED, out
             i = next(i for i, line in enumerate(lines) if line.split()[1:2] == [name])
-            assert lines[i + 1].strip().startswith("why: "), proc.stdout
+            assert lines[i + 1].strip().startswith("why: "), out
     assert status["cpu_step"] == OK and status["optimizer"] == OK and status["ray"] in (OK, WARN)
-    assert "G params/s" in proc.stdout
+    assert "G params/s" in out
     assert lines[-1].startswith("10 checks in ") and "0 fail" in lines[-1]
     assert list(shm_dir.iterdir()) == []  # the test segments and the tiny models' arenas are gone
 

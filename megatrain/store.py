@@ -27,7 +27,7 @@ from megatrain.io import checkpoint as ckpt
 from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
 from megatrain.lora.config import BASE_DTYPES, LoraConfig
 from megatrain.lora.layout import training_layout
-from megatrain.lora.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
+from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
@@ -201,8 +201,7 @@ class ParameterStore:
             tensors = merged_tensors(self.layout, self.arena.frozen, self.arena.params, self.kept)
             return ckpt.save_hf(Path(directory), self.layout.frozen, self.arena.frozen, extra_files or [],
                                 tensors=tensors)
-        with ckpt.atomic_directory(Path(directory), keep=lambda name: name not in (ADAPTER_CONFIG,
-                                                                                    ADAPTER_WEIGHTS)) as tmp:
+        with ckpt.atomic_directory(Path(directory), keep=lambda name: not is_adapter_file(name)) as tmp:
             self._write_adapter(tmp)
             for f in extra_files or []:
                 shutil.copy2(f, tmp / Path(f).name)
@@ -210,8 +209,8 @@ class ParameterStore:
 
     def _write_adapter(self, directory: Path) -> None:
         """A LoRA run's adapter in PEFT's format (adapter_config.json and adapter_model.safetensors)."""
-        save_adapter(arena_adapters(self.layout, self.arena.params), directory,
-                     None if self.source_dir is None else str(self.source_dir))
+        write_adapter(arena_adapters(self.layout, self.arena.params), directory,
+                      None if self.source_dir is None else str(self.source_dir))
 
     def save_checkpoint(self, directory: str | Path, state: dict[str, Any]) -> Path:
         """Weights (HF names), Adam moments, `state` as trainer_state.json, then the manifest; atomic."""

@@ -9,14 +9,14 @@ run asks for, and tensors that do not fit the model (another base model).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megatrain.config import ConfigError
+from megatrain.io.checkpoint import atomic_directory, write_safetensors
 from megatrain.lora.adapters import Adapters, adapter_slots
 from megatrain.lora.config import LoraConfig
 from megatrain.lora.targets import adapted_modules
@@ -50,21 +50,25 @@ def peft_config(adapters: Adapters, base_model: str | None = None) -> dict[str, 
     }
 
 
+def is_adapter_file(name: str) -> bool:
+    return name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+
+
+def write_adapter(adapters: Adapters, directory: Path, base_model: str | None = None,
+                  dtype: torch.dtype | None = None) -> None:
+    """PEFT's two files into `directory`, which the caller makes whole or not at all (save_adapter; the store's
+    export and checkpoints write them into their own atomic directory); dtype: the tensors' (None: as held, fp32)."""
+    write_safetensors(directory / ADAPTER_WEIGHTS,
+                      ((name, t if dtype is None else t.to(dtype)) for name, t in adapters.tensors.items()))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_config(adapters, base_model), indent=2) + "\n")
+
+
 def save_adapter(adapters: Adapters, directory: str | Path, base_model: str | None = None,
                  dtype: torch.dtype | None = None) -> Path:
-    """Writes the adapter into `directory` (made if missing) in PEFT's format, each file whole or not at all (written
-    beside, then renamed); dtype: the tensors' (None: as held, fp32)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: (t if dtype is None else t.to(dtype)).detach().cpu().contiguous()
-               for name, t in adapters.tensors.items()}
-    partial = directory / f".{ADAPTER_WEIGHTS}.partial"
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    os.replace(partial, directory / ADAPTER_WEIGHTS)
-    partial = directory / f".{ADAPTER_CONFIG}.partial"
-    partial.write_text(json.dumps(peft_config(adapters, base_model), indent=2) + "\n")
-    os.replace(partial, directory / ADAPTER_CONFIG)
-    return directory
+    """Writes the adapter into `directory` in PEFT's format, whole or not at all; what else it holds is kept."""
+    with atomic_directory(Path(directory), keep=lambda name: not is_adapter_file(name)) as tmp:
+        write_adapter(adapters, tmp, base_model, dtype)
+    return Path(directory)
 
 
 def read_lora_config(directory: str | Path) -> LoraConfig:

@@ -136,6 +136,14 @@ def executor_steps(config: ModelConfig, resident: int, device: str, precision: s
                     worker.update(unit.index, step, coef)
             executor.resident.update(step, coef, optim)
             losses.append(out.loss)
+            if step == 0:  # written back after an update; a second write-back with no update between copies nothing
+                assert executor.resident.write_back(t) == 1
+                held = t["exp_avg"][0].item()
+                t["exp_avg"][0] = held + 1.0  # (what the arena's copy holds is not looked at again)
+                poisoned = t["exp_avg"][0].item()
+                assert executor.resident.write_back(t) == 1 and executor.resident.in_arena
+                assert t["exp_avg"][0].item() == poisoned
+                t["exp_avg"][0] = held
         assert executor.resident.write_back(t) == steps
     finally:
         executor.close()

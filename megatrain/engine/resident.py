@@ -40,6 +40,7 @@ class ResidentUnits:
         self.weights = self.tensors.get(SHADOW_SEGMENT, self.tensors["params"])
         self.layout = ModelLayout(layout.config, list(self.units), self.numel)  # the resident units alone
         self.version = 0
+        self.in_arena = False  # the arena's ranges hold this state (since a load or write_back, before an update)
         self._adamw: tuple[OptimConfig, AdamWShard] | None = None
 
     def __len__(self) -> int:
@@ -81,7 +82,7 @@ class ResidentUnits:
             self._adamw = optim, AdamWShard(self.layout, self.tensors, optim, 0, 1, piece_numel=piece)
         for index in range(len(self.units)) if units is None else units:
             self._adamw[1].update(index, step, clip_coef)
-        self.version = step + 1
+        self.version, self.in_arena = step + 1, False
 
     def load(self, arena: dict[str, torch.Tensor], version: int) -> None:
         """The resident state from the arena's ranges of these units (one node's arena: moments at the weights'
@@ -91,17 +92,22 @@ class ResidentUnits:
         if SHADOW_SEGMENT in self.tensors:
             self.tensors[SHADOW_SEGMENT].copy_(self.tensors["params"])  # round to nearest even, as the pass writes it
         self.tensors["grads"].zero_()
-        self.version = version
+        self.version, self.in_arena = version, True
         self._synchronize()
 
     def write_back(self, arena: dict[str, torch.Tensor]) -> int:
         """The weights, moments (and bf16 copy of the weights, where the arena has one) into the arena's ranges of
-        these units; returns the update count they hold."""
+        these units; returns the update count they hold. Nothing is copied where the arena holds them already (no update
+        since the last load or write-back: a 7B model's resident state is ~10 s of copies, and `Engine.parameters`,
+        save and export each ask)."""
+        if self.in_arena:
+            return self.version
         for name in STATE:
             arena[name][: self.numel].copy_(self.tensors[name])
         if SHADOW_SEGMENT in arena and self.units:
             arena[SHADOW_SEGMENT][: self.numel].copy_(self.tensors["params"])
         self._synchronize()
+        self.in_arena = True
         return self.version
 
     def _synchronize(self) -> None:

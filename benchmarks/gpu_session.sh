@@ -129,6 +129,38 @@ save() {
   done
 }
 
+# peaks_start NAME ... peaks_stop NAME PLAN_STEP: while the steps between run, the GPU's memory.used (nvidia-smi,
+# MiB) and the host's used memory (MemTotal - MemAvailable, kB: /dev/shm's arena included) sampled every second into
+# $WORK/logs/peaks-NAME.tsv; then their peaks, the host's above its use when sampling began, set beside the totals
+# of the `plan` output that step PLAN_STEP wrote to $OUT/PART.txt.
+peaks_start() {
+  if [[ $DRY_RUN == 1 ]]; then
+    echo "(sampling nvidia-smi memory.used and MemTotal - MemAvailable every 1 s into $WORK/logs/peaks-$1.tsv)"
+    return
+  fi
+  (while :; do
+    printf '%s\t%s\t%s\n' "$SECONDS" \
+      "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)" \
+      "$(awk '/^MemTotal:/ {t = $2} /^MemAvailable:/ {a = $2} END {print t - a}' /proc/meminfo)"
+    sleep 1
+  done) >"$WORK/logs/peaks-$1.tsv" &
+  PEAKS_PID=$!
+}
+
+peaks_stop() {
+  local name=$1 plan_step=$2 file="$WORK/logs/peaks-$1.tsv" plan measured
+  [[ $DRY_RUN == 1 ]] && return
+  kill "$PEAKS_PID" 2>/dev/null
+  wait "$PEAKS_PID" 2>/dev/null
+  plan=$(awk -v header="===== $plan_step " 'index($0, header) == 1 {on = 1; next} /^===== / {on = 0}
+    on && /^host:/ {tier = "host"} on && /^gpu:/ {tier = "GPU"}
+    on && /^  total/ {printf "%s%s %s GiB", sep, tier, $(NF - 1); sep = ", "}' "$OUT/$PART.txt")
+  measured=$(awk -F'\t' 'NR == 1 {host0 = $3} {if ($2 + 0 > gpu) gpu = $2 + 0; if ($3 - host0 > host) host = $3 - host0}
+    END {printf "GPU %.2f GiB (memory.used: the CUDA context and the allocator'"'"'s cache, at least what the plan counts), host %.2f GiB above the start (%d samples)", gpu / 1024, host / 1048576, NR}' "$file")
+  echo "===== peaks of $name against the plan" >>"$OUT/$PART.txt"
+  say "peaks of $name: measured ${measured}; plan ($plan_step): ${plan:-not found}" | tee -a "$OUT/$PART.txt"
+}
+
 finish() {
   if [[ $DRY_RUN != 1 && -n $(ls -A "$WORK/logs" 2>/dev/null) ]]; then
     tar -czf "$OUT/logs-$PART.tar.gz" -C "$WORK" logs
@@ -275,15 +307,17 @@ case "$PART" in
     prelude
     # Issue #27: a 32B-class LoRA step on one GPU. The preset 32b (Qwen2.5-32B's shape, a random base: no weights
     # to download) with its base frozen in bf16 in the arena (61 GiB: /dev/shm must hold it, `df -h /dev/shm`),
-    # adapters r=16 on q_proj,v_proj resident on the GPU with their Adam state, bf16 compute, 1 x 4096 tokens.
-    # The plan first (host and GPU bytes); the run's progress lines give tok/s, its log the plan's GPU total to set
-    # the measured peak against (nvidia-smi in a second shell, or the steps' stats). Filling a random 32B base
-    # takes a minute or two of the step's budget.
-    step plan-32b-lora 60 "${MEGATRAIN[@]}" plan --model 32b --lora r=16,alpha=32,targets=q_proj,v_proj \
-      --batch 1 --seq 4096 --precision bf16 --device cuda
-    step train-32b-lora 440 "${MEGATRAIN[@]}" train --model 32b --lora r=16,alpha=32,targets=q_proj,v_proj \
-      --precision bf16 --batch-size 1 --seq-len 4096 --steps 3 --warmup-steps 1 --log-every 1 \
-      --optimizer-workers 4 --checkpoint-every 0 --no-save-final --compile off --out "$WORK/run-32b-lora"
+    # adapters r=16 on q_proj,v_proj resident on the GPU with their Adam state (resident auto), bf16 compute,
+    # 1 x 4096 tokens. The plan first, with the run's settings (host and GPU totals; its "resident adapters:" line);
+    # the run's progress lines give tok/s (step 1 holds the one-off costs: read steps 2 and 3); the GPU's and the
+    # host's peaks while it runs are set against the plan's totals at the end ("peaks of train-32b-lora"; the
+    # samples in the logs archive). Filling a random 32B base takes a minute or two of the step's budget.
+    lora=(--model 32b --lora r=16,alpha=32,targets=q_proj,v_proj --precision bf16 --optimizer-workers 4 --compile off)
+    step plan-32b-lora 60 "${MEGATRAIN[@]}" plan "${lora[@]}" --batch 1 --seq 4096 --device cuda
+    peaks_start train-32b-lora
+    step train-32b-lora 440 "${MEGATRAIN[@]}" train "${lora[@]}" --batch-size 1 --seq-len 4096 --steps 3 \
+      --warmup-steps 1 --log-every 1 --checkpoint-every 0 --no-save-final --out "$WORK/run-32b-lora"
+    peaks_stop train-32b-lora plan-32b-lora
     save "$WORK/logs/steps-32b-lora.jsonl" "$WORK/run-32b-lora/steps.jsonl"
     ;;
   multi)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
+from megatrain.lora.adapters import refuse_tiled_dropout
 from megatrain.lora.config import LoraConfig
 from megatrain.lora.layout import lora_layout
 from megatrain.lora.peft_format import load_adapter, read_lora_config
@@ -49,8 +50,7 @@ def lora_settings(lora: LoraConfig | str | dict[str, Any] | None, adapter: str |
     if adapter is not None:
         load_adapter(adapter, layout.frozen, lora)  # another rank, targets or base model: one sentence
     if engine.tile_tokens not in ("auto", None):
-        raise ConfigError("LoRA's backward recomputes each layer whole (its adapters' gradients alone), so sequence "
-                          "tiles do not apply: leave tile_tokens unset (auto) for a LoRA run.")
+        refuse_tiled_dropout(lora)  # (auto: the plan tiles no LoRA run with dropout)
     if engine.grads not in ("auto", "arena"):
         raise ConfigError(f"a LoRA run keeps its adapters' gradients (they are small) in the arena; leave grads "
                           f"unset (auto) or set it to arena, not {engine.grads!r}.")

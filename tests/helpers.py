@@ -322,6 +322,20 @@ def worker_pids(engine: megatrain.Engine) -> list[int]:
     return ray.get([w.pid.remote() for w in engine.workers])
 
 
+def kill_once_updates_are_handed_out(engine: megatrain.Engine, pid: int) -> None:
+    """The next time the driver hands out a step's update (the serial update, or the clipped redo of the updates
+    beside the backward), the process `pid` is SIGKILLed right after."""
+    update = engine.actors.update
+
+    def update_then_kill(*args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        refs = update(*args, **kwargs)
+        os.kill(pid, signal.SIGKILL)
+        engine.actors.update = update
+        return refs
+
+    engine.actors.update = update_then_kill
+
+
 def train_with_faults(batches: list[torch.Tensor], tmp: Path, victim: str | None = None,
                       max_grad_norm: float | None = 1.0, seed: int = 0, grads: str = "auto", device: str = "cpu",
                       micro_batches: int = 1, executors: int = 1, kill_steps: set[int] = KILL_STEPS,

@@ -7,7 +7,8 @@ node running the same two executors (the same gradient sums, the same AdamW shar
 executor and with transformers is test_data_parallel's; the checkpoint resumes on 1 node and on 2 to the same
 parameters as the run that went on; killing the second node's executor in the middle of a step, or its optimizer
 worker, recovers exactly; killing its parameter store (the node lost) stops the run in one sentence naming it, and
-the dead store's segments are removed when the run shuts down.
+the dead store's segments are removed when the run shuts down. A LoRA run on two nodes (slow) is bit for bit its run
+on one node with the same two executors, recovered and resumed alike.
 The plain classes (node parts, resharding of checkpoints) are tested without Ray.
 """
 
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMEOUT, assert_nothing_left, dead_segments
+from helpers import TIMEOUT, assert_nothing_left, build_hf_model, dead_segments
 from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
@@ -151,7 +153,8 @@ from safetensors.torch import save_file
 from ray.cluster_utils import Cluster
 import megatrain
 
-shm0, shm1, out, full = *sys.argv[1:4], sys.argv[4] == "full"
+shm0, shm1, out, mode = sys.argv[1:5]
+full = mode == "full"
 node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
 nodes = Cluster(initialize_head=True, head_node_args={**node_args, "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
 nodes.add_node(**node_args, env_vars={"MEGATRAIN_SHM_DIR": shm1})
@@ -186,6 +189,28 @@ try:
     def where(actor):
         return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
+    if mode == "lora":  # adapters on the base each node's store loads (sys.argv[5]), dropout on
+        lora = dict(settings, lora="r=4,alpha=8,targets=q_proj,v_proj,down_proj,dropout=0.1")
+        with megatrain.Engine(sys.argv[5], nodes=2, executors=1, **lora) as two:
+            result["two"] = train(two, batches[:1])
+            two.save_checkpoint(out + "/ckpt")
+            result["two"] += train(two, batches[1:3])
+            save_file(two.parameters(), out + "/two.safetensors")
+            two.save_pretrained(out + "/two-adapter")
+            two.load_checkpoint(out + "/ckpt")
+            result["recovered"] = train(two, batches[1:3], kill_at=0, victim="worker")
+            result["restarts"] = two.restarts
+            save_file(two.parameters(), out + "/recovered.safetensors")
+        with megatrain.Engine(sys.argv[5], nodes=1, executors=2, **lora) as one:
+            result["one"] = train(one, batches[:3])
+            save_file(one.parameters(), out + "/one.safetensors")
+            one.save_pretrained(out + "/one-adapter")
+            one.load_checkpoint(out + "/ckpt")  # the two nodes' parts of the adapters' moments, on one node
+            result["resumed"] = train(one, batches[1:3])
+            save_file(one.parameters(), out + "/resumed.safetensors")
+        result["files"] = sorted(os.listdir(out + "/ckpt"))
+        print(json.dumps(result))
+        sys.exit(0)
     with megatrain.Engine("tiny", executors=2, **settings) as one:
         result["one"] = train(one, batches[:3])
         save_file(one.parameters(), out + "/one-3.safetensors")
@@ -234,20 +259,26 @@ finally:
 """
 
 
+def run_two_nodes(ray_env: dict[str, str], tmp_path: Path, mode: str, *args: str) -> tuple[dict, list[Path]]:
+    """TWO_NODES in `mode` (its result, the nodes' arena directories, each left empty: checked here)."""
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+    for d in shm:
+        d.mkdir()
+    proc = subprocess.run([sys.executable, "-c", TWO_NODES, str(shm[0]), str(shm[1]), str(tmp_path), mode, *args],
+                          cwd=tmp_path, env={**ray_env, "MEGATRAIN_SHM_DIR": str(shm[0])}, capture_output=True,
+                          text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
+    # the last JSON line: Ray's log lines (a worker the test killed) may come after it
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1]), shm
+
+
 # CI: one run on two nodes meets a killed executor and the lost node; slow: a killed worker, and the checkpoint
 # resumed on 1 node and on 2 (resharding without Ray: test_checkpoints_reshard)
 @pytest.mark.parametrize("mode", ["ci", pytest.param("full", marks=pytest.mark.slow)])
 def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path, mode: str) -> None:
-    shm = [tmp_path / "shm0", tmp_path / "shm1"]
-    for d in shm:
-        d.mkdir()
     dead_before = dead_segments()
-    proc = subprocess.run([sys.executable, "-c", TWO_NODES, str(shm[0]), str(shm[1]), str(tmp_path), mode],
-                          cwd=tmp_path, env={**ray_env, "MEGATRAIN_SHM_DIR": str(shm[0])}, capture_output=True,
-                          text=True, timeout=TIMEOUT, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    # the last JSON line: Ray's log lines (a worker the test killed) may come after it
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    result, shm = run_two_nodes(ray_env, tmp_path, mode)
     first, second = result["nodes"]
     assert first != second
     assert result["stores"] == result["executors"] == result["workers"] == [first, second]
@@ -270,7 +301,30 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
     assert result["restarts"] >= 1 and (mode == "ci" or result["worker-restarts"] >= 1)
     assert result["lost"].startswith("node 1 of the run (") and f"Ray node {second[:8]}) was lost" in result["lost"]
     assert result["lost"].endswith("on 2 nodes once it is back or on fewer (--nodes 1: checkpoints reshard).")
-    assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
+    assert_nothing_left(ray_env, dead_before)
+
+
+@pytest.mark.slow  # two Engines and a recovery of every actor (~90 s on 2 cores); no LoRA over nodes in CI
+def test_lora_on_two_nodes_trains_resumes_and_recovers_as_on_one(ray_env: dict[str, str], tmp_path: Path) -> None:
+    """Adapters (dropout on) over a bf16 base that each node's store loads: 3 steps on two nodes reach bit for bit the
+    losses, adapters and PEFT adapter file of one node running the same two executors; from the two nodes'
+    checkpoint after the first step, their run with node 1's optimizer worker killed (every actor replaced, the
+    base loaded again) and one node's resumed run (the adapters' moments resharded) reach them too."""
+    hf = build_hf_model(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "model")
+    dead_before = dead_segments()
+    result, _ = run_two_nodes(ray_env, tmp_path, "lora", str(tmp_path / "model"))
+    assert result["two"] == result["one"] and result["recovered"] == result["resumed"] == result["one"][1:]
+    assert result["restarts"] >= 1
+    assert "optimizer-node001-of-002.safetensors" in result["files"] and "adapter_model.safetensors" in result["files"]
+    want = load_file(tmp_path / "one.safetensors")
+    assert want and all(".lora_" in name for name in want)
+    for run in ("two", "recovered", "resumed"):
+        got = load_file(tmp_path / f"{run}.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items()), run
+    adapter = "adapter_model.safetensors"
+    assert (tmp_path / "two-adapter" / adapter).read_bytes() == (tmp_path / "one-adapter" / adapter).read_bytes()
     assert_nothing_left(ray_env, dead_before)
 
 

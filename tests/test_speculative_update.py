@@ -19,17 +19,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
-from helpers import OPTIM, TIMEOUT, assert_same_model, hf_reference, max_rel, rows, worker_pids
+from helpers import (
+    OPTIM,
+    TIMEOUT,
+    assert_same_model,
+    hf_reference,
+    kill_once_updates_are_handed_out,
+    max_rel,
+    rows,
+    worker_pids,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import megatrain
@@ -292,20 +298,6 @@ def test_a_non_finite_gradient_puts_the_steps_updates_back(ray_session: None, ov
     for name, value in before.items():
         diff = (after[name] - value).abs().max().item()
         assert diff <= 3e-7 * max(value.abs().max().item(), 1e-30), f"{name} moved by {diff} on a skipped step"
-
-
-def kill_once_updates_are_handed_out(engine: megatrain.Engine, pid: int) -> None:
-    """The next time the driver hands out a step's update (here: the clipped redo of the updates beside the
-    backward), the process `pid` is SIGKILLed right after."""
-    update = engine.actors.update
-
-    def update_then_kill(*args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        refs = update(*args, **kwargs)
-        os.kill(pid, signal.SIGKILL)
-        engine.actors.update = update
-        return refs
-
-    engine.actors.update = update_then_kill
 
 
 def test_a_worker_killed_mid_validation_recovers_exactly(ray_session: None, micro_llama, tmp_path: Path) -> None:

@@ -17,12 +17,13 @@ one call, a forward hook on each adapted nn.Linear adds the adapter's term to it
 what PEFT's LoRA Linear does around its base layer. Which modules are adapted: megatrain/lora/targets.py.
 
 Gradients: LoraLayer.backward reruns the layer from its input with only the adapters (and the input) as autograd
-leaves (templates.recompute_grads), so the base gets no gradient (none is computed, none allocated) and the
-result holds the adapters' gradients alone, by their names in the layer. It recomputes the layer whole, not tile by
-tile. Dropout must draw the same mask in the forward and in that recompute: LoraArchitecture gives every batch a
-seed (LoraBatch appends it to each layer's arguments) and each target's mask is drawn from it; the tiled forward
-would draw per tile, so tiling is refused with dropout on. A LoraWeight is opaque to torch.compile (LoraLayer says
-so with `compilable = False`).
+leaves, so the base gets no gradient (none is computed, none allocated) and the result holds the adapters'
+gradients alone, by their names in the layer: the layer whole (templates.recompute_grads), or where the family's
+layer runs over sequence tiles (tile_tokens) its own tiled backward, told which weights train (the adapters) and
+how its weights become what the math reads (with_adapters, inside each tile's recompute). Dropout must draw the
+same mask in the forward and in that recompute: LoraArchitecture gives every batch a seed (LoraBatch appends it to
+each layer's arguments) and each target's mask is drawn from it; over tiles it is refused (refuse_tiled_dropout
+says why). A LoraWeight is opaque to torch.compile (LoraLayer says so with `compilable = False`).
 """
 
 from __future__ import annotations
@@ -206,15 +207,43 @@ class LoraLayer:
         if isinstance(module, nn.Module):
             with hooked_adapters(module, w, self.lora, seed) as base:
                 return self.layer(x, base, *layer_args)
+        if seed is not None and self._tiled():
+            refuse_tiled_dropout(self.lora)
         return self.layer(x, with_adapters(w, self.lora, seed), *layer_args)
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, *args: Any
                  ) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {adapter name in the layer: dL/d adapter}) by rerunning the layer with only x and the adapters as
-        leaves: the base weights get no gradient."""
-        base = {n: t.detach() for n, t in w.items() if LORA not in n}
-        adapters = {n: t for n, t in w.items() if LORA in n}
-        return recompute_grads(lambda x_, leaves, *a: self(x_, {**base, **leaves}, *a), x, adapters, grad_out, *args)
+        leaves: the base weights get no gradient. Over sequence tiles where the family's layer runs so (its own tiled
+        backward, the adapters bound into each tile's recompute), else the layer whole."""
+        if not self._tiled():
+            return recompute_grads(self, x, w, grad_out, *args, trainable=is_adapter)
+        *layer_args, seed = args
+        if seed is not None:
+            refuse_tiled_dropout(self.lora)
+        return self.layer.backward(x, w, grad_out, *layer_args, trainable=is_adapter,
+                                   bind=lambda weights: with_adapters(weights, self.lora, seed))
+
+    def _tiled(self) -> bool:
+        """The family's layer runs over sequence tiles (tile_tokens set), forward and backward."""
+        return getattr(self.layer, "tile_tokens", None) is not None and hasattr(self.layer, "backward")
+
+
+def is_adapter(name: str) -> bool:
+    """An adapter's tensor (a LoRA run trains these), by its name in the layer; the base's are frozen."""
+    return LORA in name
+
+
+def refuse_tiled_dropout(lora: LoraConfig) -> None:
+    """Refuses LoRA dropout over sequence tiles, in one sentence. Why not make it work: a target's mask is drawn from
+    the batch's seed over the shape of the projection's input, which over tiles is one tile's, so every tile would
+    draw the same mask (correlated from tile to tile, not PEFT's independent dropout); and the tiled backward binds
+    each piece's weights apart (q/k/v, o_proj, the MLP), where a target's seed follows its place among the targets
+    bound together, so its recompute would draw other masks than the forward. Both right would need masks drawn per
+    token position and target name, positions the layer math does not pass to its weights."""
+    if lora.dropout > 0:
+        raise ConfigError("LoRA dropout cannot run over sequence tiles (each tile would draw the same mask); set the "
+                          "LoRA dropout to 0 or tile_tokens to none.")
 
 
 class LoraBatch:
@@ -266,9 +295,7 @@ class LoraArchitecture:
         return self._layers[id(fn)]
 
     def tile(self, tile_tokens: int) -> None:
-        if self.lora.dropout > 0:
-            raise ConfigError("LoRA dropout cannot run over sequence tiles (the recompute would draw other masks); "
-                              "set the LoRA dropout to 0 or leave tile_tokens unset.")
+        refuse_tiled_dropout(self.lora)
         self.arch.tile(tile_tokens)
 
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:

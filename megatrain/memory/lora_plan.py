@@ -4,10 +4,12 @@ adapters change in it.
 Host: the base in the arena's frozen segment at 2 B a parameter in bf16 (4 in fp32), and no gradient, Adam moment
 or bf16 copy of it; the adapters with their fp32 weights, gradients (all of them, in the arena: they are small) and
 Adam m, v: 16 B an adapter parameter. GPU: the same weight buffers (the base's layers cross in its own dtype, cast
-to the compute dtype there), layer checkpoints and working set, less what the base's gradients took: each layer's
-recompute takes the adapters' gradients alone, the head only the gradient with respect to its input, the embedding
-none. PCIe: the base's layers in twice a pass, the adapters' gradients out (nothing of the adapters crosses where
-they are resident: `lora_resident`, which keeps them all on the GPU where they fit, as the issue asks).
+to the compute dtype there), layer checkpoints and working set (whole or over sequence tiles, as the whole model's),
+less what the base's gradients took and plus the adapters' own activations (r-sized per token and target, and with
+dropout the dropped input): each layer's recompute takes the adapters' gradients alone, the head only the gradient
+with respect to its input, the embedding none. PCIe: the base's layers in twice a pass, the adapters' gradients out
+(nothing of the adapters crosses where they are resident: `lora_resident`, which keeps them all on the GPU where
+they fit, as the issue asks).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig, check_resident
+from megatrain.lora.adapters import refuse_tiled_dropout
 from megatrain.lora.config import BASE_DTYPES, LoraConfig
-from megatrain.lora.layout import lora_layout
+from megatrain.lora.layout import LoraLayout, lora_layout
 from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION, GiB
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
 
@@ -38,12 +41,11 @@ def planned_adapter_numels(config: ModelConfig, lora: LoraConfig) -> tuple[int, 
 
 def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dtype: str, precision: str,
                 executors: int = 1) -> MemoryPlan:
-    """`plan` (a whole model's, untiled, for the same batch and settings) as a LoRA run's."""
+    """`plan` (a whole model's, for the same batch and settings) as a LoRA run's."""
     if base_dtype not in BASE_DTYPES:
         raise ConfigError(f"lora_base_dtype must be one of {', '.join(BASE_DTYPES)}, got {base_dtype!r}.")
     if plan.tile_tokens is not None:
-        raise ConfigError("LoRA's backward recomputes each layer whole (its adapters' gradients alone), so sequence "
-                          "tiles do not apply: leave tile_tokens unset (auto) for a LoRA run.")
+        refuse_tiled_dropout(lora)
     layout = planning_layout(config)
     numels = planned_adapter_numels(config, lora)
     adapters, layer_adapters = sum(numels), max(numels)
@@ -59,7 +61,8 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size
     gpu_weights = (2 * layer + head) * per_weight + rows * compute
     gpu_grads = GRAD_SETS_IN_FLIGHT * layer_adapters * 4  # no base gradient; the head's and embedding's: none
-    gpu_working = plan.gpu_working - (layer - layer_adapters) * 4  # the weights' fp32 gradient sums: adapters' only
+    # the weights' fp32 gradient sums: the adapters' only; and the adapters' activations in one layer's recompute
+    gpu_working = plan.gpu_working - (layer - layer_adapters) * 4 + adapter_activations(one, plan, compute)
     passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
     layers_numel = plan.arena_numel - layout.embed.numel - layout.head.numel
     h2d = (passes * ((2 * layers_numel - min(2, config.num_layers) * layer + head) * base_bytes + 2 * adapters * 4)
@@ -76,6 +79,21 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
                    adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
                    h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded, process_bytes=process,
                    network_bytes=int(3 * (plan.nodes - 1) / plan.nodes * adapters * 4))
+
+
+def adapter_activations(one: LoraLayout, plan: MemoryPlan, compute: int) -> int:
+    """Bytes the adapters add to one layer's recompute-backward (`one`: the adapters of one layer, or of every layer
+    where they differ, the largest counted): per token of the piece recomputed at once (a tile, or the micro-batch),
+    each target's A(x) and its gradient (r wide), and with dropout its dropped input (saved for A's gradient) and
+    mask."""
+    assert one.lora is not None
+    tokens = plan.batch * plan.seq
+    piece = min(tokens, plan.tile_tokens or tokens)
+    per_layer: dict[int, int] = {}
+    for slot in one.adapters:
+        dropped = slot.in_features * (compute + 1) if one.lora.dropout > 0 else 0
+        per_layer[slot.layer] = per_layer.get(slot.layer, 0) + 2 * one.lora.r * compute + dropped
+    return piece * max(per_layer.values(), default=0)
 
 
 def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryPlan:

@@ -419,7 +419,8 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
                           "runs on the generic path, whose layers are transformers' own, whole: leave tile_tokens "
                           "unset (auto) for this model.")
     if tile_tokens == AUTO:
-        untiled = not config.family.tiles or kwargs.get("lora") is not None  # LoRA recomputes layers whole
+        lora = kwargs.get("lora")  # LoRA's dropout cannot run over tiles (adapters.refuse_tiled_dropout)
+        untiled = not config.family.tiles or (lora is not None and lora.dropout > 0)
         tiles = [None] if tokens <= TILE_TOKENS or untiled else [
             TILE_TOKENS >> i for i in range((TILE_TOKENS // MIN_TILE_TOKENS).bit_length())]
     else:

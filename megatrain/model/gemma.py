@@ -43,7 +43,15 @@ from megatrain.model.llama import (
     native_or_not,
 )
 from megatrain.model.registry import register
-from megatrain.model.templates import Documents, Weights, project_qkv, recompute_grads
+from megatrain.model.templates import (
+    Bind,
+    Documents,
+    Trainable,
+    Weights,
+    project_qkv,
+    recompute_grads,
+    weight_leaves,
+)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 GELU_TANH = "gelu_pytorch_tanh"  # transformers' name for GELU's tanh approximation, Gemma's only activation here
@@ -357,28 +365,33 @@ class GemmaLayer:
         return out
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 documents: Documents = None) -> tuple[torch.Tensor, Weights]:
+                 documents: Documents = None, *, trainable: Trainable | None = None, bind: Bind | None = None
+                 ) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
         half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's gradients
-        from the MLP's input gradient."""
+        from the MLP's input gradient. trainable, bind: as templates.recompute_grads (the weights whose gradients are
+        taken, None: all; what the math reads of the weights, None: them)."""
         attn_w = {n: t for n, t in w.items() if not n.startswith(MLP_WEIGHTS)}
         mlp_w = {n: t for n, t in w.items() if n.startswith(MLP_WEIGHTS)}
         x = x.detach().requires_grad_(True)
-        attn_leaves = {n: t.detach().requires_grad_(True) for n, t in attn_w.items()}
+        attn_leaves, attn_learned = weight_leaves(attn_w, trainable)
         with torch.enable_grad():
-            mid = self.attention(x, attn_leaves, rope, documents)
+            mid = self.attention(x, attn_leaves if bind is None else bind(attn_leaves), rope, documents)
         flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
         grad_mid = torch.empty_like(flat_mid)
-        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()}
+        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()
+                     if trainable is None or trainable(n)}
         tile_tokens = self.tile_tokens or flat_mid.shape[0]
         for start in range(0, flat_mid.shape[0], tile_tokens):
             tile = slice(start, start + tile_tokens)
-            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile])
+            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile],
+                                                         trainable=trainable, bind=bind)
             for n, g in tile_grads.items():
                 mlp_grads[n] += g
-        grads = torch.autograd.grad(mid, [x, *attn_leaves.values()], grad_mid.view_as(mid))
-        attn_grads = dict(zip(attn_leaves, grads[1:], strict=True))
-        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w}
+        grads = torch.autograd.grad(mid, [x, *(attn_leaves[n] for n in attn_learned)], grad_mid.view_as(mid))
+        attn_grads = dict(zip(attn_learned, grads[1:], strict=True))
+        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w
+                          if n in attn_grads or n in mlp_grads}
 
     def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         """x + post_norm(mlp(pre_norm(x))): token by token, so any tiling of the tokens gives the same result."""

@@ -8,6 +8,11 @@ Backward never uses torch.utils.checkpoint (it recomputes with whatever weights 
 backward time and raises CheckpointError when they were swapped, DeepSpeed PR 8148). Instead
 `recompute_grads` binds the weights again as fresh leaves, reruns the forward from the saved input under
 enable_grad, and asks torch.autograd.grad for the input and weight gradients.
+
+Frozen weights, generically: a backward may take gradients for some weights only (`trainable`, a test on names;
+the others are passed in detached, and no gradient of theirs is computed or allocated) and read the weights through
+`bind` (the weights, trainable ones as autograd leaves, -> what the layer math reads), applied inside each
+recompute. LoRA's adapters use both (megatrain/lora/adapters.py); the math here knows nothing of them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from megatrain.config import MegatrainError, ModelConfig
 from megatrain.model import ops
 
 Weights = dict[str, torch.Tensor]
+Trainable = Callable[[str], bool]  # the names of the weights whose gradients a backward takes
+Bind = Callable[[Weights], Weights]  # the weights -> what the layer math reads, names kept (a subset's to a subset's)
+Grads = torch.Tensor | tuple[torch.Tensor, ...]  # the gradient of a function's output (of each, for a tuple of them)
 
 
 Documents = torch.Tensor | None  # where each row's packed documents begin, [batch, seq] bool (ops.document_starts)
@@ -61,20 +69,25 @@ class DecoderLayer:
         return out
 
     def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 documents: Documents = None) -> tuple[torch.Tensor, Weights]:
+                 documents: Documents = None, *, trainable: Trainable | None = None, bind: Bind | None = None
+                 ) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {name: dL/dw}) by recomputing the layer from x, tile by tile wherever the work is token-wise: the
         norm, q/k/v projections and RoPE, the output projection and the MLP half; attention once over the whole
-        sequence under autograd. Weight gradients are summed over the tiles in fp32."""
+        sequence under autograd. Weight gradients are summed over the tiles in fp32. trainable: the weights whose
+        gradients are taken (None: all); bind: what the math reads of the weights (None: them), as recompute_grads."""
         b, t, hidden = x.shape
         x = x.detach()
-        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in w.items()}
+        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in w.items() if trainable is None or trainable(n)}
 
-        def add(tile_grads: Weights) -> None:
+        def tile_backward(fn: Callable[..., Any], x_tile: torch.Tensor, tile_w: Weights, grad: Grads, *args: object
+                          ) -> torch.Tensor:
+            grad_x, tile_grads = recompute_grads(fn, x_tile, tile_w, grad, *args, trainable=trainable, bind=bind)
             for n, g in tile_grads.items():
                 grads[n] += g
+            return grad_x
 
         with torch.no_grad():
-            mid, q, k, v = self._attention_tiled(x, w, rope, documents)
+            mid, q, k, v = self._attention_tiled(x, w if bind is None else bind(w), rope, documents)
         # attention over the whole sequence, kept for its backward below
         q, k, v = (t_.requires_grad_(True) for t_ in (q, k, v))
         with torch.enable_grad():
@@ -85,17 +98,14 @@ class DecoderLayer:
         grad_mid = torch.empty_like(flat_mid)
         mlp_w = _subset(w, MLP_WEIGHTS)
         for tile in self._tiles(flat_mid.shape[0], 1):
-            grad_mid[tile], tile_grads = recompute_grads(self._mlp_tile, flat_mid[tile], mlp_w, flat_grad[tile])
-            add(tile_grads)
+            grad_mid[tile] = tile_backward(self._mlp_tile, flat_mid[tile], mlp_w, flat_grad[tile])
         del mid, flat_mid
         # mid = x + o_proj(attn): the output projection, tile by tile along the sequence
         grad_mid = grad_mid.view(b, t, hidden)
         o_w = _subset(w, O_WEIGHTS)
         grad_attn = torch.empty_like(attn_tokens)
         for tile in self._tiles(t, b):
-            grad_attn[:, tile], tile_grads = recompute_grads(self._out_tile, attn_tokens[:, tile], o_w,
-                                                             grad_mid[:, tile])
-            add(tile_grads)
+            grad_attn[:, tile] = tile_backward(self._out_tile, attn_tokens[:, tile], o_w, grad_mid[:, tile])
         grad_q, grad_k, grad_v = torch.autograd.grad(
             attn, [q, k, v], grad_attn.view(b, t, -1, self.config.head_dim).transpose(1, 2))
         del attn, q, k, v, grad_attn
@@ -103,11 +113,9 @@ class DecoderLayer:
         qkv_w = _subset(w, exclude=(*MLP_WEIGHTS, O_WEIGHTS))
         grad_x = grad_mid
         for tile in self._tiles(t, b):
-            grad_tile, tile_grads = recompute_grads(
-                self._qkv_tile, x[:, tile], qkv_w, (grad_q[:, :, tile], grad_k[:, :, tile], grad_v[:, :, tile]),
-                _rope_rows(rope, tile))
-            grad_x[:, tile] += grad_tile
-            add(tile_grads)
+            grad_x[:, tile] += tile_backward(self._qkv_tile, x[:, tile], qkv_w,
+                                             (grad_q[:, :, tile], grad_k[:, :, tile], grad_v[:, :, tile]),
+                                             _rope_rows(rope, tile))
         return grad_x, grads
 
     def compile_tiles(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -220,17 +228,28 @@ def embed_backward(grad_x: torch.Tensor, row_index: torch.Tensor, num_rows: int,
     return grad_rows.index_add_(0, row_index.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]))
 
 
-def recompute_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Weights, grad_out: torch.Tensor,
-                    *args: object) -> tuple[torch.Tensor, Weights]:
+def recompute_grads(fn: Callable[..., Any], x: torch.Tensor, weights: Weights, grad_out: Grads,
+                    *args: object, trainable: Trainable | None = None, bind: Bind | None = None
+                    ) -> tuple[torch.Tensor, Weights]:
     """Reruns fn(x, weights, *args) with grad and returns (dL/dx, {name: dL/dw}). A weight the computation did not
-    use (an MoE expert no token of this batch was routed to) has a zero gradient."""
+    use (an MoE expert no token of this batch was routed to) has a zero gradient. trainable: the weights whose
+    gradients are taken and returned (None: all); the others are frozen, read detached. bind: fn reads
+    bind(weights), made from the leaves inside the recompute, instead of the weights themselves."""
     x = x.detach().requires_grad_(True)
-    leaves = {name: w.detach().requires_grad_(True) for name, w in weights.items()}
+    leaves, learned = weight_leaves(weights, trainable)
     with torch.enable_grad():
-        y = fn(x, leaves, *args)
-    grads = torch.autograd.grad(y, [x, *leaves.values()], grad_out, allow_unused=True,
+        y = fn(x, leaves if bind is None else bind(leaves), *args)
+    grads = torch.autograd.grad(y, [x, *(leaves[n] for n in learned)], grad_out, allow_unused=True,
                                 materialize_grads=True)
-    return grads[0], dict(zip(leaves, grads[1:], strict=True))
+    return grads[0], dict(zip(learned, grads[1:], strict=True))
+
+
+def weight_leaves(weights: Weights, trainable: Trainable | None = None) -> tuple[Weights, list[str]]:
+    """The weights detached, the trainable ones (all where None) as fresh autograd leaves, in their order; and the
+    trainable ones' names."""
+    learned = [n for n in weights if trainable is None or trainable(n)]
+    wanted = set(learned)
+    return {n: w.detach().requires_grad_(n in wanted) for n, w in weights.items()}, learned
 
 
 def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],

@@ -480,6 +480,16 @@ def test_compiled_layers_tiles_and_head_match_eager(monkeypatch: pytest.MonkeyPa
     eager.close()
 
 
+def small_llama(num_layers: int) -> tuple[ModelConfig, ModelLayout, torch.Tensor]:
+    """A Llama of hidden 256 (4 heads, 2 kv heads), its layout and weights (seed 3), for the executor on CUDA."""
+    config = ModelConfig(vocab_size=512, hidden_size=256, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+                         intermediate_size=688)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=3)
+    return config, layout, params
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kept_activations_on_cuda_match_the_recompute_and_the_planned_bytes(precision: str) -> None:
     """Every layer kept against none on this GPU (its SDPA kernels: memory-efficient in fp32, flash with grouped
@@ -488,11 +498,7 @@ def test_kept_activations_on_cuda_match_the_recompute_and_the_planned_bytes(prec
     from megatrain.engine.kept_activations import KeptActivations
     from megatrain.memory.kept_activations import saved_bytes_per_token
 
-    config = ModelConfig(vocab_size=512, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
-                         intermediate_size=688)
-    layout = ModelLayout.build(config)
-    params = torch.zeros(layout.numel)
-    init_weights(layout, params, seed=3)
+    config, layout, params = small_llama(num_layers=3)
     ids = torch.randint(0, 512, (4, 512), generator=torch.Generator().manual_seed(0))
     runs = {}
     for kept in (0, 3):
@@ -513,3 +519,42 @@ def test_kept_activations_on_cuda_match_the_recompute_and_the_planned_bytes(prec
     planned = 2 * 512 * saved_bytes_per_token(config, precision, 512)
     print(f"\nkept graph of one layer, {precision}: {kept_graphs.saved_bytes} B, planned {planned} B")
     assert planned <= kept_graphs.saved_bytes <= planned * 1.05  # the kernels' padding (a log-sum-exp rounded up)
+
+
+@pytest.mark.parametrize(("precision", "compile"), [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_micro_batches_fold_weight_gradients_into_one_gemm(monkeypatch: pytest.MonkeyPatch, precision: str,
+                                                           compile: bool) -> None:
+    """A later micro-batch's linear weight gradient goes into the fp32 buffer in one GEMM (megatrain/engine/
+    grad_fold.py): bf16 inputs within fp32 rounding of the exact sum (torch.addmm out_dtype=float32, out=buffer: no
+    bf16 product in between, which would be ~1e-3 off), fp32 by addmm_; the executor folds every later micro-batch of
+    every layer, compiled (inductor) too, and four micro-batches give one batch's loss and gradients."""
+    from megatrain.engine import grad_fold
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grad, x = (torch.randn(2048, n, device="cuda", generator=gen).to(dtype) for n in (384, 256))
+    buffer = torch.randn(384, 256, device="cuda", generator=gen)
+    exact = buffer.double() + grad.double().t() @ x.double()
+    grad_fold.accumulate_weight_grad(buffer, grad, x)
+    assert buffer.dtype == torch.float32
+    assert ((buffer - exact).abs().max() / exact.abs().max()).item() <= 1e-5
+
+    folds: list[int] = []  # one entry per GEMM into a buffer
+    monkeypatch.setattr(grad_fold, "accumulate_weight_grad",
+                        lambda *args, accumulate=grad_fold.accumulate_weight_grad: folds.append(1) or accumulate(*args))
+    config, layout, params = small_llama(num_layers=2)
+    ids = torch.randint(0, 512, (4, 256), generator=torch.Generator().manual_seed(0))
+
+    def run(micro_batches: int) -> tuple[float, torch.Tensor]:
+        grads = torch.zeros(layout.numel)
+        executor = Executor(config, layout, params, grads, "cuda", precision, compile=compile)
+        try:
+            return executor.run(ids, micro_batches=micro_batches).loss, grads
+        finally:
+            executor.close()
+
+    (want_loss, want_grads), (loss, grads) = run(1), run(4)
+    assert len(folds) == config.num_layers * 7 * 3  # q, k, v, o, gate, up, down; 3 of the 4 micro-batches
+    tolerance = 1e-5 if precision == "fp32" else 1e-2
+    assert abs(loss - want_loss) <= tolerance * abs(want_loss), (loss, want_loss)
+    assert ((grads - want_grads).norm() / want_grads.norm()).item() <= tolerance

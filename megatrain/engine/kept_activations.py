@@ -17,12 +17,14 @@ layer): the activations' bytes the memory plan predicts (megatrain/memory/kept_a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from megatrain.engine.grad_fold import FoldLinears, folded_grads
 from megatrain.model.templates import Weights
 
 
@@ -46,6 +48,7 @@ class KeptGraph:
     output: torch.Tensor | None = None  # what the layer returned, with its graph
     weights: Weights | None = None  # the backward's weights, which the references resolve to
     saved: dict[int, int] = field(default_factory=dict)  # storage of each activation kept -> its bytes
+    folded: bool = False  # its linears fold their weight gradients (grad_fold.py)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -68,10 +71,11 @@ class KeptActivations:
         return len(self._graphs)
 
     def forward(self, index: int, fn: Callable[..., torch.Tensor], x: torch.Tensor, w: Weights,
-                args: tuple[Any, ...]) -> torch.Tensor:
-        """fn(x, w, *args) with its graph kept as `index`; returns the output, detached."""
+                args: tuple[Any, ...], fold: bool = False) -> torch.Tensor:
+        """fn(x, w, *args) with its graph kept as `index`; returns the output, detached. fold: its linears fold their
+        weight gradients into the buffers its backward is given (grad_fold.py)."""
         leaves = {name: t.detach().requires_grad_(True) for name, t in w.items()}
-        graph = KeptGraph(x.detach().requires_grad_(True), leaves)
+        graph = KeptGraph(x.detach().requires_grad_(True), leaves, folded=fold)
         weights: dict[int, list[tuple[int, int, str]]] = {}  # storage -> (first, end, name) of each weight in it
         for name, t in leaves.items():
             weights.setdefault(_storage_key(t), []).append((t.storage_offset(), t.storage_offset() + _extent(t), name))
@@ -96,23 +100,30 @@ class KeptActivations:
             assert base.dtype == saved.dtype
             return base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+                FoldLinears(leaves) if fold else contextlib.nullcontext():
             output = fn(graph.input, leaves, *args)
         graph.output = output
         self._graphs[index] = graph
         self._count(sum(graph.saved.values()))
         return output.detach()
 
-    def backward(self, index: int, w: Weights, grad_out: torch.Tensor) -> tuple[torch.Tensor, Weights]:
+    def backward(self, index: int, w: Weights, grad_out: torch.Tensor, into: Weights | None = None
+                 ) -> tuple[torch.Tensor, Weights]:
         """(dL/dx, {name: dL/dw}) of kept graph `index`, its weight references bound to `w` (what recompute_grads
-        returns for the same layer: a weight the layer did not use has a zero gradient)."""
+        returns for the same layer: a weight the layer did not use has a zero gradient); a folded graph's linears add
+        into `into` instead, and their weights are absent (grad_fold.folded_grads, as grad_fold.recompute_folded)."""
         graph = self._graphs.pop(index)
         graph.weights = w
-        assert graph.output is not None
-        grads = torch.autograd.grad(graph.output, [graph.input, *graph.leaves.values()], grad_out, allow_unused=True,
-                                    materialize_grads=True)
+        assert graph.output is not None and graph.folded == (into is not None)
+        if into is not None:
+            grad_x, grads = folded_grads(graph.output, graph.input, graph.leaves, grad_out, w, into)
+        else:
+            grad_x, *wgrads = torch.autograd.grad(graph.output, [graph.input, *graph.leaves.values()], grad_out,
+                                                  allow_unused=True, materialize_grads=True)
+            grads = dict(zip(graph.leaves, wgrads, strict=True))
         self._count(-sum(graph.saved.values()))
-        return grads[0], dict(zip(graph.leaves, grads[1:], strict=True))
+        return grad_x, grads
 
     def _count(self, nbytes: int) -> None:
         self.saved_bytes += nbytes

@@ -5,7 +5,10 @@
               autograd with its graph kept (kept_activations.py)
     backward  the top micro-batch first (they come back in the reverse order of the forward): the layer rerun from
               its checkpoint under autograd (recompute_grads; a tiled layer takes its own gradients, tile by tile),
-              or its gradients taken from the kept graph; the weight gradients summed over the micro-batches in fp32
+              or its gradients taken from the kept graph; the weight gradients summed over the micro-batches in fp32:
+              the first's (autograd's own) are the buffers, and each later one's linear weights fold into them in
+              their own GEMMs, in eager and compiled layers alike (grad_fold.py: not where a layer takes its own
+              gradients, tiled or LoRA's)
 
 Both ways run the same layer function on the same inputs under autograd and take torch.autograd.grad of the same
 graph, so a kept layer's gradients are the recompute's bit for bit; its backward span is "backward" where a
@@ -22,6 +25,7 @@ import torch
 from megatrain.config import MegatrainError
 from megatrain.engine.activation_checkpoints import ActivationCheckpoints
 from megatrain.engine.compiled import CompiledFunctions
+from megatrain.engine.grad_fold import recompute_folded
 from megatrain.engine.kept_activations import KeptActivations
 from megatrain.engine.streams import Streams
 from megatrain.model.architecture import Architecture, Batch, LayerFn
@@ -73,24 +77,26 @@ class LayerPasses:
         fn = self.layer_fn(unit)
         if self.keeps(i):
             with self.rec.span("compute", "forward", unit.index, self.streams.compute):
-                return self.kept.forward(index, fn, x, w, args)
+                return self.kept.forward(index, fn, x, w, args, fold=self.folds(unit, j, self._k))
         self.activation_checkpoints.put(index, x)
         with torch.no_grad(), self.rec.span("compute", "forward", unit.index, self.streams.compute):
             return fn(x, w, *args)
 
     def backward(self, i: int, unit: Unit, w: Weights, batches: list[Batch], grads: list[torch.Tensor]) -> Weights:
         """Layer i's backward over the pass's micro-batches, the top one first: grads[m] becomes the gradient with
-        respect to its input; returns the weight gradients, summed over the micro-batches."""
+        respect to its input; returns the weight gradients, summed over the micro-batches in fp32: the first one's
+        (autograd's own) are the buffers, the others' linear weights fold into them in their GEMMs (grad_fold.py)
+        and what else they have is added."""
         k, kept = len(batches), self.keeps(i)
         wgrads: Weights = {}
         for m in range(k - 1, -1, -1):
-            index = i * k + m
+            index, into = i * k + m, wgrads if self.folds(unit, m, k) else None
             with self.rec.span("compute", "backward" if kept else "recompute+backward", unit.index,
                                self.streams.compute):
                 if kept:
-                    grads[m], micro_wgrads = self.kept.backward(index, w, grads[m])
+                    grads[m], micro_wgrads = self.kept.backward(index, w, grads[m], into)
                 else:
-                    grads[m], micro_wgrads = self._recomputed(unit, w, batches[m], grads[m], index)
+                    grads[m], micro_wgrads = self._recomputed(unit, w, batches[m], grads[m], index, into)
                 if k == 1:
                     wgrads = micro_wgrads
                 else:  # summed in fp32, whatever the compute dtype
@@ -102,13 +108,20 @@ class LayerPasses:
                 del micro_wgrads
         return wgrads
 
-    def _recomputed(self, unit: Unit, w: Weights, batch: Batch, grad: torch.Tensor, index: int
-                    ) -> tuple[torch.Tensor, Weights]:
+    def folds(self, unit: Unit, m: int, k: int) -> bool:
+        """Micro-batch m of k: its weight gradients of `unit`'s layer fold into the layer's buffers (grad_fold.py),
+        as every micro-batch's but the first the backward runs (the last), unless the layer takes its own."""
+        return m < k - 1 and not self.tiled and not getattr(self.arch.layer(unit.layer), "owns_backward", False)
+
+    def _recomputed(self, unit: Unit, w: Weights, batch: Batch, grad: torch.Tensor, index: int,
+                    into: Weights | None) -> tuple[torch.Tensor, Weights]:
         x = self.activation_checkpoints.get(index)
         args: tuple[Any, ...] = batch.layer_args(unit.layer)
         fn = self.arch.layer(unit.layer)
         if self.tiled or getattr(fn, "owns_backward", False):  # tile by tile; a LoRA layer's: the adapters' alone
             return fn.backward(x, w, grad, *args)
+        if into is not None:
+            return recompute_folded(self.layer_fn(unit), x, w, grad, args, into)
         return recompute_grads(self.layer_fn(unit), x, w, grad, *args)
 
     def end(self) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 # Batch shapes a compiled decoder layer may see in one process. Each compiles twice (the forward without grad,
-# the recompute with it); past torch's default limit of 8 compilations a fullgraph=True function raises.
+# the recompute with it), three times with micro-batches (their gradients folded: megatrain/engine/grad_fold.py);
+# past torch's default limit of 8 compilations a fullgraph=True function raises.
 COMPILED_SHAPES_LIMIT = 32
 
 

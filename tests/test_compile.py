@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import VOCAB, batch, build_hf_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
@@ -26,7 +27,7 @@ from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.model.layout import ModelLayout
 from megatrain.perf.calibrate import Calibration, CompiledTiming, LayerTiming, layer_key, time_compiled
 from megatrain.perf.compile_choice import auto_on_gpu, compile_choice
-from megatrain.store import init_weights
+from megatrain.store import ParameterStore, init_weights
 from pipelines.cli import _add_train_flags
 from pipelines.train import TrainConfig
 
@@ -196,3 +197,41 @@ def test_calibration_times_the_layer_compiled(compile_backend: str, tmp_path: Pa
     cal = Calibration(device="cpu", host="h", created=0.0, cores=2, compute_threads=2, h2d_gbps=None, d2h_gbps=None,
                       memcpy_gbps=1.0, compiled={layer_key(tiny, 1, 32, "tf32"): timing})
     assert Calibration.load("cpu", cal.save(tmp_path / "cal.json")) == cal
+
+
+@pytest.mark.parametrize("case", ["phi3-dropout", "mixtral-aux"])
+def test_the_generic_paths_layers_compile_with_their_rng_replay_eager(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path, case: str) -> None:
+    """compile = on for transformers' own layers (the generic path; auto runs them eager): each layer's module runs
+    through torch.compile with the RNG's replay around it eager (dynamo refuses torch.get_rng_state), the dropout
+    masks (Phi-3, over two micro-batches) and the router's auxiliary loss (Mixtral) as in the eager executor."""
+    from transformers import MixtralConfig, Phi3Config
+
+    counter = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    dense = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                 pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    hf = (Phi3Config(**dense, intermediate_size=96, resid_pdrop=0.2, attention_dropout=0.3) if case == "phi3-dropout"
+          else MixtralConfig(**dense, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                             router_aux_loss_coef=0.05, output_router_logits=True))
+    build_hf_model(hf).save_pretrained(tmp_path)
+    store = ParameterStore(tmp_path)
+    try:
+        config, layout, params = store.config, store.layout, store.arena.params
+        auto = auto_on_gpu("NVIDIA H100", None, config, "bf16")
+        assert not auto.on and "generic path" in auto.why, auto.why
+        ids = batch(seed=2)
+        results = []
+        for compile in (False, True):
+            grads = torch.zeros(layout.numel)
+            executor = Executor(config, layout, params, grads, compile=compile)
+            torch.manual_seed(7)  # the same dropout draws in both
+            k = 1 if case == "mixtral-aux" else 2  # (a router's aux loss is over the whole batch: no micro-batches)
+            results.append((executor.run(ids[:2], micro_batches=k).loss, grads))
+            executor.close()
+        (want, want_grads), (got, got_grads) = results
+        assert counter.frame_count > 0
+        assert abs(got - want) <= 1e-6 * abs(want)
+        assert max_rel(got_grads, want_grads) <= 1e-6
+    finally:
+        store.close()

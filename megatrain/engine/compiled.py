@@ -56,10 +56,12 @@ class CompiledFunctions:
         if not self.enabled or not getattr(fn, "compilable", True):
             return fn
         if id(fn) not in self._layers:
-            compile_tiles = getattr(fn, "compile_tiles", None)
+            compile_tiles, compiled = getattr(fn, "compile_tiles", None), getattr(fn, "compiled", None)
             if self.tiled and compile_tiles is not None:
                 compile_tiles(compile_function)
                 self._layers[id(fn)] = (fn, fn)
+            elif compiled is not None:  # the layer says which part of it compiles (the generic path's: not its RNG)
+                self._layers[id(fn)] = (fn, compiled(compile_function))
             else:  # (tiled without compile_tiles, Gemma's: the forward compiled whole, its own backward eager)
                 self._layers[id(fn)] = (fn, compile_function(fn))
         return self._layers[id(fn)][1]

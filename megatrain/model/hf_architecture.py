@@ -22,13 +22,14 @@ its forward began with, and the skeletons draw none.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.architecture import LayerFn
 from megatrain.model.hf_model import (
     build_meta_model,
     layer_buffers,
@@ -114,26 +115,40 @@ class GenericLayer:
         self.constants = layer_constants(arch.model, module, index)  # made at init (a causal mask), on the CPU
         self._constants_on: dict[torch.device, dict[str, torch.Tensor]] = {}
         aux = arch.aux
-        self.routers = [] if aux is None else [m for m in module.modules() if isinstance(m, aux.router_class)]
+        self._router_output = aux.index if aux is not None else 0
+        self._recorded: list[torch.Tensor] = []  # the routers' logits of the call running now (forward hooks)
+        # hooks for the module's life, not per call: a compiled layer's graph guards on the hooks it was traced with
+        for router in [] if aux is None else [m for m in module.modules() if isinstance(m, aux.router_class)]:
+            router.register_forward_hook(self._record)
 
     def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
         with replayed_rng(call, x.device):
             return self.run(x, w, call)
 
-    def run(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
-        """The layer, drawing from the RNG as it stands (the caller replays it)."""
-        recorded: list[torch.Tensor] = []
+    def compiled(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> LayerFn:
+        """This layer with its module's forward (`forward`) through `compile` (torch.compile), and what is around it
+        eager: the RNG's replay (dynamo refuses torch.get_rng_state), the buffers' check, the router's gradient."""
+        forward = compile(self.forward)
+
+        def layer(x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
+            with replayed_rng(call, x.device):
+                return self.run(x, w, call, forward)
+        return layer
+
+    def run(self, x: torch.Tensor, w: Weights, call: LayerCall,
+            forward: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The layer, drawing from the RNG as it stands (the caller replays it); forward: self.forward or its
+        compiled form."""
         if self.frozen:
             w = {**w, **{name: w[name].detach() for name in self.frozen}}
         constants = self._constants(x.device)
         versions = [t._version for t in constants.values()]
-        with self._routers(recorded):
-            out = torch.func.functional_call(self.module, {**w, **constants}, (x, *call.args), call.kwargs,
-                                             strict=True)
+        self._recorded.clear()
+        y = (forward or self.forward)(x, {**w, **constants}, call)
+        recorded, self._recorded = self._recorded, []
         if versions != [t._version for t in constants.values()]:
             raise ConfigError(f"{type(self.module).__name__} writes its buffers in its forward (state kept across "
                               "calls), which megatrain's generic path cannot stream; it cannot train this model.")
-        y = out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's blocks return a list
         if not recorded:
             return y
         if not torch.is_grad_enabled():  # the forward: keep the logits for the loss over all layers
@@ -142,24 +157,18 @@ class GenericLayer:
         grad = call.batch.router_grads.get(call.index)
         return y if grad is None else InjectGrad.apply(y, recorded[0], grad)
 
+    def forward(self, x: torch.Tensor, params: Weights, call: LayerCall) -> torch.Tensor:
+        """transformers' own layer module with `params` bound: its hidden states (its routers' logits recorded)."""
+        out = torch.func.functional_call(self.module, params, (x, *call.args), call.kwargs, strict=True)
+        return out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's blocks return a list
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._recorded.append(output[self._router_output] if isinstance(output, (tuple, list)) else output)
+
     def _constants(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self._constants_on:
             self._constants_on[device] = {n: t.to(device) for n, t in self.constants.items()}
         return self._constants_on[device]
-
-    @contextlib.contextmanager
-    def _routers(self, recorded: list[torch.Tensor]) -> Iterator[None]:
-        index = self.arch.aux.index if self.arch.aux is not None else 0
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            recorded.append(output[index] if isinstance(output, (tuple, list)) else output)
-
-        handles = [r.register_forward_hook(hook) for r in self.routers]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
 
 class FirstLayer:

@@ -3,9 +3,11 @@
     on    compiled, on any device
     off   eager
     auto  the CPU path ("cpu", "cpu-async"): eager (inductor builds C++ for minutes, and the CPU path is for tests
-          and small runs); CUDA: what this GPU's calibration (`megatrain calibrate --model ...`) measured faster for
-          this model's layer shape at this precision, eager or compiled (CompiledTiming); where it measured neither,
-          compiled, and the line says so (a 7B layer in bf16 ran at 434 TFLOP/s compiled, 311 eager, on the H100)
+          and small runs); the generic path's layers (transformers' own modules): eager, as a full graph of any
+          architecture's module is not assured (compile = on tries it: tests/test_compile.py); CUDA: what this GPU's
+          calibration (`megatrain calibrate --model ...`) measured faster for this model's layer shape at this
+          precision, eager or compiled (CompiledTiming); where it measured neither, compiled, and the line says so
+          (a 7B layer in bf16 ran at 434 TFLOP/s compiled, 311 eager, on the H100)
 
     choice = compile_choice(engine.compile, engine.device, config, engine.precision)
     Executor(..., compile=choice.on); log.info(choice.why)
@@ -40,6 +42,9 @@ def compile_choice(setting: str | bool, device: str, config: ModelConfig, precis
 
 def auto_on_gpu(gpu: str, cal: Calibration | None, config: ModelConfig, precision: str) -> CompileChoice:
     """compile = auto on the CUDA GPU named `gpu`, whose calibration is `cal` (None: none recorded)."""
+    if config.hf_config is not None:
+        return CompileChoice(False, "layers eager: compile = auto runs the generic path's layers (transformers' own "
+                                    "modules, which one full graph may not hold) eager; compile = on compiles them")
     found = None if cal is None else measured(cal, config, precision)
     if found is None:
         return CompileChoice(True, f"layers compiled: compile = auto, and no calibration of {gpu} timed this model's "

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import ray
 import torch
-from helpers import hf_loss_and_grads
+from helpers import VOCAB, batch, build_hf_model, hf_loss_and_grads
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen2Config, Qwen2ForCausalLM
 
 import megatrain
 from megatrain.config import ModelConfig
@@ -40,7 +40,7 @@ from megatrain.perf.calibrate import (
     time_layers,
 )
 from megatrain.perf.compile_choice import compile_choice
-from megatrain.store import init_weights
+from megatrain.store import ParameterStore, init_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -558,3 +558,33 @@ def test_micro_batches_fold_weight_gradients_into_one_gemm(monkeypatch: pytest.M
     tolerance = 1e-5 if precision == "fp32" else 1e-2
     assert abs(loss - want_loss) <= tolerance * abs(want_loss), (loss, want_loss)
     assert ((grads - want_grads).norm() / want_grads.norm()).item() <= tolerance
+
+
+@pytest.mark.gpu
+def test_the_generic_paths_layers_compile_on_cuda(tmp_path: Path) -> None:
+    """The generic path on this GPU: compile = auto runs transformers' own layers eager (the Engine's default), and
+    compile = on (inductor, strict fp32) runs each layer's module compiled with the RNG's replay eager around it:
+    Phi-3 with dropout, two micro-batches (the later one's gradients folded into the GEMMs), the eager executor's
+    loss and every gradient to fp32 rounding."""
+    hf = Phi3Config(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                    intermediate_size=96, resid_pdrop=0.2, attention_dropout=0.3, pad_token_id=0, bos_token_id=0,
+                    eos_token_id=1)
+    build_hf_model(hf).save_pretrained(tmp_path)
+    store = ParameterStore(tmp_path, on_gpu=True)
+    try:
+        config, layout = store.config, store.layout
+        assert not compile_choice("auto", "cuda", config, "fp32").on
+        ids = batch(seed=2)[:2]
+        results = []
+        for compile in (False, True):
+            grads = torch.zeros(layout.numel)
+            executor = Executor(config, layout, store.arena.params, grads, "cuda", compile=compile)
+            torch.manual_seed(7)
+            torch.cuda.manual_seed(7)
+            results.append((executor.run(ids, micro_batches=2).loss, grads))
+            executor.close()
+        (want, want_grads), (got, got_grads) = results
+        assert abs(got - want) <= 1e-5 * abs(want)
+        assert ((got_grads - want_grads).abs().max() / want_grads.abs().max()).item() <= 1e-5
+    finally:
+        store.close()

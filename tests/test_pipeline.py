@@ -20,9 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def megatrain(*args: str, cwd: Path) -> subprocess.Popen:
+    """`megatrain ...` as a terminal's foreground job runs it: its own process group, SIGINT at its default (a test
+    run launched in the background of a shell inherits SIGINT ignored, and so would the driver)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("flags, steps", [

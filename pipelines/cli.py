@@ -229,6 +229,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cal = plan_calibration(args, on_gpu, config, cfg)
     choice = None
     if args.optimizer_workers == "auto":  # the fastest predicted settings among those left auto
+        if lora["lora"] is not None:
+            raise ConfigError("--optimizer-workers auto picks settings by the predicted step time of a whole model's "
+                              "update, which a LoRA run does not have; give --optimizer-workers a number with --lora.")
         if cal is None:
             raise ConfigError("--optimizer-workers auto picks the fastest predicted settings, which needs a "
                               "calibration of this machine: run `megatrain calibrate` first.")

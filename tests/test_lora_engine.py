@@ -351,6 +351,10 @@ def test_plan_of_a_lora_run_for_the_32b_and_70b_shapes() -> None:
     run = run_cli("plan", "--model", "32b", "--lora", "r=16,alpha=32,targets=q_proj,v_proj", "--batch", "1",
                   "--seq", "4096", "--device", "cuda", "--gpu-gib", "79", "--host-gib", "125")
     assert run.returncode == 0 and "frozen base (bf16" in run.output and "fits: yes" in run.output, run.output
+    # the fastest predicted settings are a whole model's update's: not a LoRA run's
+    run = run_cli("plan", "--model", "32b", "--lora", "r=16,alpha=32,targets=q_proj,v_proj", "--optimizer-workers",
+                  "auto", "--device", "cuda", "--gpu-gib", "79")
+    assert run.returncode == 2 and "give --optimizer-workers a number with --lora" in run.output, run.output
 
 
 # ---- slow: a second Engine each ----

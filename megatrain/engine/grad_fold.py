@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from megatrain.errors import MegatrainError
-from megatrain.model.templates import Weights
+from megatrain.model.templates import Weights, weight_leaves
 
 # the address of a weight whose folded linears run in the backward now -> its gradient buffer (accumulating_into)
 _BUFFERS: dict[int, torch.Tensor] = {}
@@ -155,7 +155,7 @@ def recompute_folded(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: Weight
                      args: tuple[Any, ...], buffers: Weights) -> tuple[torch.Tensor, Weights]:
     """templates.recompute_grads with the linears folded into `buffers` (folded_grads)."""
     x = x.detach().requires_grad_(True)
-    leaves = {name: t.detach().requires_grad_(True) for name, t in w.items()}
+    leaves, _ = weight_leaves(w)
     with torch.enable_grad(), FoldLinears(leaves):
         y = fn(x, leaves, *args)
     return folded_grads(y, x, leaves, grad_out, w, buffers)

@@ -111,14 +111,19 @@ class LayerPasses:
     def folds(self, unit: Unit, m: int, k: int) -> bool:
         """Micro-batch m of k: its weight gradients of `unit`'s layer fold into the layer's buffers (grad_fold.py),
         as every micro-batch's but the first the backward runs (the last), unless the layer takes its own."""
-        return m < k - 1 and not self.tiled and not getattr(self.arch.layer(unit.layer), "owns_backward", False)
+        return m < k - 1 and not self._takes_own_grads(self.arch.layer(unit.layer))
+
+    def _takes_own_grads(self, fn: LayerFn) -> bool:
+        """The layer function computes its own gradients (`fn.backward`): tile by tile, or a LoRA layer's (the
+        adapters' alone)."""
+        return self.tiled or getattr(fn, "owns_backward", False)
 
     def _recomputed(self, unit: Unit, w: Weights, batch: Batch, grad: torch.Tensor, index: int,
                     into: Weights | None) -> tuple[torch.Tensor, Weights]:
         x = self.activation_checkpoints.get(index)
         args: tuple[Any, ...] = batch.layer_args(unit.layer)
         fn = self.arch.layer(unit.layer)
-        if self.tiled or getattr(fn, "owns_backward", False):  # tile by tile; a LoRA layer's: the adapters' alone
+        if self._takes_own_grads(fn):
             return fn.backward(x, w, grad, *args)
         if into is not None:
             return recompute_folded(self.layer_fn(unit), x, w, grad, args, into)

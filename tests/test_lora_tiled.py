@@ -47,12 +47,14 @@ def test_tiled_lora_matches_peft_and_the_untiled_path(case: str) -> None:
     assert max(rel_err(grads[n], g) for n, g in whole.items()) <= REL_TOL  # summed over tiles in another order
 
 
-def test_packed_documents_over_tiles_through_the_executor(tmp_path: Path) -> None:
-    """The executor's own schedule (the family's layers tiled, then wrapped with adapters) on packed rows."""
+@pytest.mark.parametrize("device", ["cpu", "cpu-async:1"])
+def test_packed_documents_over_tiles_through_the_executor(tmp_path: Path, device: str) -> None:
+    """The executor's own schedule (the family's layers tiled, then wrapped with adapters) on packed rows, also under
+    the simulated asynchronous streams."""
     hf, _, adapters = setup("qwen2-biases-rslora")
     ids, labels = tokens()
     position_ids = torch.cat([torch.arange(n) for n in (5, 7, 12)]).view(2, 12)  # two documents, then one
-    with lora_executor(hf, adapters, tmp_path, tile_tokens=TILE) as (store, executor):
+    with lora_executor(hf, adapters, tmp_path, device, tile_tokens=TILE) as (store, executor):
         loss, grads = run_executor(executor, store, ids, labels, position_ids=position_ids)
     assert_matches_peft(loss, grads, *peft_loss_and_grads(hf, adapters, ids, labels, position_ids))
 

@@ -28,6 +28,8 @@ their own gradients (the tiled long-context path, LoRA's adapters: megatrain/eng
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,8 @@ from torch.overrides import TorchFunctionMode
 from megatrain.errors import MegatrainError
 from megatrain.model.templates import Weights, weight_leaves
 
+log = logging.getLogger(__name__)
+
 # the address of a weight whose folded linears run in the backward now -> its gradient buffer (accumulating_into)
 _BUFFERS: dict[int, torch.Tensor] = {}
 
@@ -46,10 +50,32 @@ def accumulate_weight_grad(buffer: torch.Tensor, grad: torch.Tensor, x: torch.Te
     """buffer += grad^T @ x for grad [tokens, out] and x [tokens, in], in one GEMM where the device has one."""
     if grad.dtype == buffer.dtype:
         buffer.addmm_(grad.t(), x)
-    elif buffer.device.type == "cuda":  # bf16/fp16 inputs, fp32 accumulation and output, beta = 1
+    elif _has_gemm_into_fp32(buffer.device):  # bf16/fp16 inputs, fp32 accumulation and output, beta = 1
         torch.addmm(buffer, grad.t(), x, out_dtype=buffer.dtype, out=buffer)
     else:  # the CPU has no GEMM from bf16 into fp32 (aten::addmm.dtype is CUDA's alone)
         buffer.add_(grad.t().mm(x))
+
+
+@functools.cache
+def _has_gemm_into_fp32(device: torch.device) -> bool:
+    """Whether addmm from bf16 inputs into an fp32 `out` that is also its input runs on `device`, and sums exactly:
+    CUDA's aten::addmm.dtype_out, which torch before 2.8 lacks (pyproject allows 2.4). Probed once per device on a
+    tiny product against the fp32 one; where it fails, the bf16 GEMM + add (as on the CPU), said once in the log."""
+    if device.type != "cuda":
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    grad, x = (torch.randn(64, n, device=device, generator=gen).to(torch.bfloat16) for n in (32, 16))
+    buffer = torch.randn(32, 16, device=device, generator=gen)
+    exact = buffer + grad.float().t() @ x.float()
+    try:
+        torch.addmm(buffer, grad.t(), x, out_dtype=torch.float32, out=buffer)
+        works = torch.allclose(buffer, exact, rtol=1e-5, atol=1e-5)
+    except (RuntimeError, TypeError, NotImplementedError):
+        works = False
+    if not works:
+        log.info("grad fold: this torch has no GEMM from bf16 into an fp32 buffer on %s; later micro-batches' bf16 "
+                 "weight gradients are a bf16 GEMM and an add", device)
+    return works
 
 
 def _fold_and_grad_input(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -190,10 +190,16 @@ case "$PART" in
     # (2026-11-26), or rerun one K with --resident none.
     # Each progress line shows tok/s, TFLOP/s and stall %; steps.jsonl (the step's compute and waits) goes into the
     # logs archive. Then FSDP2 CPU offload at K=16's batch (the H200, 2026-11-26: not done building the 7B in 110 s).
+    # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
+    # set against that plan's totals ("peaks of train-7b-bf16-kK").
     for k in 16 4 1; do
+      step "plan-7b-bf16-k$k" 30 "${MEGATRAIN[@]}" plan --model 7b --precision bf16 --batch 1 --seq 2048 \
+        --micro-batches "$k" --optimizer-workers 8 --resident auto --device cuda
+      peaks_start "train-7b-bf16-k$k"
       step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
         --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
         --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
+      peaks_stop "train-7b-bf16-k$k" "plan-7b-bf16-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
     step fsdp2-7b-bf16 260 python3 benchmarks/throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 \

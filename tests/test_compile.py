@@ -199,15 +199,17 @@ def test_calibration_times_the_layer_compiled(compile_backend: str, tmp_path: Pa
     assert Calibration.load("cpu", cal.save(tmp_path / "cal.json")) == cal
 
 
-@pytest.mark.parametrize("case", ["phi3-dropout", "mixtral-aux"])
+@pytest.mark.parametrize(("case", "backend"), [("phi3-dropout", "eager"), ("mixtral-aux", "eager"),
+                                                pytest.param("phi3-dropout", "inductor", marks=pytest.mark.slow)])
 def test_the_generic_paths_layers_compile_with_their_rng_replay_eager(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path, case: str) -> None:
+                                                                     tmp_path: Path, case: str, backend: str) -> None:
     """compile = on for transformers' own layers (the generic path; auto runs them eager): each layer's module runs
     through torch.compile with the RNG's replay around it eager (dynamo refuses torch.get_rng_state), the dropout
-    masks (Phi-3, over two micro-batches) and the router's auxiliary loss (Mixtral) as in the eager executor."""
+    masks (Phi-3, over two micro-batches) and the router's auxiliary loss (Mixtral) as in the eager executor. Inductor
+    draws the eager masks too (its own random kernels were 2.6% off the eager loss here, 1.5% on CUDA)."""
     from transformers import MixtralConfig, Phi3Config
 
-    counter = CompileCounterWithBackend("eager")
+    counter = CompileCounterWithBackend(backend)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
     dense = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                  pad_token_id=0, bos_token_id=0, eos_token_id=1)
@@ -231,7 +233,8 @@ def test_the_generic_paths_layers_compile_with_their_rng_replay_eager(monkeypatc
             executor.close()
         (want, want_grads), (got, got_grads) = results
         assert counter.frame_count > 0
-        assert abs(got - want) <= 1e-6 * abs(want)
-        assert max_rel(got_grads, want_grads) <= 1e-6
+        tolerance = 1e-6 if backend == "eager" else 1e-5  # inductor fuses: fp32 rounding
+        assert abs(got - want) <= tolerance * abs(want)
+        assert max_rel(got_grads, want_grads) <= tolerance
     finally:
         store.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatrain.engine.torch_settings import COMPILED_SHAPES_LIMIT, allow_recompiles
+from megatrain.engine.torch_settings import COMPILED_SHAPES_LIMIT, allow_recompiles, compile_random_ops_as_eager
 from megatrain.model import ops
 from megatrain.model.architecture import Architecture, LayerFn
 from megatrain.model.templates import CrossEntropyFn, Weights
@@ -46,6 +46,7 @@ class CompiledFunctions:
         if not enabled:
             return
         allow_recompiles(COMPILED_SHAPES_LIMIT)
+        compile_random_ops_as_eager()
         if getattr(arch, "logits", None) is None:  # the native head (the generic path's stays eager: above)
             self.final_norm = compile_function(arch.final_norm)
             self.cross_entropy = compile_function(ops.cross_entropy_sum_and_grad)

@@ -1,4 +1,5 @@
-"""Process-wide torch switches the executor sets: the matmul precision and torch.compile's recompile limit."""
+"""Process-wide torch switches the executor sets: the matmul precision, and torch.compile's recompile limit and its
+random numbers."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def allow_recompiles(shapes: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 2 * shapes))
+
+
+def compile_random_ops_as_eager() -> None:
+    """Compiled graphs draw their random numbers as eager does (inductor's fallback_random): the same dropout masks
+    from the same generator state. A layer's recompute replays its forward's RNG state, and a compiled layer must give
+    the eager one's masks: inductor's own Philox kernels draw other numbers from the same seed (a Phi-3 with dropout,
+    compiled on CUDA, was 1.5% off its eager loss). Models without dropout compile exactly as before."""
+    import torch._inductor.config
+
+    torch._inductor.config.fallback_random = True

@@ -230,6 +230,29 @@ def test_resident_units_train_as_streamed_ones(ray_session: None, micro_llama, s
         assert_same_model(got, want)
 
 
+@pytest.mark.parametrize("settings", [
+    dict(grads="device", micro_batches=2, batch_size=4, device="cpu-async:3"),
+    pytest.param(dict(grads="arena"), marks=pytest.mark.slow),
+], ids=["grads-device-micro-batches-simulated-streams", "grads-arena"])
+def test_resident_units_are_never_handed_to_the_pool_beside_the_backward(ray_session: None, micro_llama,
+                                                                        settings: dict[str, Any]) -> None:
+    """Nothing clips, the updates beside the backward stand: none is taken back (the resident units' gradients once
+    went out to the pool as well, so every step rolled back, and with gradients held on the device the second step
+    waited forever for a host slot a resident unit held; found on the H100, 7B at K=4)."""
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    runs = {}
+    for resident in ("none", 2):
+        with megatrain.Engine(directory, **{**ENGINE, **settings, "speculate": "on", "max_grad_norm": 1e3,
+                                            "resident": resident}) as engine:
+            results = [engine.step_batch({"input_ids": ids.numpy(), "labels": labels.numpy()})
+                       for ids, labels in batches]
+            assert engine.rollbacks == 0 and not any(r.rolled_back for r in results), resident
+            runs[resident] = [r.loss for r in results], state_of(engine)
+    assert runs[2][0] == runs["none"][0]
+    assert_same_model(runs[2][1], runs["none"][1])
+
+
 @pytest.fixture(scope="module")
 def overflowing(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-layer Llama whose RMSNorm eps (1e-24) is far below its activations and whose tokens 0..7 embed as zeros: a

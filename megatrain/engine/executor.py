@@ -321,9 +321,10 @@ class Executor:
 
         def emit(out: GradsOut) -> None:
             norms[out.unit.index] = out.norm_sq
-            if self.resident.holds(out.unit):  # written where it stays: neither sent nor held
+            if self.resident.holds(out.unit):  # written where it stays: neither sent nor held, nor handed out
                 self.resident.land(out)
-            elif hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
+                return
+            if hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
                 held.append(out)
             if not hold_grads or also_send:
                 self.egress.emit(replace(out, pairs=list(out.pairs)) if hold_grads else out, sends)

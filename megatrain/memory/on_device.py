@@ -61,7 +61,8 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
     budget = spare_budget(plan)
 
     def resident_in(room: int | None) -> Residency:
-        return choose_resident(config, resident, budget=room, on_gpu=plan.on_gpu, precision=precision, world=world)
+        return choose_resident(config, resident, budget=room, on_gpu=plan.on_gpu, precision=precision, world=world,
+                               held_grads=plan.grads == "device")
 
     def kept_in(room: int | None) -> KeptLayers:
         return plan_kept(plan, config, keep_activations, precision, room)
@@ -126,6 +127,7 @@ def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept
     h2d = passes * (2 * units.layers_numel + units.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
     d2h = passes * (grads + rows)
     return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=units.bytes,
+                   gpu_grads=plan.gpu_grads - units.freed_grads,
                    h2d_bytes=max(0, plan.h2d_bytes - h2d), d2h_bytes=max(0, plan.d2h_bytes - d2h),
                    process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes))
 

@@ -31,6 +31,15 @@ def bytes_per_param(precision: str) -> int:
     return 16 + (2 if precision == "bf16" else 0)
 
 
+def held_grad_bytes(unit: int, numel: int, total_units: int, precision: str) -> int:
+    """Device bytes a streamed unit's gradient takes where gradients wait on the device until the step ends (grads =
+    "device", megatrain/memory/plan.py): a decoder layer's in the compute dtype, the head's in fp32; the embedding's
+    rows are counted apart. A resident unit's gradient goes into its own fp32 state instead: keeping it frees these."""
+    if unit == 0:
+        return 0
+    return numel * 4 if unit == total_units - 1 or precision != "bf16" else numel * 2
+
+
 @dataclass(frozen=True)
 class Residency:
     """The first `units` units in forward order are resident (0: none)."""
@@ -43,6 +52,7 @@ class Residency:
     head_numel: int = 0  # the head's, where it is resident
     total_units: int = 0
     why: str = ""  # one line for the plan's report
+    freed_grads: int = 0  # device bytes of held gradients (grads = "device") they no longer take
 
     @property
     def embed(self) -> bool:
@@ -71,9 +81,10 @@ def margin(room: int) -> int:
 
 
 def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,
-                    world: int = 1) -> Residency:
+                    world: int = 1, held_grads: bool = False) -> Residency:
     """The units to keep resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
-    take, the margin already left (None: not known). world: executors of the run, all nodes'."""
+    take, the margin already left (None: not known). world: executors of the run, all nodes'. held_grads: the plan
+    holds every gradient on the device until the step ends, so a resident unit costs its held gradient less."""
     check_resident(requested)
     total = config.num_layers + 2
     if not on_gpu and requested in ("auto", "none", 0):
@@ -93,11 +104,14 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
         budget, count = None, min(int(requested), total)
     per_param = bytes_per_param(precision)
     numels: list[int] = []
+    cost = freed = 0  # device bytes of the units so far, and of the held gradients they free
     for numel in planned_unit_numels(config):
+        frees = held_grad_bytes(len(numels), numel, total, precision) if held_grads else 0
         if (count is not None and len(numels) == count) or (
-                budget is not None and (sum(numels) + numel) * per_param > budget):
+                budget is not None and cost + numel * per_param - frees > budget):
             break
         numels.append(numel)
+        cost, freed = cost + numel * per_param - frees, freed + frees
     if not numels:
         return Residency(total_units=total, why="no room on the device beyond the pipeline's buffers and checkpoints")
     units, params, head = len(numels), sum(numels), len(numels) == total
@@ -105,4 +119,4 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
     why = ("the first units the next forward needs, which the CPU pool's update would gate" if requested == "auto"
            else f"resident = {requested}")
     return Residency(units, params, params * per_param, layers, sum(numels[1 : 1 + layers]),
-                     numels[-1] if head else 0, total, why)
+                     numels[-1] if head else 0, total, why, freed)

@@ -190,6 +190,13 @@ case "$PART" in
     # (2026-11-26), or rerun one K with --resident none.
     # Each progress line shows tok/s, TFLOP/s and stall %; steps.jsonl (the step's compute and waits) goes into the
     # logs archive. Then FSDP2 CPU offload at K=16's batch (the H200, 2026-11-26: not done building the 7B in 110 s).
+    # This GPU's calibration first (~70 s on the H100, 2026-11-26): with it the runs and plans below split the GPU's
+    # spare memory between resident units and kept layers by the predicted step, and compile = auto decides from the
+    # measured compiled layer; without it they follow a rule (the H100 at K=16 then kept 8 layers and 1 unit:
+    # 5,857-7,042 tok/s). The file comes back as $OUT/calibration.json (benchmarks/calibrations/ keeps the H100's).
+    export MEGATRAIN_CALIBRATION=$OUT/calibration.json
+    step calibrate-7b-bf16 120 "${MEGATRAIN[@]}" calibrate --model 7b --batch 1 --seq 2048 --precision bf16 \
+      --max-seconds 40
     # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
     # set against that plan's totals ("peaks of train-7b-bf16-kK").
     for k in 16 4 1; do
@@ -202,6 +209,8 @@ case "$PART" in
       peaks_stop "train-7b-bf16-k$k" "plan-7b-bf16-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
+    # FSDP2 offload at K=16's batch: not reached inside the part's budget on the H100 (2026-11-26: the calibration and
+    # the three runs took ~400 s); run it alone with STEPS=fsdp2-7b-bf16.
     step fsdp2-7b-bf16 260 python3 benchmarks/throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 \
       --peers fsdp2 --steps 2 --warmup 1 --timeout 250 --log-dir "$WORK/logs/fsdp2" --out "$OUT/fsdp2-7b-bf16.json"
     ;;

@@ -74,7 +74,7 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
         kept = kept_in(budget)
         return with_on_device(plan, config, resident_in(less(budget, kept.bytes)), kept, precision)
     first = resident_in(budget)
-    first_kept = kept_in(less(budget, first.bytes))
+    first_kept = kept_in(less(budget, first.bytes - first.freed_grads))  # what the units take, net
     if resident != AUTO or keep_activations != AUTO:
         return with_on_device(plan, config, first, first_kept, precision)
     last_kept = kept_in(budget)

@@ -209,6 +209,14 @@ case "$PART" in
       peaks_stop "train-7b-bf16-k$k" "plan-7b-bf16-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
+    # The runs above clip every step (random weights, synthetic data: norms 17 to 231 on the H100), so speculate auto
+    # runs the serial update; a run whose steps do not clip updates beside the backward (never measured on a GPU:
+    # the H100's try, 2026-11-26, met the bug fixed since in ea4cd18). K=4 with clipping that never triggers:
+    step train-7b-bf16-k4-noclip 130 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
+      --seq-len 2048 --micro-batches 4 --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
+      --speculate auto --resident auto --max-grad-norm 1e9 --checkpoint-every 0 --no-save-final \
+      --out "$WORK/run-7b-k4-noclip"
+    save "$WORK/logs/steps-7b-bf16-k4-noclip.jsonl" "$WORK/run-7b-k4-noclip/steps.jsonl"
     # FSDP2 offload at K=16's batch: not reached inside the part's budget on the H100 (2026-11-26: the calibration and
     # the three runs took ~400 s); run it alone with STEPS=fsdp2-7b-bf16.
     step fsdp2-7b-bf16 260 python3 benchmarks/throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 \

@@ -2,8 +2,9 @@
 # The GPU runbook: every measurement RESULTS.md is waiting for, in parts of under ~9 minutes each, one
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
-#   bash benchmarks/gpu_session.sh headline # FIRST on a lent machine (never measured): issue #25's 7b bf16 compiled at
-#                                           # K = 16, 4, 1 micro-batches (the update beside the backward on), FSDP2 alike
+#   bash benchmarks/gpu_session.sh headline # FIRST on a lent machine: issue #25's 7b bf16 at K = 16, 4, 1 micro-batches
+#                                           # after this GPU's calibration, K=4 without clipping, FSDP2 alike (the H100,
+#                                           # 2026-11-26, ran the three K without calibration; the fixes since: unrun)
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu
 #   bash benchmarks/gpu_session.sh host    # grad_fold.py, pcie.py, optimizer.py (the pool of AdamW workers)
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers

@@ -294,6 +294,13 @@ def test_choose_picks_the_fastest_candidate_that_fits() -> None:
                         **kwargs)
         assert choice.prediction.step_s <= predict(plan, config, cal, optimizer_workers=w, clipping=False).step_s
     assert choose(config, 1, 2048, cal, on_gpu=True, gpu_free=1 * GiB, host_free=1 * GiB) is None  # nothing fits
+    # the worker counts tried are those of the calibrated machine's cores, not this one's (the H100's 16 cores: from a
+    # 2-core machine, `plan --optimizer-workers auto --calibration` once tried 1 and 2 and picked 2)
+    h100_cal = h100()
+    best = choose(SEVEN_B, 1, 2048, h100_cal, precision="bf16", resident="none", on_gpu=True, gpu_free=79 * GiB,
+                  host_free=125 * GiB)
+    rates = h100_cal.adamw_beside_copies_gparams
+    assert best is not None and best.optimizer_workers == int(max(rates, key=rates.__getitem__)) == 16
 
 
 def test_plan_json_and_the_calibration_it_predicts_from(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

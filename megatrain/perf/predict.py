@@ -363,11 +363,12 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
            grads: str = AUTO, tile_tokens: int | None | str = AUTO, clipping: bool = True, precision: str = "tf32",
            max_workers: int | None = None, **plan_kwargs: Any) -> Choice | None:
     """The fastest predicted run among the settings left "auto" that fits memory (None: none fits).
-    optimizer_workers: 1 .. max_workers (default: the cores); grads: the placements clipping allows (the GPU's
+    optimizer_workers: 1 .. max_workers (default: the cores of the machine `cal` was measured on, which `megatrain
+    plan --calibration FILE` may run far from); grads: the placements clipping allows (the GPU's
     only on a GPU); tile_tokens: untiled and TILE_TOKENS halved down to MIN_TILE_TOKENS, below the micro-batch's
     tokens. Micro-batches and the schedule are taken as given (plan_run picks the schedule where it is auto)."""
     on_gpu = plan_kwargs.get("on_gpu", False)
-    cores = os.cpu_count() or 1
+    cores = cal.cores or os.cpu_count() or 1
     workers = (range(1, (max_workers or min(cores, MAX_CALIBRATED_WORKERS)) + 1) if optimizer_workers == AUTO
                else [int(optimizer_workers)])
     placements = ([g for g in GRAD_PLACEMENTS if g != AUTO and not (g == "stream" and clipping)

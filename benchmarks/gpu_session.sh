@@ -24,7 +24,7 @@
 # travel as one $OUT/logs-PART.tar.gz. Environment knobs: OUT (required unless DRY_RUN=1),
 # STEPS (comma-separated step names: run only these), PEERS and PEER_TIMEOUT (part peers), COMPILE_7B (part
 # big: 0 runs the 7b bf16 step without torch.compile), BUDGET_S (seconds
-# the part's steps may take, default 520), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
+# the part's steps may take, default 520), HEADLINE_WORKERS and HEADLINE_GRADS (part headline), SITE (where the wheels go, default /tmp/site) and MEGATRAIN_CLI
 # (how to call megatrain, default `python3 -m pipelines.cli`: the project is not pip-installed there).
 set -uo pipefail
 
@@ -198,15 +198,19 @@ case "$PART" in
     export MEGATRAIN_CALIBRATION=$OUT/calibration.json
     step calibrate-7b-bf16 120 "${MEGATRAIN[@]}" calibrate --model 7b --batch 1 --seq 2048 --precision bf16 \
       --max-seconds 40
+    # HEADLINE_WORKERS (default 8) and HEADLINE_GRADS (default auto: "device" on this GPU) set the runs' optimizer
+    # workers and gradient placement: `plan --optimizer-workers auto` on the H100's calibration predicts K=1 fastest
+    # with 16 workers and grads = arena (RESULTS.md, third GPU session), never run.
+    workers=${HEADLINE_WORKERS:-8} grads=${HEADLINE_GRADS:-auto}
     # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
     # set against that plan's totals ("peaks of train-7b-bf16-kK").
     for k in 16 4 1; do
       step "plan-7b-bf16-k$k" 30 "${MEGATRAIN[@]}" plan --model 7b --precision bf16 --batch 1 --seq 2048 \
-        --micro-batches "$k" --optimizer-workers 8 --resident auto --device cuda
+        --micro-batches "$k" --optimizer-workers "$workers" --grads "$grads" --resident auto --device cuda
       peaks_start "train-7b-bf16-k$k"
       step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
-        --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
-        --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
+        --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers "$workers" \
+        --grads "$grads" --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k$k"
       peaks_stop "train-7b-bf16-k$k" "plan-7b-bf16-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
@@ -214,8 +218,8 @@ case "$PART" in
     # runs the serial update; a run whose steps do not clip updates beside the backward (never measured on a GPU:
     # the H100's try, 2026-11-26, met the bug fixed since in ea4cd18). K=4 with clipping that never triggers:
     step train-7b-bf16-k4-noclip 130 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
-      --seq-len 2048 --micro-batches 4 --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 \
-      --speculate auto --resident auto --max-grad-norm 1e9 --checkpoint-every 0 --no-save-final \
+      --seq-len 2048 --micro-batches 4 --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers "$workers" \
+      --grads "$grads" --speculate auto --resident auto --max-grad-norm 1e9 --checkpoint-every 0 --no-save-final \
       --out "$WORK/run-7b-k4-noclip"
     save "$WORK/logs/steps-7b-bf16-k4-noclip.jsonl" "$WORK/run-7b-k4-noclip/steps.jsonl"
     # FSDP2 offload at K=16's batch: not reached inside the part's budget on the H100 (2026-11-26: the calibration and

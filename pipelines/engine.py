@@ -55,7 +55,7 @@ from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
 from pipelines.lora import lora_settings, record_lora_arena
-from pipelines.recovery import Recovery, is_actor_death, is_cuda_error
+from pipelines.recovery import Recovery, is_actor_death, is_fault
 from pipelines.run_actors import RunActors, absolute, get, save_target
 from pipelines.run_plan import run_plan
 
@@ -293,7 +293,7 @@ class Engine:
                 self.recovery.step_completed()
                 return result
             except Exception as e:
-                if isinstance(e, ray.exceptions.RayError) and (is_actor_death(e) or is_cuda_error(e)):
+                if is_fault(e):
                     self.recovery.recover(e)
                     continue
                 if self.steps_done == steps_before:  # refused (e.g. a bad token id): nothing to replay after a fault

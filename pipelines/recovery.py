@@ -47,6 +47,22 @@ def is_cuda_error(e: BaseException) -> bool:
                for c in cause_chain(e))
 
 
+def is_collective_failure(e: BaseException) -> bool:
+    """A collective between executors failed (gloo, NCCL): how a peer's death reaches the executors that outlive it,
+    often before Ray reports the death itself (a killed executor's peer blocked in its all_reduce: "Connection reset
+    by peer")."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return any(isinstance(c, dist_error) or (isinstance(c, RuntimeError) and ("gloo" in str(c) or "NCCL" in str(c)))
+               for c in cause_chain(e))
+
+
+def is_fault(e: BaseException) -> bool:
+    """What a recovery is for: an actor died, its CUDA context broke, or a collective failed; the recovery finds out
+    which actors died and raises `e` again where none did."""
+    return isinstance(e, ray.exceptions.RayError) and (is_actor_death(e) or is_cuda_error(e)
+                                                        or is_collective_failure(e))
+
+
 def alive(actor: Any, timeout: float = 60.0) -> bool:
     """Whether `actor` answers within `timeout`: one that does not (stuck in a collective with a dead peer) is as
     good as dead to a recovery, which replaces it."""

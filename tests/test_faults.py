@@ -142,8 +142,10 @@ def _megatrain_actor_processes() -> list[int]:
     return found
 
 
-def test_cuda_errors_count_as_executor_faults() -> None:
-    from pipelines.recovery import is_actor_death, is_cuda_error
+def test_cuda_errors_and_failed_collectives_count_as_executor_faults() -> None:
+    import ray
+
+    from pipelines.recovery import is_actor_death, is_collective_failure, is_cuda_error, is_fault
 
     class Wrapped(Exception):  # the shape of Ray's RayTaskError: the original error under .cause
         def __init__(self, cause: BaseException):
@@ -153,3 +155,13 @@ def test_cuda_errors_count_as_executor_faults() -> None:
     assert is_cuda_error(Wrapped(RuntimeError("CUDA error: an illegal memory access was encountered")))
     assert not is_cuda_error(Wrapped(RuntimeError("shape mismatch")))
     assert not is_actor_death(Wrapped(ValueError("bad token")))
+    # a killed executor's peer, in its all_reduce, fails before Ray reports the death (seen in CI on two nodes)
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12709: Connection "
+                        "reset by peer.")
+    assert is_collective_failure(Wrapped(gloo)) and not is_collective_failure(Wrapped(RuntimeError("shape mismatch")))
+
+    class TaskError(ray.exceptions.RayError, Wrapped):  # Ray's error around each
+        pass
+
+    assert is_fault(TaskError(gloo)) and is_fault(TaskError(RuntimeError("CUDA error: unspecified launch failure")))
+    assert not is_fault(TaskError(ValueError("bad token"))) and not is_fault(gloo)  # not through Ray: not the engine

@@ -240,10 +240,10 @@ def run_megatrain(spec: BenchSpec) -> PeerResult:
     import ray
 
     import megatrain
-    from pipelines.cluster import ray_memory_monitor_off
+    from pipelines.cluster import local_ray_environment
 
     # Our own small local Ray (Engine joins it): its object store carries only the token batches.
-    ray_memory_monitor_off()
+    local_ray_environment()
     ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=spec.object_store_mb * 2**20,
              include_dashboard=False, configure_logging=False)
     engine = None

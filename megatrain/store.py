@@ -39,11 +39,14 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model(model: str | Path | ModelConfig, verify: bool = True) -> tuple[ModelConfig, Path | None, str]:
-    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config. verify: a model
-    of the generic path passes megatrain's self-check first (megatrain/self_check.py: refused in one sentence where
-    megatrain's path differs from transformers'), before anything is allocated; a plan, which runs nothing, skips it."""
+    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config. verify: an HF
+    directory's weight files are there and readable, and a model of the generic path passes megatrain's self-check
+    (megatrain/self_check.py: refused in one sentence where megatrain's path differs from transformers'), before Ray
+    or anything else starts; a plan, which runs nothing, skips both."""
     config, directory, name = _resolved(model)
     if verify:
+        if directory is not None:
+            ckpt.check_readable(ckpt.weight_files(directory, "model"))
         self_check(config)
     return config, directory, name
 

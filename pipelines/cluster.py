@@ -52,14 +52,20 @@ RESOURCE_UNITS = 10_000  # Ray counts a resource in 1/10000ths: a share is floor
 PRIVATE_HINT = "address='local' (--address local) starts a private one instead"
 
 
-def ray_memory_monitor_off() -> None:
-    """For a local Ray about to be started here (its raylet reads the environment when it starts).
+def local_ray_environment() -> None:
+    """Settings for a local Ray about to be started here (its raylet reads the environment when it starts); a user's
+    own value of either wins.
 
-    Ray's memory monitor kills workers once the machine's used memory passes 95%, counting /dev/shm as used.
-    The arena is most of host memory by design (a 9 G-param model takes ~115 of 125 GiB), and the memory
-    plan has checked that it fits before allocating; a worker killed for it frees none of it (the arena
-    outlives it), so the restarted one would be killed again. Set RAY_memory_monitor_refresh_ms to keep it."""
+    RAY_memory_monitor_refresh_ms=0: Ray's memory monitor kills workers once the machine's used memory passes 95%,
+    counting /dev/shm as used. The arena is most of host memory by design (a 9 G-param model takes ~115 of 125 GiB),
+    and the memory plan has checked that it fits before allocating; a worker killed for it frees none of it (the arena
+    outlives it), so the restarted one would be killed again.
+    RAY_prestart_worker_first_driver=0: Ray prestarts an idle Python worker per CPU for the first driver, but each of
+    megatrain's actors runs in a placement group bundle, for which the raylet starts a worker of its own (the
+    prestarted ones stay idle through a run): each would cost about a CPU-second of imports while the run's actors
+    start, and ~100 MB."""
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -79,7 +85,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         log.info("joined the Ray cluster at %s (%s); %s", target, source, PRIVATE_HINT)
         return
     log.debug("starting a private local Ray (%s)", source)
-    ray_memory_monitor_off()
+    local_ray_environment()
     # address="local": Ray itself would otherwise join the cluster in RAY_ADDRESS or its record, and refuse
     # num_cpus there. The object store carries only token batches and control messages: keep it small (it
     # lives in /dev/shm).

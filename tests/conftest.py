@@ -1,9 +1,7 @@
 """Fixtures several test modules use: the session's Ray, a Ray of a test's own, a private /dev/shm directory, and
 the models and batches that tests in more than one module train on. Plain helpers are in helpers.py."""
 
-import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +9,16 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from helpers import STEPS, build_hf_model, micro_llama_config, stop_ray
+from helpers import STEPS, build_hf_model, micro_llama_config, private_ray_env
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipelines import cluster
+
+
+@pytest.fixture(autouse=True, scope="session")
+def local_ray_environment() -> None:
+    """Every Ray a test starts (the session's, a subprocess's, `ray start`, a test cluster's nodes) starts as the
+    driver's private one does: subprocesses inherit the variables."""
+    cluster.local_ray_environment()
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +50,9 @@ def no_cached_self_checks(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
-    """The environment of one test's Ray: its own RAY_TMPDIR, short because Ray's unix sockets live under it
-    (at most ~107 characters), no RAY_ADDRESS from outside."""
-    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
-    try:
+    """The environment of one test's Ray (helpers.private_ray_env: its own RAY_TMPDIR, its processes killed after)."""
+    with private_ray_env() as env:
         yield env
-    finally:
-        stop_ray(tmp)  # after a failure too
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture

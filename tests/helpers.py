@@ -1,7 +1,8 @@
 """What several test modules share, so that no test module imports another: tiny random transformers models and
 the references megatrain is held to (transformers' loss and gradients, its training with torch.optim.AdamW), Engine
 runs with actors SIGKILLed along the way, the one-sentence check of an error message, the command line called in
-this process, and look-ups of /dev/shm, Ray processes and ports. The fixtures are in conftest.py."""
+this process, look-ups of /dev/shm, Ray processes and ports, and the environment of a test's own Ray. The
+fixtures are in conftest.py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +434,8 @@ def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
 
 # ---- /dev/shm, Ray processes and ports ----
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: a test's Ray imports megatrain from it
+
 TIMEOUT = 240  # seconds for one subprocess; a hang fails the test instead of the CI job
 
 
@@ -467,6 +472,21 @@ def stop_ray(tmp: str, timeout: float = 30.0) -> list[int]:
                 pass
         time.sleep(0.2)
     return ray_processes(tmp)
+
+
+@contextlib.contextmanager
+def private_ray_env() -> Iterator[dict[str, str]]:
+    """The environment of a Ray of a test's own: its own RAY_TMPDIR, short because Ray's unix sockets live under it
+    (at most ~107 characters), no RAY_ADDRESS from outside; on leaving, every process of that Ray is killed (after a
+    failure too) and the directory removed."""
+    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
+    try:
+        yield env
+    finally:
+        stop_ray(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def assert_nothing_left(env: dict[str, str], dead_before: set[Path]) -> None:

@@ -186,9 +186,19 @@ def engine_on(hf_dir: Path, **kwargs) -> megatrain.Engine:
                             **kwargs)
 
 
-def test_user_errors_are_raised_as_themselves_in_one_sentence(ray_session, hf_dir, batches) -> None:
-    """Not wrapped in Ray's RayTaskError, whose message is the actor's traceback."""
+def test_one_engine_refuses_bad_input_takes_the_drivers_paths_and_holds_its_cpus(ray_session, hf_dir, batches,
+                                                                                  tmp_path, monkeypatch) -> None:
+    """One Engine (each start costs seconds), three things a user meets:
+    - bad batches are refused as megatrain errors in one sentence, not wrapped in Ray's RayTaskError (whose message is
+      the actor's traceback), and change nothing; a shut-down Engine says so;
+    - the first Engine's optimizer workers reserve its node's free CPUs: a second one is told at once, instead of
+      waiting forever for Ray to schedule its workers;
+    - the actors run in another working directory: a relative path means the driver's."""
+    from pipelines import cluster
+
     ids = batches[0][0]
+    # CPUs an Engine just shut down releases come back within the wait; none come back here: 1 s tells as much as 10
+    monkeypatch.setattr(cluster, "FREE_CPU_WAIT_SECONDS", 1.0)
     with engine_on(hf_dir) as engine:
         for bad_ids, labels, expected in [(torch.full((1, 8), VOCAB + 5), None, "outside the model's vocabulary"),
                                           (ids.float() + 0.5, None, "input_ids must hold integer token ids"),
@@ -198,20 +208,20 @@ def test_user_errors_are_raised_as_themselves_in_one_sentence(ray_session, hf_di
             assert not isinstance(info.value, ray.exceptions.RayError) and "\n" not in str(info.value)
         engine.step(ids)  # refused batches changed nothing
         assert engine.steps_done == 1
-    for use in (lambda: engine.step(ids), engine.parameters, lambda: engine.save_checkpoint("never-written")):
-        with pytest.raises(MegatrainError, match="this Engine was shut down; create a new one"):
-            use()
 
+        with pytest.raises(MegatrainError, match="the driver's Ray node has no free CPU for the 1 optimizer worker"):
+            engine_on(hf_dir)
+        engine.step(*batches[0])
 
-def test_relative_paths_are_the_drivers(ray_session, hf_dir, tmp_path, monkeypatch) -> None:
-    """The actors run in another working directory: a relative path means the driver's."""
-    with engine_on(hf_dir) as engine:
         monkeypatch.chdir(tmp_path)
         assert engine.save_checkpoint("ckpt") == tmp_path / "ckpt"
         assert (tmp_path / "ckpt" / "manifest.json").is_file()
         assert engine.save_pretrained("hf") == tmp_path / "hf"
         assert (tmp_path / "hf" / "model.safetensors").is_file()
         engine.load_checkpoint("ckpt")
+    for use in (lambda: engine.step(ids), engine.parameters, lambda: engine.save_checkpoint("never-written")):
+        with pytest.raises(MegatrainError, match="this Engine was shut down; create a new one"):
+            use()
 
 
 def test_a_corrupt_model_directory_is_one_sentence(ray_session, hf_dir, tmp_path) -> None:
@@ -225,36 +235,27 @@ def test_a_corrupt_model_directory_is_one_sentence(ray_session, hf_dir, tmp_path
     assert set(list_segments()) <= before
 
 
-def test_a_second_engine_without_free_cpus_fails_at_once(ray_session, hf_dir, batches, monkeypatch) -> None:
-    """The first Engine's optimizer workers reserve its node's free CPUs; a second one is told, instead of
-    waiting forever for Ray to schedule its workers."""
-    from pipelines import cluster
-
-    # CPUs an Engine just shut down releases come back within the wait; none come back here: 1 s tells as much as 10
-    monkeypatch.setattr(cluster, "FREE_CPU_WAIT_SECONDS", 1.0)
-    with engine_on(hf_dir) as first:
-        with pytest.raises(MegatrainError, match="the driver's Ray node has no free CPU for the 1 optimizer worker"):
-            engine_on(hf_dir)
-        first.step(*batches[0])
-
-
 def test_cuda_on_a_cluster_without_a_gpu_is_a_config_error(ray_session, hf_dir, monkeypatch) -> None:
     monkeypatch.setattr("pipelines.engine.node_resources", lambda node: ({"CPU": 2.0}, {"CPU": 2.0}))
     with pytest.raises(ConfigError, match="device 'cuda' was asked for but the driver's Ray node has no GPU"):
         megatrain.Engine(hf_dir, optimizer_workers=1, device="cuda", batch_size=2, seq_len=16)
 
 
-def test_a_local_ray_starts_without_its_memory_monitor_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_local_ray_starts_without_its_memory_monitor_or_idle_workers_unless_asked(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
     """The arena in /dev/shm counts as used memory to Ray's monitor, which would kill workers holding none
-    of it; a user's own setting wins."""
-    from pipelines.cluster import ray_memory_monitor_off
+    of it; the idle workers Ray prestarts are never megatrain's actors; a user's own setting wins."""
+    from pipelines.cluster import local_ray_environment
 
-    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
-    ray_memory_monitor_off()
-    assert os.environ["RAY_memory_monitor_refresh_ms"] == "0"
+    for variable in ("RAY_memory_monitor_refresh_ms", "RAY_prestart_worker_first_driver"):
+        monkeypatch.delenv(variable, raising=False)
+    local_ray_environment()
+    assert os.environ["RAY_memory_monitor_refresh_ms"] == os.environ["RAY_prestart_worker_first_driver"] == "0"
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
-    ray_memory_monitor_off()
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")
+    local_ray_environment()
     assert os.environ["RAY_memory_monitor_refresh_ms"] == "250"
+    assert os.environ["RAY_prestart_worker_first_driver"] == "1"
 
 
 def test_a_sequence_longer_than_the_models_positions_is_warned_about(ray_session, hf_dir, caplog) -> None:

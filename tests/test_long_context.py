@@ -7,7 +7,7 @@ fit an 80 GiB GPU with a 125 GiB host, 7B at 512k does not, and the plan says wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,12 +57,32 @@ def hf_result(hf: torch.nn.Module, ids: torch.Tensor, position_ids: torch.Tensor
     return loss.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
 
 
+def row() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def hf_results(llama: tuple[torch.nn.Module, Path]) -> Callable[[bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """transformers' loss and gradients on row(), packed or one document, each computed once per module (eager
+    attention at 4096 tokens is most of a test's time): the tiled runs are held to them, and they to each other."""
+    hf, _ = llama
+    results: dict[bool, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+    def result(packed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if packed not in results:
+            results[packed] = hf_result(hf, row(), packed_positions() if packed else None)
+        return results[packed]
+
+    return result
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed-documents"])
-def test_tiled_and_offloaded_matches_transformers(llama: tuple[torch.nn.Module, Path], packed: bool) -> None:
-    hf, directory = llama
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+def test_tiled_and_offloaded_matches_transformers(llama: tuple[torch.nn.Module, Path], hf_results, packed: bool
+                                                  ) -> None:
+    _, directory = llama
+    ids = row()
     position_ids = packed_positions() if packed else None
-    hf_loss, hf_grads = hf_result(hf, ids, position_ids)
+    hf_loss, hf_grads = hf_results(packed)
     with megatrain.from_pretrained(directory, device="cpu-async:3", tile_tokens=TILE, checkpoint_budget=0) as model:
         loss, grads = model.loss_and_grads(ids, position_ids=position_ids) if packed else model.loss_and_grads(ids)
         store = model.executor.activation_checkpoints
@@ -72,12 +92,10 @@ def test_tiled_and_offloaded_matches_transformers(llama: tuple[torch.nn.Module, 
         assert max(errors.values()) <= 1e-5, errors
 
 
-def test_packed_documents_attend_within_themselves(llama: tuple[torch.nn.Module, Path]) -> None:
+def test_packed_documents_attend_within_themselves(hf_results) -> None:
     """The packed row's loss is not the one-document row's: positions restart and attention stops at each start
     (the check above would pass for a model that ignored position_ids only if transformers did too)."""
-    hf, _ = llama
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    assert hf_result(hf, ids, packed_positions())[0] != hf_result(hf, ids, None)[0]
+    assert hf_results(True)[0] != hf_results(False)[0]
 
 
 def test_checkpoints_on_the_device_stay_within_the_budget() -> None:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import peft
@@ -132,6 +133,24 @@ def peft_training(hf: torch.nn.Module, adapters: Adapters, batches: list, dtype:
     return losses, grads, {n: p.detach().float().clone() for n, p in named}
 
 
+PeftRun = tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def peft_runs() -> Callable[[torch.nn.Module, Adapters, torch.dtype], PeftRun]:
+    """peft_training on lora_batches() of a model (a module fixture's, with its adapters) in a dtype, run once per
+    module: the loss and gradient test and every judgement against fp64 read the same fp32 run."""
+    runs: dict[tuple[int, int, torch.dtype], tuple[torch.nn.Module, Adapters, PeftRun]] = {}
+
+    def run(hf: torch.nn.Module, adapters: Adapters, dtype: torch.dtype = torch.float32) -> PeftRun:
+        key = (id(hf), id(adapters), dtype)  # the entry holds both, so neither id is reused meanwhile
+        if key not in runs:
+            runs[key] = hf, adapters, peft_training(hf, adapters, lora_batches(), dtype)
+        return runs[key][2]
+
+    return run
+
+
 ENGINE = dict(optimizer_workers=1, precision="fp32", device="cpu", max_grad_norm=1.0, **THREE_STEPS_OPTIM)
 
 
@@ -187,9 +206,9 @@ def run(request) -> tuple[tuple[torch.nn.Module, Path, Path, Adapters], dict]:
     return request.getfixturevalue("generic_model"), request.getfixturevalue("generic_trained")
 
 
-def test_loss_and_every_adapter_gradient_match_peft(run) -> None:
+def test_loss_and_every_adapter_gradient_match_peft(run, peft_runs) -> None:
     (hf, _, _, adapters), trained = run
-    losses, grads, _ = peft_training(hf, adapters, lora_batches())
+    losses, grads, _ = peft_runs(hf, adapters)
     assert trained["losses"] == pytest.approx(losses, rel=REL_TOL)
     for step, want in enumerate(grads):
         assert set(trained["grads"][step]) == set(want) == set(adapters.tensors)
@@ -198,21 +217,21 @@ def test_loss_and_every_adapter_gradient_match_peft(run) -> None:
         assert all(g.abs().max() > 0 for g in want.values())  # else a wrong value would go unseen
 
 
-def assert_judged_against_fp64(params: dict[str, torch.Tensor], hf: torch.nn.Module, adapters: Adapters) -> None:
+def assert_judged_against_fp64(params: dict[str, torch.Tensor], hf: torch.nn.Module, adapters: Adapters,
+                               peft_runs: Callable[[torch.nn.Module, Adapters, torch.dtype], PeftRun]) -> None:
     """megatrain's distance to PEFT's fp64 run of lora_batches() within twice PEFT's fp32 distance (or 1e-5): helpers'
     house rule."""
-    batches = lora_batches()
-    _, _, exact = peft_training(hf, adapters, batches, torch.float64)
-    _, _, fp32 = peft_training(hf, adapters, batches)
+    _, _, exact = peft_runs(hf, adapters, torch.float64)
+    _, _, fp32 = peft_runs(hf, adapters, torch.float32)
     ours, theirs = max_rel(params, exact), max_rel(fp32, exact)
     too_far = {n: (e, theirs[n]) for n, e in ours.items() if e > max(1e-5, 2 * theirs[n])}
     assert not too_far, f"(megatrain, PEFT fp32) relative errors against fp64: {too_far}"
     assert all(not torch.equal(params[n], t) for n, t in adapters.tensors.items())  # they trained
 
 
-def test_three_steps_match_peft_adamw_within_fp32_rounding(run) -> None:
+def test_three_steps_match_peft_adamw_within_fp32_rounding(run, peft_runs) -> None:
     (hf, _, _, adapters), trained = run
-    assert_judged_against_fp64(trained["params"], hf, adapters)
+    assert_judged_against_fp64(trained["params"], hf, adapters, peft_runs)
 
 
 def test_the_base_is_frozen_bit_for_bit_with_no_gradient_or_moments(trained, lora_model) -> None:
@@ -389,7 +408,7 @@ def test_resident_adapters_and_simulated_streams_train_bit_for_bit_as_the_pool(r
 
 @pytest.mark.slow  # CI: micro-batches through the executor without Ray (tests/test_lora.py)
 @pytest.mark.parametrize("schedule", ["layer-major", "per-micro-batch"])
-def test_micro_batches_train_as_the_whole_batch(ray_session, trained, lora_model, schedule: str) -> None:
+def test_micro_batches_train_as_the_whole_batch(ray_session, trained, lora_model, peft_runs, schedule: str) -> None:
     """Each step's two rows as two micro-batches: the whole batch's losses and, fp32 rounding apart (the gradients are
     summed in another order), its adapters after three steps, judged against PEFT's fp64 run as the whole batch is."""
     hf, model_dir, adapter_dir, adapters = lora_model
@@ -399,11 +418,11 @@ def test_micro_batches_train_as_the_whole_batch(ray_session, trained, lora_model
         params = engine.parameters()
     assert losses == pytest.approx(trained["losses"], rel=1e-6)
     assert max(max_rel(params, trained["params"]).values()) <= REL_TOL
-    assert_judged_against_fp64(params, hf, adapters)
+    assert_judged_against_fp64(params, hf, adapters, peft_runs)
 
 
 @pytest.mark.slow  # CI: the tiled layers' gradients against PEFT without Ray (tests/test_lora_tiled.py)
-def test_sequence_tiles_train_as_the_whole_sequence(ray_session, trained, lora_model) -> None:
+def test_sequence_tiles_train_as_the_whole_sequence(ray_session, trained, lora_model, peft_runs) -> None:
     """tile_tokens 8 (four tiles of each 16-token row): the untiled run's losses and, fp32 rounding apart, its
     adapters after three steps, judged against PEFT's fp64 run."""
     hf, model_dir, adapter_dir, adapters = lora_model
@@ -413,7 +432,7 @@ def test_sequence_tiles_train_as_the_whole_sequence(ray_session, trained, lora_m
         params = engine.parameters()
     assert losses == pytest.approx(trained["losses"], rel=1e-6)
     assert max(max_rel(params, trained["params"]).values()) <= REL_TOL
-    assert_judged_against_fp64(params, hf, adapters)
+    assert_judged_against_fp64(params, hf, adapters, peft_runs)
 
 
 def train_with_kills(model_dir: Path, batches: list, kill: bool, **settings) -> tuple[list[float], dict]:

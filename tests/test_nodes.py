@@ -8,7 +8,9 @@ executor and with transformers is test_data_parallel's; the checkpoint resumes o
 parameters as the run that went on; killing the second node's executor in the middle of a step, or its optimizer
 worker, recovers exactly; killing its parameter store (the node lost) stops the run in one sentence naming it, and
 the dead store's segments are removed when the run shuts down. A LoRA run on two nodes (slow) is bit for bit its run
-on one node with the same two executors, recovered and resumed alike.
+on one node with the same two executors, recovered and resumed alike. The same cluster, with a GPU (a Ray resource
+only) on its second node, first serves a run of one node: its actors and data loader stay on the driver's node, its
+device 'cuda' is refused, and a GPU placement on the other node grants the executor's options there.
 The plain classes (node parts, resharding of checkpoints) are tested without Ray.
 """
 
@@ -17,12 +19,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMEOUT, assert_nothing_left, build_hf_model, dead_segments
+from helpers import TIMEOUT, assert_nothing_left, build_hf_model, dead_segments, private_ray_env
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
@@ -151,16 +154,58 @@ TWO_NODES = """
 import json, os, signal, sys, threading, ray, torch
 from safetensors.torch import save_file
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
 import megatrain
+from actors.data_loader import DataLoaderActor
+from megatrain.data import DataConfig
+from pipelines.cluster import NodePlacement
 
 shm0, shm1, out, mode = sys.argv[1:5]
 full = mode == "full"
 node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
 nodes = Cluster(initialize_head=True, head_node_args={**node_args, "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
-nodes.add_node(**node_args, env_vars={"MEGATRAIN_SHM_DIR": shm1})
+# a GPU as a Ray resource only (nothing here runs CUDA), on the node that is not the driver's: the runs compute on
+# the CPU all the same (device "cpu", or "auto" on the driver's node, which has none)
+nodes.add_node(**node_args, num_gpus=1, env_vars={"MEGATRAIN_SHM_DIR": shm1})
 result = {}
+
+
+def on_the_drivers_node():
+    gen = torch.Generator().manual_seed(0)
+    with megatrain.Engine("tiny", batch_size=2, seq_len=32, device="auto", optimizer_workers=1) as engine:
+        losses = [engine.step(torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(3)]
+        loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(
+            DataConfig(batch_size=2, seq_len=32, vocab_size=engine.config.vocab_size))
+        actors = [engine.store, engine.executor, *engine.workers, loader]
+        where = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
+        group = sorted(set(placement_group_table(engine.placement.group)["bundles_to_node_id"].values()))
+        worker_cpus, device = engine.placement.worker_cpus, engine.device
+    try:
+        megatrain.Engine("tiny", batch_size=2, seq_len=32, device="cuda", optimizer_workers=1)
+    except megatrain.ConfigError as e:
+        cuda_refused = str(e)
+
+    # what the CPU cannot run end to end: a group with a GPU bundle, and the options the executor gets from it
+    gpu_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU"))
+    placement = NodePlacement.reserve(gpu_node, 1, gpu=True, timeout=60)
+
+    @ray.remote(num_cpus=0)
+    def probe():
+        return ray.get_runtime_context().get_node_id(), len(ray.get_gpu_ids())
+
+    on_gpu = ray.get(probe.options(**placement.executor()).remote(), timeout=60)
+    placement.release()
+    return {"losses": losses, "driver": ray.get_runtime_context().get_node_id(), "actors": where, "group": group,
+            "nodes": len(ray.nodes()), "worker_cpus": worker_cpus, "device": device, "cuda_refused": cuda_refused,
+            "gpu_node": gpu_node, "on_gpu": on_gpu}
+
+
 try:
-    ray.init(address=nodes.address)  # by address: see test_ray_cluster's TWO_NODES
+    # connected by its address, as Ray's docs do: found through the record instead, Ray turns its token auth on in
+    # this driver alone, and the nodes this process started reject it (actors die unscheduled)
+    ray.init(address=nodes.address)
+    if mode != "lora":  # test_engine_on_a_two_node_cluster_stays_on_the_drivers_node's run, before the two nodes'
+        result["drivers_node"] = on_the_drivers_node()
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(5)]
     settings = dict(batch_size=4, seq_len=32, device="cpu", optimizer_workers=1, lr=1e-2, warmup_steps=0)
@@ -273,12 +318,49 @@ def run_two_nodes(ray_env: dict[str, str], tmp_path: Path, mode: str, *args: str
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1]), shm
 
 
+@dataclass
+class TwoNodesRun:
+    """One run of TWO_NODES that the two tests below check: its mode, its Ray's environment, its output directory,
+    the nodes' arena directories, the dead segments in /dev/shm before it, and its result."""
+
+    mode: str
+    env: dict[str, str]
+    out: Path
+    shm: list[Path]
+    dead_before: set[Path]
+    result: dict
+
+
 # CI: one run on two nodes meets a killed executor and the lost node; slow: a killed worker, and the checkpoint
-# resumed on 1 node and on 2 (resharding without Ray: test_checkpoints_reshard)
-@pytest.mark.parametrize("mode", ["ci", pytest.param("full", marks=pytest.mark.slow)])
-def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: Path, mode: str) -> None:
-    dead_before = dead_segments()
-    result, shm = run_two_nodes(ray_env, tmp_path, mode)
+# resumed on 1 node and on 2 (resharding without Ray: test_checkpoints_reshard). Both first run a one-node Engine
+# on the same cluster: one cluster for the two tests (one costs ~10 s to start and stop on 2 cores).
+@pytest.fixture(scope="module", params=["ci", pytest.param("full", marks=pytest.mark.slow)])
+def two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodesRun]:
+    with private_ray_env() as env:
+        out = tmp_path_factory.mktemp(f"two-nodes-{request.param}")
+        dead_before = dead_segments()
+        result, shm = run_two_nodes(env, out, request.param)
+        yield TwoNodesRun(request.param, env, out, shm, dead_before, result)
+
+
+def test_engine_on_a_two_node_cluster_stays_on_the_drivers_node(two_nodes: TwoNodesRun) -> None:
+    """Two 2-CPU nodes (4 CPUs in the cluster, 2 on any node), a GPU on the node that is not the driver's: the
+    one optimizer worker reserves its node's 2 CPUs, not the cluster's 4 that no node has (which waited
+    forever); every actor, the data loader included, runs on the driver's node; "auto" computes on the CPU there
+    and "cuda" is refused, since the cluster's GPU is on another node."""
+    result = two_nodes.result["drivers_node"]
+    driver = result["driver"]
+    assert result["nodes"] == 2 and len(result["losses"]) == 3 and result["gpu_node"] != driver
+    assert result["actors"] == [driver] * 4 and result["group"] == [driver]
+    assert result["worker_cpus"] == 2.0
+    assert result["device"] == "cpu"
+    assert result["cuda_refused"].startswith("device 'cuda' was asked for but the driver's Ray node has no GPU")
+    assert result["on_gpu"] == [result["gpu_node"], 1]  # the executor's options: its node, one GPU granted
+    assert_nothing_left(two_nodes.env, two_nodes.dead_before)
+
+
+def test_two_nodes_train_resume_and_recover(two_nodes: TwoNodesRun) -> None:
+    result, shm, mode = two_nodes.result, two_nodes.shm, two_nodes.mode
     first, second = result["nodes"]
     assert first != second
     assert result["stores"] == result["executors"] == result["workers"] == [first, second]
@@ -286,7 +368,7 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
     assert "optimizer-node000-of-002.safetensors" in result["files"] and "model.safetensors" in result["files"]
 
     def params(name: str) -> dict[str, torch.Tensor]:
-        return load_file(tmp_path / f"{name}.safetensors")
+        return load_file(two_nodes.out / f"{name}.safetensors")
 
     assert result["two"] == result["one"]
     for name, value in params("one-3").items():
@@ -301,7 +383,7 @@ def test_two_nodes_train_resume_and_recover(ray_env: dict[str, str], tmp_path: P
     assert result["restarts"] >= 1 and (mode == "ci" or result["worker-restarts"] >= 1)
     assert result["lost"].startswith("node 1 of the run (") and f"Ray node {second[:8]}) was lost" in result["lost"]
     assert result["lost"].endswith("on 2 nodes once it is back or on fewer (--nodes 1: checkpoints reshard).")
-    assert_nothing_left(ray_env, dead_before)
+    assert_nothing_left(two_nodes.env, two_nodes.dead_before)
 
 
 @pytest.mark.slow  # two Engines and a recovery of every actor (~90 s on 2 cores); no LoRA over nodes in CI

@@ -1,5 +1,6 @@
-"""Ray as users run it: a running `ray start --head` cluster, a stale record of a killed one, a cluster of two
-nodes; where a run's actors go and what they reserve; and the device the executor actor is given.
+"""Ray as users run it: a running `ray start --head` cluster, a stale record of a killed one; what a run's actors
+reserve on the driver's node; and the device the executor actor is given. (A run on a cluster of two nodes that stays
+on the driver's node: test_nodes.py, on the cluster of its two-node run.)
 
 A test that needs a Ray of its own runs it in subprocesses (the session's Ray, from conftest, stays the one of
 this process) under a fresh RAY_TMPDIR, which also holds Ray's record of "the current cluster". Everything such
@@ -9,7 +10,6 @@ stop every Ray on the machine, other people's included.
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import subprocess
@@ -137,75 +137,6 @@ def test_address_resolution(monkeypatch, tmp_path, caplog) -> None:
 
 
 # ---- where: one node ----
-
-TWO_NODES = """
-import json, ray, torch
-from ray.cluster_utils import Cluster
-from ray.util.placement_group import placement_group_table
-import megatrain
-from actors.data_loader import DataLoaderActor
-from megatrain.data import DataConfig
-from pipelines.cluster import NodePlacement
-
-node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
-nodes = Cluster(initialize_head=True, head_node_args=node_args)
-nodes.add_node(num_gpus=1, **node_args)  # a GPU as a Ray resource only (nothing here runs CUDA), on the other node
-try:
-    # connected by its address, as Ray's docs do: found through the record instead, Ray turns its token auth on in
-    # this driver alone, and the nodes this process started reject it (actors die unscheduled)
-    ray.init(address=nodes.address)
-    gen = torch.Generator().manual_seed(0)
-    with megatrain.Engine("tiny", batch_size=2, seq_len=32, device="auto", optimizer_workers=1) as engine:
-        losses = [engine.step(torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(3)]
-        loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(
-            DataConfig(batch_size=2, seq_len=32, vocab_size=engine.config.vocab_size))
-        actors = [engine.store, engine.executor, *engine.workers, loader]
-        where = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
-        group = sorted(set(placement_group_table(engine.placement.group)["bundles_to_node_id"].values()))
-        worker_cpus, device = engine.placement.worker_cpus, engine.device
-    try:
-        megatrain.Engine("tiny", batch_size=2, seq_len=32, device="cuda", optimizer_workers=1)
-    except megatrain.ConfigError as e:
-        cuda_refused = str(e)
-
-    # what the CPU cannot run end to end: a group with a GPU bundle, and the options the executor gets from it
-    gpu_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU"))
-    placement = NodePlacement.reserve(gpu_node, 1, gpu=True, timeout=60)
-
-    @ray.remote(num_cpus=0)
-    def probe():
-        return ray.get_runtime_context().get_node_id(), len(ray.get_gpu_ids())
-
-    on_gpu = ray.get(probe.options(**placement.executor()).remote(), timeout=60)
-    placement.release()
-    print(json.dumps({"losses": losses, "driver": ray.get_runtime_context().get_node_id(), "actors": where,
-                      "group": group, "nodes": len(ray.nodes()), "worker_cpus": worker_cpus, "device": device,
-                      "cuda_refused": cuda_refused, "gpu_node": gpu_node, "on_gpu": on_gpu}))
-finally:
-    ray.shutdown()
-    nodes.shutdown()
-"""
-
-
-def test_engine_on_a_two_node_cluster_stays_on_the_drivers_node(ray_env, tmp_path) -> None:
-    """Two 2-CPU nodes (4 CPUs in the cluster, 2 on any node), a GPU on the node that is not the driver's: the
-    one optimizer worker reserves its node's 2 CPUs, not the cluster's 4 that no node has (which waited
-    forever); every actor, the data loader included, runs on the driver's node; "auto" computes on the CPU there
-    and "cuda" is refused, since the cluster's GPU is on another node."""
-    dead_before = dead_segments()
-    proc = subprocess.run([sys.executable, "-c", TWO_NODES], cwd=tmp_path, env=ray_env, capture_output=True,
-                          text=True, timeout=TIMEOUT, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    driver = result["driver"]
-    assert result["nodes"] == 2 and len(result["losses"]) == 3 and result["gpu_node"] != driver
-    assert result["actors"] == [driver] * 4 and result["group"] == [driver]
-    assert result["worker_cpus"] == 2.0
-    assert result["device"] == "cpu"
-    assert result["cuda_refused"].startswith("device 'cuda' was asked for but the driver's Ray node has no GPU")
-    assert result["on_gpu"] == [result["gpu_node"], 1]  # the executor's options: its node, one GPU granted
-    assert_nothing_left(ray_env, dead_before)
-
 
 def test_workers_share_the_nodes_cpus_in_rays_units(ray_session) -> None:
     """Three workers on the session's 2 CPUs: 0.6666 each (Ray counts in 1/10000ths; 3 x 0.6667 is more than 2

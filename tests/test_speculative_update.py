@@ -198,11 +198,23 @@ def train(directory: Path, batches: list, **settings) -> tuple[list[Any], dict[s
         return results, engine.parameters(), engine
 
 
-def assert_near_fp64(directory: Path, batches: list, losses: list[float], params: dict[str, torch.Tensor],
-                     max_grad_norm: float) -> None:
+Reference = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(micro_llama) -> Reference:
+    """transformers + AdamW on rows 1-3, every step clipped at CLIPS: its fp64 run's losses and weights and its fp32
+    run's weights, computed once for the tests held to them."""
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    exact_losses, exact = hf_reference(directory, batches, CLIPS, OPTIM, torch.float64)
+    _, theirs = hf_reference(directory, batches, CLIPS, OPTIM)
+    return exact_losses, exact, theirs
+
+
+def assert_near_fp64(reference: Reference, losses: list[float], params: dict[str, torch.Tensor]) -> None:
     """As near transformers + AdamW's fp64 run as its fp32 run is (twice, or 1e-5), as test_data_parallel judges."""
-    exact_losses, exact = hf_reference(directory, batches, max_grad_norm, OPTIM, torch.float64)
-    _, theirs = hf_reference(directory, batches, max_grad_norm, OPTIM)
+    exact_losses, exact, theirs = reference
     assert losses == pytest.approx(exact_losses, rel=1e-5)
     theirs_err = max_rel(theirs, exact)
     too_far = {n: (e, theirs_err[n]) for n, e in max_rel(params, exact).items() if e > max(1e-5, 2 * theirs_err[n])}
@@ -227,8 +239,8 @@ def test_where_no_step_clips_the_weights_are_the_serial_updates(ray_session: Non
         assert min(u.start for u in updates) < max(b.end for b in backward), f"step {step}: no update in the backward"
 
 
-def test_steps_that_clip_roll_back_to_within_rounding_under_simulated_streams(ray_session: None, micro_llama
-                                                                             ) -> None:
+def test_steps_that_clip_roll_back_to_within_rounding_under_simulated_streams(ray_session: None, micro_llama,
+                                                                             clipped_reference: Reference) -> None:
     """grads = "device" (the gradients sent out during the backward and kept, then sent again for the redo) on the
     GPU's schedule simulated on the CPU."""
     _, directory = micro_llama
@@ -236,7 +248,7 @@ def test_steps_that_clip_roll_back_to_within_rounding_under_simulated_streams(ra
     results, params, engine = train(directory, batches, speculate="on", max_grad_norm=CLIPS, grads="device",
                                     device="cpu-async:2")
     assert engine.grads == "device" and engine.rollbacks == 3 and all(r.rolled_back for r in results)
-    assert_near_fp64(directory, batches, [r.loss for r in results], params, CLIPS)
+    assert_near_fp64(clipped_reference, [r.loss for r in results], params)
 
 
 @pytest.mark.slow
@@ -252,14 +264,15 @@ def test_where_the_head_alone_clips_nothing_is_taken_back(ray_session: None, mic
     assert_same_model(on_params, off_params)
 
 
-def test_two_executors_speculate_until_a_step_clips(ray_session: None, micro_llama) -> None:
+def test_two_executors_speculate_until_a_step_clips(ray_session: None, micro_llama, clipped_reference: Reference
+                                                    ) -> None:
     """speculate "auto" (the default): the first step is updated beside the backward and clips; the next ones, after
     a step that clipped, are updated after their backward."""
     _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
     results, params, engine = train(directory, batches, max_grad_norm=CLIPS, executors=2, batch_size=4)
     assert [r.rolled_back for r in results] == [True, False, False] and engine.rollbacks == 1
-    assert_near_fp64(directory, batches, [r.loss for r in results], params, CLIPS)
+    assert_near_fp64(clipped_reference, [r.loss for r in results], params)
 
 
 @pytest.fixture(scope="module")

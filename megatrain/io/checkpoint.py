@@ -123,13 +123,23 @@ def iter_safetensors_lazy(files: list[Path]) -> Iterator[tuple[str, Callable[[],
     """(name, read) for every tensor of `files`, where read() loads it: what reads a checkpoint can hold on to
     names without holding every tensor in memory."""
     for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                names = list(f.keys())
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise _unreadable(path, e) from None
-        for name in names:
+        for name in _tensor_names(path):
             yield name, functools.partial(_read_tensor, path, name)
+
+
+def check_readable(files: list[Path]) -> None:
+    """Each file's header read (its tensors' names, shapes and where their bytes lie, checked against the file's
+    size): a truncated or corrupt file is one sentence before a run starts anything, not once its arena is made."""
+    for path in files:
+        _tensor_names(path)
+
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unreadable(path, e) from None
 
 
 def _read_tensor(path: Path, name: str) -> torch.Tensor:

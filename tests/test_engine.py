@@ -128,19 +128,16 @@ def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:
         assert engine.grads == "stream", "clipping off: each unit's update starts as its gradient lands"
         grads_numel = dict((n, k) for n, _, k in engine.handle.segments)["grads"]
         assert grads_numel < dict((n, k) for n, _, k in engine.handle.segments)["params"]
-    # clipping on and no GPU: "arena" (test_resume_from_checkpoint_repeats_the_run's engine; test_arena's resolve_grads)
+    # clipping on and no GPU: "arena" (test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them's
+    # engine; test_arena's resolve_grads)
 
 
-def test_results_do_not_depend_on_worker_count(ray_session, hf_dir, batches, cpu_run) -> None:
+def test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them(ray_session, hf_dir, batches, cpu_run,
+                                                                              tmp_path) -> None:
+    """3 workers train bit for bit as 1 (every gradient in the arena: clipping on and no GPU); from the checkpoint after
+    step 3, a new Engine (2 workers) repeats the last steps' losses and reaches the same parameters."""
     losses1, params1 = cpu_run("arena", 1.0)
-    losses3, params3 = train_engine(hf_dir, batches, workers=3, grads="arena")
-    assert losses1 == losses3
-    for name in params1:
-        assert torch.equal(params1[name], params3[name]), name
-
-
-def test_resume_from_checkpoint_repeats_the_run(ray_session, hf_dir, batches, tmp_path) -> None:
-    with megatrain.Engine(hf_dir, optimizer_workers=2, precision="fp32", device="cpu", **OPTIM) as engine:
+    with megatrain.Engine(hf_dir, optimizer_workers=3, precision="fp32", device="cpu", **OPTIM) as engine:
         assert engine.grads == "arena", "clipping on and no GPU: every gradient waits in the arena"
         losses = []
         for i, (ids, labels) in enumerate(batches):
@@ -148,6 +145,9 @@ def test_resume_from_checkpoint_repeats_the_run(ray_session, hf_dir, batches, tm
             if i == 2:
                 engine.save_checkpoint(tmp_path / "step-3")
         final = engine.parameters()
+    assert losses == losses1
+    for name in params1:
+        assert torch.equal(final[name], params1[name]), name
     with megatrain.Engine(hf_dir, optimizer_workers=2, precision="fp32", device="cpu", **OPTIM) as engine:
         state = engine.load_checkpoint(tmp_path / "step-3")
         assert state["steps_done"] == 3

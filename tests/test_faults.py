@@ -72,27 +72,26 @@ def test_killed_executor_under_simulated_streams_recovers_exactly(ray_session, f
     assert_same_model(params, uninterrupted[1])
 
 
-def test_fault_past_the_replay_window_is_one_sentence(ray_session, fault_batches) -> None:
-    with megatrain.Engine("tiny", max_replay_steps=2, **ENGINE) as engine:
-        for ids in fault_batches[:3]:
-            engine.step(ids)
-        os.kill(worker_pids(engine)[0], signal.SIGKILL)
-        with pytest.raises(megatrain.MegatrainError, match="cannot be replayed; resume from the last checkpoint"):
-            for ids in fault_batches[3:6]:
-                engine.step(ids)
-
-
-def test_a_refused_batch_is_not_replayed(ray_session, fault_batches, uninterrupted) -> None:
-    """A batch the executor refused trained nothing: recovering from a later fault replays the steps without it."""
-    with megatrain.Engine("tiny", **ENGINE) as engine:
+def test_a_refused_batch_is_not_replayed_and_a_fault_past_the_replay_window_is_one_sentence(
+        ray_session, fault_batches, uninterrupted) -> None:
+    """A batch the executor refused trained nothing: recovering from a later fault replays the steps without it. Once
+    more steps than max_replay_steps ran since the last checkpoint, their batches are dropped, and a fault that needs
+    a replay stops the run in one sentence."""
+    with megatrain.Engine("tiny", max_replay_steps=4, **ENGINE) as engine:
         losses = [engine.step(fault_batches[0])]
         with pytest.raises(megatrain.MegatrainError, match="outside the model's vocabulary"):
             engine.step(torch.full((4, 64), -1))
         losses.append(engine.step(fault_batches[1]))
         os.kill(worker_pids(engine)[0], signal.SIGKILL)
-        losses += [engine.step(ids) for ids in fault_batches[2:4]]
+        losses += [engine.step(ids) for ids in fault_batches[2:4]]  # the kill is met in the 3rd step or the 4th
         assert engine.restarts == 1  # and the replay, had it kept the refused batch, would have raised
-    assert losses == uninterrupted[0][:4]
+        assert losses == uninterrupted[0][:4]
+
+        # met in the 5th step (which dropped the 4 batches kept) or the 6th
+        os.kill(worker_pids(engine)[0], signal.SIGKILL)
+        with pytest.raises(megatrain.MegatrainError, match="cannot be replayed; resume from the last checkpoint"):
+            for ids in fault_batches[4:7]:
+                engine.step(ids)
 
 
 def megatrain_cli(*args: str) -> subprocess.Popen:

@@ -138,14 +138,6 @@ def test_address_resolution(monkeypatch, tmp_path, caplog) -> None:
 
 # ---- where: one node ----
 
-def test_workers_share_the_nodes_cpus_in_rays_units(ray_session) -> None:
-    """Three workers on the session's 2 CPUs: 0.6666 each (Ray counts in 1/10000ths; 3 x 0.6667 is more than 2
-    and would never be granted)."""
-    with megatrain.Engine("tiny", optimizer_workers=3, device="cpu", batch_size=2, seq_len=16) as engine:
-        assert engine.placement.worker_cpus == 0.6666
-        assert math.isfinite(engine.step(torch.randint(0, 256, (2, 16))))
-
-
 def test_a_request_that_cannot_be_met_fails_by_its_deadline(ray_session, monkeypatch) -> None:
     """A node's free CPUs seen a moment too early (here: 4 on a 2-CPU node), or its GPU held by another job: the
     reservation fails after resource_timeout in one sentence of what was asked and what the nodes have."""
@@ -181,8 +173,12 @@ def test_the_driver_decides_the_executors_device() -> None:
     assert executor_device("cpu-async:3", on_gpu=False) == "cpu-async:3"
 
 
-@pytest.mark.parametrize(("device", "given"), [("auto", "cpu"), ("cpu-async:3", "cpu-async:3")])
-def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch, device, given) -> None:
+@pytest.mark.parametrize(("device", "given", "workers", "cpus"), [("auto", "cpu", 3, 0.6666),
+                                                                   ("cpu-async:3", "cpu-async:3", 1, 2.0)])
+def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch, device, given, workers, cpus
+                                                        ) -> None:
+    """The device the driver decided reaches the executor actor; the workers share the session's 2 CPUs in Ray's units
+    (three: 0.6666 each, as Ray counts in 1/10000ths and 3 x 0.6667 is more than 2, which would never be granted)."""
     from pipelines import run_actors
 
     received = []
@@ -200,6 +196,8 @@ def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch
             return Remote()
 
     monkeypatch.setattr(run_actors, "GPUExecutor", Recording())
-    with megatrain.Engine("tiny", optimizer_workers=1, device=device, batch_size=2, seq_len=16) as engine:
+    with megatrain.Engine("tiny", optimizer_workers=workers, device=device, batch_size=2, seq_len=16) as engine:
         assert engine.device == "cpu" and not engine.on_gpu
+        assert engine.placement.worker_cpus == cpus
+        assert math.isfinite(engine.step(torch.randint(0, 256, (2, 16))))
     assert received == [given]

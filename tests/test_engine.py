@@ -123,15 +123,6 @@ def test_every_placement_under_many_seeds_of_delays(ray_session, hf_dir, batches
     _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, seed)
 
 
-def test_auto_gradient_placement_on_the_cpu(ray_session, hf_dir) -> None:
-    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", max_grad_norm=0.0) as engine:
-        assert engine.grads == "stream", "clipping off: each unit's update starts as its gradient lands"
-        grads_numel = dict((n, k) for n, _, k in engine.handle.segments)["grads"]
-        assert grads_numel < dict((n, k) for n, _, k in engine.handle.segments)["params"]
-    # clipping on and no GPU: "arena" (test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them's
-    # engine; test_arena's resolve_grads)
-
-
 def test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them(ray_session, hf_dir, batches, cpu_run,
                                                                               tmp_path) -> None:
     """3 workers train bit for bit as 1 (every gradient in the arena: clipping on and no GPU); from the checkpoint after
@@ -258,11 +249,18 @@ def test_a_local_ray_starts_without_its_memory_monitor_or_idle_workers_unless_as
     assert os.environ["RAY_prestart_worker_first_driver"] == "1"
 
 
-def test_a_sequence_longer_than_the_models_positions_is_warned_about(ray_session, hf_dir, caplog) -> None:
-    """Where a step is given sequences past the model's positions, once; not for the Engine's planning seq_len (2048
-    by default) when the batches are short."""
+def test_clipping_off_streams_gradients_and_a_longer_sequence_is_warned_about(ray_session, hf_dir, caplog) -> None:
+    """One Engine, clipping off, on the CPU: gradients go through a ring of host slots ("stream": each unit's update
+    starts as its gradient lands), not every gradient in the arena (clipping on and no GPU: "arena", the engine of
+    test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them; test_arena's resolve_grads). Where a
+    step is given sequences past the model's positions, that is warned about once; not for the Engine's planning
+    seq_len (2048 by default) when the batches are short."""
     positions = LlamaConfig().max_position_embeddings  # hf_dir's
-    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", batch_size=1, seq_len=positions + 1) as engine:
+    with megatrain.Engine(hf_dir, optimizer_workers=1, device="cpu", max_grad_norm=0.0, batch_size=1,
+                          seq_len=positions + 1) as engine:
+        assert engine.grads == "stream", "clipping off: each unit's update starts as its gradient lands"
+        grads_numel = dict((n, k) for n, _, k in engine.handle.segments)["grads"]
+        assert grads_numel < dict((n, k) for n, _, k in engine.handle.segments)["params"]
         engine.step(torch.randint(0, 100, (1, 16)))
         assert "is longer than the" not in caplog.text
         engine.check_sequence_length(positions + 1)  # what a step of that length checks first

@@ -113,10 +113,16 @@ def test_warmup_longer_than_the_run_is_warned_about(tmp_path, monkeypatch, caplo
     assert "warmup_steps 20 is not below steps 1: the learning rate never reaches lr" in caplog.text
 
 
-def test_trace_and_stall_report(ray_session, tmp_path, capsys) -> None:
+def test_trace_and_stall_report_of_a_run_without_checkpoints_or_final_model(ray_session, tmp_path, capsys) -> None:
+    """--trace: every layer's passes and every unit's gradient copy and update on the timeline, the stall report's
+    parts adding up to each step, `megatrain report` drawing it. The same run is benchmark-style (a big model on a
+    small disk): --checkpoint-every 0 and --no-save-final write neither; --grads picks the placement."""
     run = tmp_path / "run"
     assert main(["train", "--steps", "4", "--trace", "--out", str(run), "--batch-size", "2", "--seq-len", "32",
-                 "--device", "cpu", "--precision", "fp32", "--log-every", "1"]) == 0
+                 "--device", "cpu", "--precision", "fp32", "--log-every", "1", "--checkpoint-every", "0",
+                 "--no-save-final", "--grads", "device"]) == 0
+    assert not list((run / "checkpoints").glob("step-*")) and not (run / "final").exists()
+    assert len((run / "steps.jsonl").read_text().splitlines()) == 4
     trace = json.loads((run / "trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     names = {(e["name"], e["args"].get("layer")) for e in events}
@@ -153,13 +159,3 @@ def test_resumed_run_logs_each_step_once(ray_session, tmp_path, capsys) -> None:
     assert logged == [0, 1, 2, 3, 4, 5]
     assert main(["train", *flags[:2], *flags[4:]]) == 0  # no checkpoints asked for, no --resume: a new run
     assert len((run / "steps.jsonl").read_text().splitlines()) == 6
-
-
-def test_run_without_checkpoints_or_final_model(ray_session, tmp_path) -> None:
-    """A benchmark-style run (a big model on a small disk): --checkpoint-every 0 and --no-save-final write
-    neither; --grads picks the placement."""
-    run = tmp_path / "run"
-    assert main(["train", "--steps", "3", "--out", str(run), "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
-                 "--checkpoint-every", "0", "--no-save-final", "--grads", "device"]) == 0
-    assert not list((run / "checkpoints").glob("step-*")) and not (run / "final").exists()
-    assert len((run / "steps.jsonl").read_text().splitlines()) == 3

@@ -26,7 +26,8 @@ def uninterrupted(ray_session, fault_batches, tmp_path_factory) -> tuple[list[fl
 
 
 # slow: five random kills each. CI kills the executor twice under simulated streams (below) and an optimizer worker
-# once (test_a_refused_batch_is_not_replayed); the recovery code is the same.
+# once (test_a_refused_batch_is_not_replayed_and_a_fault_past_the_replay_window_is_one_sentence); the recovery code
+# is the same.
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["executor", "optimizer-worker"])
 def test_killed_actor_recovers_exactly(ray_session, fault_batches, uninterrupted, tmp_path, victim) -> None:

@@ -29,6 +29,16 @@ def run_script(script: str, args: list[str], shm_dir: Path) -> subprocess.Comple
     return proc
 
 
+def reprinted(script: str, table_file: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What `SCRIPT --table FILE` prints: that mode only reads the JSON and prints it, so it runs in this process
+    (no Python start and imports of its own)."""
+    import importlib
+
+    capsys.readouterr()
+    assert importlib.import_module(f"benchmarks.{script}").main(["--table", str(table_file)]) == 0
+    return capsys.readouterr().out
+
+
 def table(stdout: str, first_header: str) -> tuple[list[str], dict[str, list[str]]]:
     """The table whose header line starts with `first_header`: (header cells, first cell -> row cells)."""
     headers, rows = table_rows(stdout, first_header)
@@ -65,7 +75,7 @@ def is_number(text: str) -> bool:
         return False
 
 
-def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
+def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.json"
     args = ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
             "--optimizer-workers", "2", "--object-store-mb", "100", "--timeout", "240", "--out", str(out),
@@ -116,9 +126,9 @@ def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
         assert plan_rows["GPU"][1:5] == ["n/a"] * 4
         assert checks["GPU"]["predicted"] is None and checks["GPU"]["within_tolerance"] is None
 
-    merged = run_script("throughput.py", ["--table", str(out)], shm_dir)  # the merge mode reprints it
-    assert list(table(merged.stdout, "peer")[1]) == list(rows)
-    assert table(merged.stdout, "tier")[1] == plan_rows
+    merged = reprinted("throughput", out, capsys)  # the merge mode reprints it
+    assert list(table(merged, "peer")[1]) == list(rows)
+    assert table(merged, "tier")[1] == plan_rows
 
 
 def test_plan_vs_measured_compares_like_with_like() -> None:
@@ -140,7 +150,7 @@ def test_plan_vs_measured_compares_like_with_like() -> None:
 
 
 @pytest.mark.slow  # CI: the throughput and optimizer tables run the same harness
-def test_long_context_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
+def test_long_context_tiny_table(shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """megatrain at `--seq auto` (the plan's longest, here capped by --max-seq), 128-token tiles and every layer
     checkpoint offloaded, beside FSDP2 rows that need CUDA; the JSON and the --table reprint."""
     from megatrain.config import ModelConfig
@@ -181,8 +191,7 @@ def test_long_context_tiny_table(shm_dir: Path, tmp_path: Path) -> None:
         ModelConfig.from_name("tiny").flops_per_token(512) * 512 / result["step_time"] / 1e12)
     assert list_segments(shm_dir) == []
 
-    merged = run_script("long_context.py", ["--table", str(out)], shm_dir)
-    assert table_rows(merged.stdout, "peer")[1] == rows
+    assert table_rows(reprinted("long_context", out, capsys), "peer")[1] == rows
 
 
 def test_long_context_seq_rounding() -> None:

@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import urllib.parse
@@ -30,12 +29,11 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import TIMEOUT, assert_nothing_left, dead_segments, free_port, run_cli, stop_ray
+from helpers import TIMEOUT, assert_nothing_left, dead_segments, free_port, private_ray_env, run_cli
 
 from megatrain.telemetry import WAIT_CAUSES, metric_specs
 from megatrain.telemetry.dashboard import DASHBOARD_FILE, dashboard, dashboard_json, write_into_ray_session
 
-ROOT = Path(__file__).resolve().parents[1]
 CI_VARIABLE = "MEGATRAIN_CI"
 INSTALL = "sudo apt-get install -y prometheus"
 # what the test puts for Grafana's variables: the run at hand, every node and executor, a short rate window
@@ -178,33 +176,29 @@ def wait_for(what: str, ready: Callable[[], Any], log: Path | None = None) -> An
 
 @pytest.fixture(scope="module")
 def live_run() -> Iterator[LiveRun]:
-    tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0",
-            "RAY_metrics_report_interval_ms": "1000"}  # Ray's 10 s default: the test would wait for it
-    dead_before = dead_segments()
-    run_file, stop_file, log = Path(tmp, "run"), Path(tmp, "stop"), Path(tmp, "driver.log")
-    driver = None
-    try:
-        metrics_port = ray_start_with_metrics(env)
-        Path(tmp, "driver.py").write_text(DRIVER)
-        with log.open("w") as out:
-            driver = subprocess.Popen([sys.executable, str(Path(tmp, "driver.py")), str(run_file), str(stop_file)],
-                                      cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for("the driver started its run", lambda: run_file.exists() or driver.poll() is not None, log)
-        assert run_file.exists(), log.read_text()[-4000:]
-        yield LiveRun(run_file.read_text(), Path(tmp, "ray", "session_latest").resolve(), metrics_port)
-        stop_file.touch()
-        assert driver.wait(timeout=TIMEOUT) == 0, log.read_text()[-4000:]
-    finally:
-        stop_file.touch()
-        if driver is not None and driver.poll() is None:
-            driver.kill()
+    with private_ray_env() as env:  # its processes killed and its directory removed after, a failure or not
+        env["RAY_metrics_report_interval_ms"] = "1000"  # Ray's 10 s default: the test would wait for it
+        tmp = env["RAY_TMPDIR"]
+        dead_before = dead_segments()
+        run_file, stop_file, log = Path(tmp, "run"), Path(tmp, "stop"), Path(tmp, "driver.log")
+        driver = None
         try:
-            assert_nothing_left(env, dead_before)
+            metrics_port = ray_start_with_metrics(env)
+            Path(tmp, "driver.py").write_text(DRIVER)
+            with log.open("w") as out:
+                driver = subprocess.Popen([sys.executable, str(Path(tmp, "driver.py")), str(run_file),
+                                           str(stop_file)], cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+            wait_for("the driver started its run", lambda: run_file.exists() or driver.poll() is not None, log)
+            assert run_file.exists(), log.read_text()[-4000:]
+            yield LiveRun(run_file.read_text(), Path(tmp, "ray", "session_latest").resolve(), metrics_port)
+            stop_file.touch()
+            assert driver.wait(timeout=TIMEOUT) == 0, log.read_text()[-4000:]
         finally:
-            stop_ray(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+            stop_file.touch()
+            if driver is not None and driver.poll() is None:
+                driver.kill()
+            assert_nothing_left(env, dead_before)
 
 
 def test_a_run_leaves_its_dashboard_and_series_in_the_ray_session(live_run: LiveRun) -> None:

@@ -37,7 +37,7 @@ class ParameterStoreActor:
                                         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
                                         micro_batches=micro_batches, node=node, nodes=nodes, lora=lora,
                                         lora_base_dtype=lora_base_dtype, adapter=adapter,
-                                        verify=False)  # the driver's resolve_model made the self-check
+                                        verify=False)  # the driver's resolve_model made its checks
         except MegatrainError as e:
             self.init_error = e
             return

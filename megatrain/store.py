@@ -106,7 +106,7 @@ class ParameterStore:
         the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
         executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
         whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal).
-        verify: the generic path's self-check first (resolve_model); False where a driver made it already.
+        verify: resolve_model's checks first (weight files readable, the self-check); False where a driver made them.
         lora: train these adapters (PEFT's init, or those of the PEFT directory `adapter`) beside the frozen base,
         which is kept in `lora_base_dtype` ("bf16" or "fp32") with no gradient or moments (megatrain/lora/)."""
         self.config, self.source_dir, self.name = resolve_model(model, verify)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import numpy as np
@@ -74,5 +75,7 @@ def test_actor_prefetch_resume_eval_and_end(ray_session, tmp_path):
             ray.get(finite.next_batch.remote())
     end = ray.get(finite.state_dict.remote())
     assert end["batches"] == 3 and ray.get(finite.state_dict.remote(unconsumed=2)) == end
+    # tokenizing and packing need numpy alone: the loader's process never pays torch's import (a second, 300 MB)
+    assert ray.get(finite.__ray_call__.remote(lambda self: sorted({"torch", "transformers"} & set(sys.modules)))) == []
     for a in (actor, resumed, finite):
         ray.kill(a)

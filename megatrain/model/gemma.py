@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text): their config.json in and out, and their decoder layer.
+"""Gemma 2 and Gemma 3 (text): their config.json in and out, and what their decoder layer (gemma_layers.py) is told.
 
 What differs from Llama, as transformers' Gemma2ForCausalLM / Gemma3ForCausalLM compute it:
 
@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model import ops
 from megatrain.model.llama import (
     REQUIRED_KEYS,
     Missing,
@@ -43,19 +39,12 @@ from megatrain.model.llama import (
     native_or_not,
 )
 from megatrain.model.registry import register
-from megatrain.model.templates import (
-    Bind,
-    Documents,
-    Trainable,
-    Weights,
-    project_qkv,
-    recompute_grads,
-    weight_leaves,
-)
+
+if TYPE_CHECKING:
+    from megatrain.model.gemma_layers import GemmaArchitecture
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 GELU_TANH = "gelu_pytorch_tanh"  # transformers' name for GELU's tanh approximation, Gemma's only activation here
-MLP_WEIGHTS = ("pre_feedforward_layernorm.", "mlp.", "post_feedforward_layernorm.")  # the token-wise second half
 
 # transformers' defaults (Gemma2Config, Gemma3TextConfig) for keys a config.json leaves out
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -295,7 +284,15 @@ class GemmaFamily:
         return c.num_params()  # uniform layers: ModelConfig counts them without asking the family
 
     def architecture(self, c: ModelConfig) -> GemmaArchitecture:
-        return GemmaArchitecture(c)
+        from megatrain.model.gemma_layers import GemmaArchitecture  # torch: only where the math runs
+
+        o = options(c)
+        softcap = None if self.gemma3 else o.attn_logit_softcapping  # transformers' Gemma 3 never caps attention
+        # the rotary of each kind: Gemma 3's sliding layers have their own base and no scaling
+        local = replace(c, rope_theta=o.rope_local_base_freq, rope_scaling=None) if self.gemma3 else c
+        return GemmaArchitecture(c, o.layer_types_for(c.num_layers), windows={FULL: None, SLIDING: o.sliding_window},
+                                 rope_configs={FULL: c, SLIDING: local}, scale=o.query_pre_attn_scalar ** -0.5,
+                                 softcap=softcap, logit_softcap=o.final_logit_softcapping)
 
     # ---- out ----
     def to_hf(self, c: ModelConfig) -> dict[str, Any]:
@@ -337,140 +334,3 @@ class GemmaFamily:
 
 GEMMA2 = register(GemmaFamily("gemma2", "Gemma2ForCausalLM"))
 GEMMA3 = register(GemmaFamily("gemma3_text", "Gemma3ForCausalLM"))
-
-
-class GemmaLayer:
-    """x -> x + post_norm(attn(norm(x))) -> x + post_norm(mlp(pre_norm(x))); one instance per attention kind
-    (sliding, full) serves all layers of that kind: fn(x, weights, rope, documents).
-
-    tile_tokens: the MLP half runs over tiles of that many tokens, in the forward and in `backward`, so no
-    [tokens, intermediate] tensor exists whole; attention runs over the whole sequence."""
-
-    def __init__(self, config: ModelConfig, window: int | None, scale: float, softcap: float | None):
-        self.config = config
-        self.qk_norm = config.qk_norm  # read once: the family lookup behind it is no part of a compiled graph
-        self.window, self.scale, self.softcap = window, scale, softcap
-        self.tile_tokens: int | None = None
-
-    def __call__(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents = None
-                 ) -> torch.Tensor:
-        x = self.attention(x, w, rope, documents)
-        if self.tile_tokens is None or torch.is_grad_enabled():
-            return self.mlp(x, w)
-        out = torch.empty_like(x)
-        flat_in, flat_out = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
-        for start in range(0, flat_in.shape[0], self.tile_tokens):
-            tile = slice(start, start + self.tile_tokens)
-            flat_out[tile] = self.mlp(flat_in[tile], w)
-        return out
-
-    def backward(self, x: torch.Tensor, w: Weights, grad_out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 documents: Documents = None, *, trainable: Trainable | None = None, bind: Bind | None = None
-                 ) -> tuple[torch.Tensor, Weights]:
-        """(dL/dx, {name: dL/dw}) by recomputing the layer from x: the attention half once under autograd, the MLP
-        half tile by tile (its weight gradients summed in fp32 over the tiles), then the attention half's gradients
-        from the MLP's input gradient. trainable, bind: as templates.recompute_grads (the weights whose gradients are
-        taken, None: all; what the math reads of the weights, None: them)."""
-        attn_w = {n: t for n, t in w.items() if not n.startswith(MLP_WEIGHTS)}
-        mlp_w = {n: t for n, t in w.items() if n.startswith(MLP_WEIGHTS)}
-        x = x.detach().requires_grad_(True)
-        attn_leaves, attn_learned = weight_leaves(attn_w, trainable)
-        with torch.enable_grad():
-            mid = self.attention(x, attn_leaves if bind is None else bind(attn_leaves), rope, documents)
-        flat_mid, flat_grad = mid.detach().view(-1, mid.shape[-1]), grad_out.reshape(-1, mid.shape[-1])
-        grad_mid = torch.empty_like(flat_mid)
-        mlp_grads = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in mlp_w.items()
-                     if trainable is None or trainable(n)}
-        tile_tokens = self.tile_tokens or flat_mid.shape[0]
-        for start in range(0, flat_mid.shape[0], tile_tokens):
-            tile = slice(start, start + tile_tokens)
-            grad_mid[tile], tile_grads = recompute_grads(self.mlp, flat_mid[tile], mlp_w, flat_grad[tile],
-                                                         trainable=trainable, bind=bind)
-            for n, g in tile_grads.items():
-                mlp_grads[n] += g
-        grads = torch.autograd.grad(mid, [x, *(attn_leaves[n] for n in attn_learned)], grad_mid.view_as(mid))
-        attn_grads = dict(zip(attn_learned, grads[1:], strict=True))
-        return grads[0], {n: attn_grads[n] if n in attn_grads else mlp_grads[n] for n in w
-                          if n in attn_grads or n in mlp_grads}
-
-    def mlp(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
-        """x + post_norm(mlp(pre_norm(x))): token by token, so any tiling of the tokens gives the same result."""
-        eps = self.config.rms_norm_eps
-        h = ops.gemma_rms_norm(x, w["pre_feedforward_layernorm.weight"], eps)
-        h = ops.gelu_tanh_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
-        return x + ops.gemma_rms_norm(h, w["post_feedforward_layernorm.weight"], eps)
-
-    def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor],
-                  documents: Documents = None) -> torch.Tensor:
-        """x + post_norm(attn(norm(x)))."""
-        c = self.config
-        b, t, _ = x.shape
-        eps = c.rms_norm_eps
-        h = ops.gemma_rms_norm(x, w["input_layernorm.weight"], eps)
-        # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
-        qk_norm = (lambda heads, g: ops.gemma_rms_norm(heads, g, eps)) if self.qk_norm else None
-        q, k, v = project_qkv(h, w, c, rope, qk_norm)
-        attn = ops.windowed_attention(q, k, v, documents, window=self.window, scale=self.scale, softcap=self.softcap)
-        out = F.linear(attn.transpose(1, 2).reshape(b, t, c.q_size), w["self_attn.o_proj.weight"],
-                       w.get("self_attn.o_proj.bias"))
-        return x + ops.gemma_rms_norm(out, w["post_attention_layernorm.weight"], c.rms_norm_eps)
-
-
-class GemmaBatch:
-    """Each layer gets its kind's rotary (cos, sin) and the packed documents; nothing is added to the loss."""
-
-    def __init__(self, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], types: list[str], documents: Documents):
-        self.ropes, self.types, self.documents = ropes, types, documents
-
-    def layer_args(self, index: int) -> tuple[Any, ...]:
-        return (self.ropes[self.types[index]], self.documents)
-
-    def forward_done(self) -> torch.Tensor | None:
-        return None
-
-
-class GemmaArchitecture:
-    """Gemma 2 / 3's decoder: a sliding and a full GemmaLayer, scaled embeddings, (1 + w) final norm, capped logits."""
-
-    def __init__(self, config: ModelConfig):
-        self.config = config
-        o = options(config)
-        self.types = o.layer_types_for(config.num_layers)
-        self.embed_scale = config.hidden_size ** 0.5
-        self.logit_softcap = o.final_logit_softcapping
-        gemma3 = config.model_type == "gemma3_text"
-        softcap = None if gemma3 else o.attn_logit_softcapping  # transformers' Gemma 3 never caps attention
-        scale = o.query_pre_attn_scalar ** -0.5
-        self.templates = {FULL: GemmaLayer(config, None, scale, softcap),
-                          SLIDING: GemmaLayer(config, o.sliding_window, scale, softcap)}
-        # the rotary of each kind: Gemma 3's sliding layers have their own base and no scaling
-        local = replace(config, rope_theta=o.rope_local_base_freq, rope_scaling=None) if gemma3 else config
-        self.rope_configs = {FULL: config, SLIDING: local}
-        self._rope: dict[tuple[str, int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def batch(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
-              position_ids: torch.Tensor | None = None) -> GemmaBatch:
-        documents = None if position_ids is None else ops.document_starts(position_ids)
-        packed = position_ids is not None and not torch.equal(position_ids,
-                                                               torch.arange(seq).expand_as(position_ids))
-        ropes = {}
-        for kind in set(self.types):
-            rope_config = self.rope_configs[kind]
-            if packed:
-                ropes[kind] = ops.rope_cos_sin(rope_config, seq, device, dtype, position_ids)
-                continue
-            key = (kind, seq, device, dtype)
-            if key not in self._rope:
-                self._rope[key] = ops.rope_cos_sin(rope_config, seq, device, dtype)
-            ropes[kind] = self._rope[key]
-        return GemmaBatch(ropes, self.types, documents)
-
-    def tile(self, tile_tokens: int) -> None:
-        for template in self.templates.values():
-            template.tile_tokens = tile_tokens
-
-    def layer(self, index: int) -> GemmaLayer:
-        return self.templates[self.types[index]]
-
-    def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
-        return ops.gemma_rms_norm(x, weights["norm.weight"], self.config.rms_norm_eps)

@@ -6,18 +6,20 @@ stack, the embedding, what runs before the first layer, the final norm and the h
 (hf_parts.py), whatever their names (`model.layers`, `transformer.h`, `gpt_neox.layers`), and keep them in
 `save_pretrained`. The executor runs what hf_architecture.py makes of it.
 
-transformers is needed by this path only (pip install -e '.[hf]').
+transformers is needed by this path only (pip install -e '.[hf]'). Registering the family imports neither it nor
+torch (the data loader's process, which imports megatrain, needs neither): each method that builds the meta model
+imports what does so when it is called.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model.hf_architecture import EXTRA, PRE, GenericArchitecture
 from megatrain.model.hf_config import causal_lm_class, check_generic, hf_config_object
-from megatrain.model.hf_model import check_layers, decayed, layer_buffers, meta_model, model_parts, stack_of
-from megatrain.model.hf_parts import submodule
 from megatrain.model.registry import register_fallback
+
+if TYPE_CHECKING:
+    from megatrain.model.hf_architecture import GenericArchitecture
 
 Tensor4 = tuple[str, str, tuple[int, ...], bool]  # (name in its unit, the model's own name, shape, weight-decayed)
 
@@ -40,6 +42,8 @@ class GenericFamily:
             return False
 
     def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+        from megatrain.model.hf_model import check_layers, meta_model, model_parts, stack_of
+
         check_generic(hf)
         config = hf_config_object(hf)
         model = meta_model(hf)
@@ -81,6 +85,8 @@ class GenericFamily:
         return dict(c.hf_config)
 
     def layer_tensors(self, c: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        from megatrain.model.hf_model import decayed, layer_buffers, meta_model, model_parts, stack_of
+
         assert c.hf_config is not None
         layer = stack_of(meta_model(c.hf_config), model_parts(c.hf_config))[index]
         buffers = dict(layer.named_buffers())
@@ -88,6 +94,8 @@ class GenericFamily:
             (name, tuple(buffers[name].shape), False) for name in layer_buffers(layer)]  # frozen: never a gradient
 
     def num_params(self, c: ModelConfig) -> int:
+        from megatrain.model.hf_model import layer_buffers, meta_model, model_parts, stack_of
+
         assert c.hf_config is not None
         model = meta_model(c.hf_config)
         frozen = sum(dict(layer.named_buffers())[name].numel() for layer in stack_of(model, model_parts(c.hf_config))
@@ -98,6 +106,10 @@ class GenericFamily:
         """The embedding unit's tensors, the layers' prefix, the tensors of what runs before the first layer (in its
         unit, "pre.*"), and the head unit's tensors (name in the unit, the model's own name, shape, decayed), as this
         model names them: ModelLayout builds its units from these."""
+        from megatrain.model.hf_architecture import EXTRA, PRE
+        from megatrain.model.hf_model import decayed, meta_model, model_parts
+        from megatrain.model.hf_parts import submodule
+
         assert c.hf_config is not None
         model, parts = meta_model(c.hf_config), model_parts(c.hf_config)
         shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
@@ -119,6 +131,8 @@ class GenericFamily:
     def passthrough_tensors(self, c: ModelConfig) -> tuple[str, ...]:
         """The model's tensors megatrain keeps as the checkpoint stores them and writes back untrained (a
         vision-language model's vision tower and projector, which text batches never run)."""
+        from megatrain.model.hf_model import model_parts
+
         assert c.hf_config is not None
         return model_parts(c.hf_config).passthrough
 
@@ -126,6 +140,9 @@ class GenericFamily:
         """Every module of the model that its text forward runs, but the output projection, by name to its class
         name: what LoRA's target modules are matched against, as PEFT matches them (megatrain/lora/targets.py).
         Modules that hold only pass-through tensors (a vision tower) are left out: text never runs them."""
+        from megatrain.model.hf_model import meta_model, model_parts
+        from megatrain.model.hf_parts import submodule
+
         assert c.hf_config is not None
         model, parts = meta_model(c.hf_config), model_parts(c.hf_config)
         head, untrained = submodule(model, parts.head), set(parts.passthrough)
@@ -144,12 +161,16 @@ class GenericFamily:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
 
+        from megatrain.model.hf_model import meta_model
+
         assert c.hf_config is not None
         mapping = get_model_conversion_mapping(meta_model(c.hf_config))
         return tuple(dict.fromkeys(pattern.removesuffix(".weight").rpartition(".")[2] for converter in mapping
                                    if isinstance(converter, WeightConverter) for pattern in converter.source_patterns))
 
     def architecture(self, c: ModelConfig) -> GenericArchitecture:
+        from megatrain.model.hf_architecture import GenericArchitecture
+
         return GenericArchitecture(c)
 
 

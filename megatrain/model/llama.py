@@ -9,11 +9,13 @@ generic path instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config import ConfigError, ModelConfig, NotNative
-from megatrain.model.architecture import LlamaArchitecture
 from megatrain.model.registry import register
+
+if TYPE_CHECKING:
+    from megatrain.model.architecture import LlamaArchitecture
 
 # HF config.json keys every family here needs: the shape of the model
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -244,6 +246,8 @@ class LlamaFamily:
         return c.num_params()  # uniform layers: ModelConfig counts them without asking the family
 
     def architecture(self, c: ModelConfig) -> LlamaArchitecture:
+        from megatrain.model.architecture import LlamaArchitecture  # torch: only where the math runs
+
         return LlamaArchitecture(c)
 
     # ---- out ----

@@ -481,7 +481,8 @@ def private_ray_env() -> Iterator[dict[str, str]]:
     failure too) and the directory removed."""
     tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT), "RAY_memory_monitor_refresh_ms": "0"}
+    # Ray's own settings (memory monitor off, no prestarted workers) come with os.environ: conftest's session fixture
+    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT)}
     try:
         yield env
     finally:

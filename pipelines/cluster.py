@@ -280,14 +280,19 @@ def reap_orphaned_ray_agents() -> list[int]:
     """Kills Ray agent processes left behind by a local Ray whose driver was SIGKILLed.
 
     Their raylet is gone, so they were re-parented to init (ppid 1); a live cluster's agents are children
-    of its raylet and are never touched. Only this user's processes are considered.
+    of its raylet and are never touched. Only this user's processes are considered, of a Ray under this
+    process's RAY_TMPDIR (Ray's temp root, as the killed run had it): another temp root is another setup's,
+    e.g. a test's private Ray beside this one.
     """
     killed = []
+    tmpdir = os.environ.get("RAY_TMPDIR", "").encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             if proc.stat().st_uid != os.getuid() or not (proc / "cmdline").read_bytes().startswith(RAY_AGENTS):
+                continue
+            if environment_value(proc / "environ", b"RAY_TMPDIR") != tmpdir:
                 continue
             stat = proc_stat(proc.name)
             if stat is not None and int(stat[1]) == 1:  # ppid
@@ -298,3 +303,11 @@ def reap_orphaned_ray_agents() -> list[int]:
     if killed:
         log.info("removed %d orphaned Ray agent process(es) of a killed run", len(killed))
     return killed
+
+
+def environment_value(environ: Path, name: bytes) -> bytes:
+    """`name`'s value in a /proc/PID/environ file (b"" where unset)."""
+    for entry in environ.read_bytes().split(b"\0"):
+        if entry.startswith(name + b"="):
+            return entry[len(name) + 1 :]
+    return b""

@@ -1,10 +1,34 @@
 """Fixtures several test modules use: the session's Ray, a Ray of a test's own, a private /dev/shm directory, and
 the models and batches that tests in more than one module train on. Plain helpers are in helpers.py."""
 
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def session_shm_dir() -> Path:
+    """This test process's arena directory on tmpfs: what its runs leave in /dev/shm, and the actors that name it,
+    are its own, whatever another test process beside it (pytest -n 2) or another run on the machine does there.
+    Directories of test processes that are gone (killed: nothing removed them) are removed first."""
+    base = Path(os.environ.get("MEGATRAIN_SHM_DIR") or "/dev/shm")
+    base = base if base.is_dir() else Path("/tmp")
+    for old in base.glob("mt-tests-*"):
+        pid = old.name.removeprefix("mt-tests-")
+        if pid.isdigit() and not Path("/proc", pid).exists():
+            shutil.rmtree(old, ignore_errors=True)
+    path = base / f"mt-tests-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+# Both set before megatrain and torch load (conftest imports them first), for this process, its subprocesses and every
+# Ray actor (they inherit the environment). OMP_WAIT_POLICY: two test processes and their actors share CI's 2 cores,
+# and OpenMP threads that spin after each parallel region (libgomp's default) hold a core another process waits for.
+SHM_DIR = session_shm_dir()
+os.environ["MEGATRAIN_SHM_DIR"] = str(SHM_DIR)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import ray
@@ -80,3 +104,7 @@ def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torc
     directory = tmp_path_factory.mktemp("micro")
     hf.save_pretrained(directory)
     yield hf, directory
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SHM_DIR, ignore_errors=True)  # empty unless a test failed to clean up (its assertion said so)

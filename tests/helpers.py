@@ -448,17 +448,24 @@ def dead_segments() -> set[Path]:
     return {p for p in list_segments() if not segment_owner_alive(p)}
 
 
-def ray_processes(tmp: str) -> list[int]:
-    """Live processes started under RAY_TMPDIR=tmp (a Ray's daemons and workers, the drivers of this test)."""
-    mark = f"RAY_TMPDIR={tmp}".encode()
+def processes_with(variable: str, value: str, names: tuple[bytes, ...] = (b"",)) -> list[int]:
+    """Live processes whose environment sets `variable` to `value` (inherited from the process that set it), and
+    whose command line starts with one of `names`."""
+    mark = f"{variable}={value}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+            if (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(names)
+                    and mark in (proc / "environ").read_bytes().split(b"\0")):
                 found.append(int(proc.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def ray_processes(tmp: str) -> list[int]:
+    """Live processes started under RAY_TMPDIR=tmp (a Ray's daemons and workers, the drivers of this test)."""
+    return processes_with("RAY_TMPDIR", tmp)
 
 
 def stop_ray(tmp: str, timeout: float = 30.0) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENGINE, KILL_STEPS, assert_same_model, run_cli, train_with_faults, worker_pids
+from helpers import ENGINE, KILL_STEPS, assert_same_model, processes_with, run_cli, train_with_faults, worker_pids
 from safetensors.torch import load_file
 
 import megatrain
@@ -131,15 +131,10 @@ def test_sigkilled_driver_resumes_to_the_same_model(ray_session, tmp_path) -> No
 
 
 def _megatrain_actor_processes() -> list[int]:
+    """The megatrain actors of this test process's runs (the killed driver's too): their environment names the arena
+    directory conftest gave this process, which another test process beside it (pytest -n 2) does not share."""
     names = (b"ray::ParameterStoreActor", b"ray::OptimizerWorker", b"ray::GPUExecutor", b"ray::DataLoaderActor")
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(names):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    return processes_with("MEGATRAIN_SHM_DIR", os.environ["MEGATRAIN_SHM_DIR"], names)
 
 
 def test_cuda_errors_and_failed_collectives_count_as_executor_faults() -> None:

@@ -10,7 +10,10 @@ stop every Ray on the machine, other people's included.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,9 +84,8 @@ def test_train_after_a_killed_head_starts_a_private_ray(ray_env, tmp_path) -> No
 
 
 def test_a_dead_address_asked_for_is_one_sentence(ray_env, tmp_path) -> None:
-    # Ray agents an earlier test's killed driver left (they outlive it a while) are reaped here, not by the command,
-    # which would say so on stderr beside the one sentence under test
-    cluster.reap_orphaned_ray_agents()
+    """Only the sentence on stderr: what Ray agents another test's killed driver left (they outlive it a while) are
+    not the command's to reap, being of another Ray temp root (cluster.reap_orphaned_ray_agents)."""
     address = f"127.0.0.1:{free_port()}"
     proc = megatrain_cli(ray_env, tmp_path, *TRAIN, "--address", address)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -91,6 +93,37 @@ def test_a_dead_address_asked_for_is_one_sentence(ray_env, tmp_path) -> None:
         f"megatrain: error: address {address!r} names a Ray cluster, but nothing answers at {address} (Connection "
         "refused); start the cluster there (ray start --head), or leave the address out to start a private Ray."]
     assert not ray_processes(ray_env["RAY_TMPDIR"])
+
+
+def test_only_the_orphaned_agents_of_this_ray_temp_root_are_reaped(monkeypatch, tmp_path) -> None:
+    """What a SIGKILLed driver's Ray leaves (agents re-parented to init) under this process's RAY_TMPDIR is reaped;
+    under another (a test's private Ray beside this one), and a live parent's agent, are not."""
+    def agent(tmpdir: Path, orphaned: bool = True) -> subprocess.Popen | int:
+        env = {**os.environ, "RAY_TMPDIR": str(tmpdir)}
+        if orphaned:  # the shell exits at once, leaving its child to init
+            shell = "(exec -a ray::DashboardAgent sleep 60 >/dev/null 2>&1) & echo $!"
+            made = pid = int(subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True,
+                                            check=True).stdout)
+        else:
+            made = subprocess.Popen(["bash", "-c", "exec -a ray::DashboardAgent sleep 60"], env=env)
+            pid = made.pid
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::") and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the shell has become the agent
+        return made
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    orphan, other, child = agent(ours), agent(theirs), agent(ours, orphaned=False)
+    try:
+        monkeypatch.setenv("RAY_TMPDIR", str(ours))
+        assert cluster.reap_orphaned_ray_agents() == [orphan]
+        assert not Path(f"/proc/{orphan}").exists() or Path(f"/proc/{orphan}/stat").read_text().split()[2] == "Z"
+        assert Path(f"/proc/{other}").exists() and child.poll() is None
+    finally:
+        for pid in (orphan, other, child.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        child.wait()
 
 
 def test_address_resolution(monkeypatch, tmp_path, caplog) -> None:

@@ -34,7 +34,7 @@ from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, Unit
 from megatrain.perf.compile_choice import compile_choice
-from megatrain.telemetry import Recorder, Span, executor_lanes
+from megatrain.telemetry import HANDOUT_LANE, Recorder, Span, executor_lanes
 
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
 
@@ -143,8 +143,9 @@ class GPUExecutor:
             nonlocal landed_sq, stopped
             if self.final_updates:
                 if np.isfinite(norm_sq):
-                    self.issued[unit.index] = step + 1
-                    issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
+                    with rec.span(HANDOUT_LANE, "update", unit.index):
+                        self.issued[unit.index] = step + 1
+                        issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
                 else:
                     skipped_units.append(unit.index)
                     issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
@@ -155,10 +156,11 @@ class GPUExecutor:
             stopped = stopped or not (np.isfinite(landed_sq) and  # the step will be skipped, or it clips anyway
                                       clip_coefficient(landed_sq**0.5, speculation.max_grad_norm) == 1.0)
             if not stopped:
-                self.issued[unit.index] = step + 1
-                speculated.append(unit.index)
-                issued.extend(w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
-                              for w in self.workers)
+                with rec.span(HANDOUT_LANE, "update", unit.index):
+                    self.issued[unit.index] = step + 1
+                    speculated.append(unit.index)
+                    issued.extend(w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
+                                  for w in self.workers)
             elif self.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
                 issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
 

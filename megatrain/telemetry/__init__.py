@@ -15,6 +15,7 @@ from megatrain.telemetry.png import png_bytes, write_png
 from megatrain.telemetry.recorder import (
     DEVICE_LANES,
     EGRESS_LANE,
+    HANDOUT_LANE,
     STEP_LANE,
     WAIT_CAUSES,
     WAIT_LANE,
@@ -38,8 +39,8 @@ from megatrain.telemetry.trace import (
 )
 
 __all__ = [
-    "DEVICE_LANES", "EGRESS_LANE", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE", "Recorder",
-    "Span", "StepStats", "account", "add_wait_before", "append_step", "chrome_trace_to_spans", "executor_lanes",
-    "optimizer_lane", "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace", "write_chrome_trace",
-    "write_png",
+    "DEVICE_LANES", "EGRESS_LANE", "HANDOUT_LANE", "STEP_LANE", "STEPS_FILE", "TRACE_FILE", "WAIT_CAUSES", "WAIT_LANE",
+    "Recorder", "Span", "StepStats", "account", "add_wait_before", "append_step", "chrome_trace_to_spans",
+    "executor_lanes", "optimizer_lane", "png_bytes", "read_chrome_trace", "read_steps", "spans_to_chrome_trace",
+    "write_chrome_trace", "write_png",
 ]

@@ -2,8 +2,9 @@
 
 A `Recorder` collects `Span`s: intervals on named lanes. Device lanes ("h2d", "compute", "d2h") hold the
 work of the three CUDA streams; "host" holds host-side work; "wait" holds the times the host sat blocked
-(name = the cause); "grads-out" the gradient sender thread's waits for a free host slot; "optimizer/<worker>"
-holds updates that CPU optimizer workers report from their own processes. All times are seconds on
+(name = the cause); "grads-out" the gradient sender thread's waits for a free host slot; "handout" the moments the
+executor hands a unit's update to the optimizer pool as its gradient lands; "optimizer/<worker>" holds updates that
+CPU optimizer workers report from their own processes. All times are seconds on
 `time.monotonic()`, which on Linux is CLOCK_MONOTONIC, one clock for every process on the machine, so spans
 from the optimizer workers line up with the executor's.
 
@@ -29,6 +30,9 @@ WAIT_CAUSES = ("weights", "optimizer", "gradients", "data")
 # The gradient sender thread (megatrain/engine/grad_egress.py) waiting for the optimizer to free the host slot its
 # next unit goes to: not a cause by itself (that thread is not compute), it says why compute waits for gradients.
 EGRESS_LANE = "grads-out"
+# The executor handing a unit's update to the optimizer pool as its gradient lands (clipping off, or beside the
+# backward): the gap to the workers' update spans is the pool's queueing, which their processes' scheduling decides.
+HANDOUT_LANE = "handout"
 STEP_LANE = "step"  # one span per step: its window, so a trace alone knows where steps begin and end
 
 

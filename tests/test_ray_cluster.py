@@ -112,13 +112,22 @@ def test_only_the_orphaned_agents_of_this_ray_temp_root_are_reaped(monkeypatch, 
             time.sleep(0.01)  # until the shell has become the agent
         return made
 
+    def alive(pid: int) -> bool:  # a killed orphan may stay a zombie a while: init reaps it when it does
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     orphan, other, child = agent(ours), agent(theirs), agent(ours, orphaned=False)
     try:
         monkeypatch.setenv("RAY_TMPDIR", str(ours))
         assert cluster.reap_orphaned_ray_agents() == [orphan]
-        assert not Path(f"/proc/{orphan}").exists() or Path(f"/proc/{orphan}/stat").read_text().split()[2] == "Z"
-        assert Path(f"/proc/{other}").exists() and child.poll() is None
+        deadline = time.monotonic() + 10  # until the SIGKILL lands
+        while alive(orphan) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive(orphan)
+        assert alive(other) and child.poll() is None
     finally:
         for pid in (orphan, other, child.pid):
             with contextlib.suppress(ProcessLookupError):

@@ -163,7 +163,9 @@ from pipelines.cluster import NodePlacement
 shm0, shm1, out, mode = sys.argv[1:5]
 full = mode == "full"
 node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
-nodes = Cluster(initialize_head=True, head_node_args={**node_args, "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
+# no dashboard: nothing here reads it (test_dashboard.py does), and its processes cost the 2 cores seconds
+nodes = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False,
+                                                      "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
 # a GPU as a Ray resource only (nothing here runs CUDA), on the node that is not the driver's: the runs compute on
 # the CPU all the same (device "cpu", or "auto" on the driver's node, which has none)
 nodes.add_node(**node_args, num_gpus=1, env_vars={"MEGATRAIN_SHM_DIR": shm1})

@@ -11,6 +11,7 @@ back into the arena (`write_back`) before it reads the arena."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -139,13 +140,16 @@ class GPUExecutor:
             # a stall of compute only where compute waits for it: not on the sender thread (a GPU's)
             self._waits(step + 1, issued, record=not self.executor.send_thread).wait(unit)
 
+        def hand_out(unit: Unit, calls: Iterator[ray.ObjectRef]) -> None:  # the unit's update, to the pool
+            with rec.span(HANDOUT_LANE, "update", unit.index):
+                self.issued[unit.index] = step + 1
+                issued.extend(calls)
+
         def grads_landed(unit: Unit, norm_sq: float) -> None:
             nonlocal landed_sq, stopped
             if self.final_updates:
                 if np.isfinite(norm_sq):
-                    with rec.span(HANDOUT_LANE, "update", unit.index):
-                        self.issued[unit.index] = step + 1
-                        issued.extend(w.update_unit.remote(unit.index, step) for w in self.workers)
+                    hand_out(unit, (w.update_unit.remote(unit.index, step) for w in self.workers))
                 else:
                     skipped_units.append(unit.index)
                     issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
@@ -156,11 +160,9 @@ class GPUExecutor:
             stopped = stopped or not (np.isfinite(landed_sq) and  # the step will be skipped, or it clips anyway
                                       clip_coefficient(landed_sq**0.5, speculation.max_grad_norm) == 1.0)
             if not stopped:
-                with rec.span(HANDOUT_LANE, "update", unit.index):
-                    self.issued[unit.index] = step + 1
-                    speculated.append(unit.index)
-                    issued.extend(w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
-                                  for w in self.workers)
+                speculated.append(unit.index)
+                hand_out(unit, (w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
+                                for w in self.workers))
             elif self.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
                 issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
 

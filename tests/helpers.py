@@ -43,6 +43,7 @@ import megatrain
 from megatrain import MegatrainError
 from megatrain.memory.arena import list_segments, segment_owner_alive
 from megatrain.model.layout import ModelLayout
+from pipelines.cluster import environment_value
 
 # ---- tiny random transformers models, and their loss and gradients ----
 
@@ -451,12 +452,11 @@ def dead_segments() -> set[Path]:
 def processes_with(variable: str, value: str, names: tuple[bytes, ...] = (b"",)) -> list[int]:
     """Live processes whose environment sets `variable` to `value` (inherited from the process that set it), and
     whose command line starts with one of `names`."""
-    mark = f"{variable}={value}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         try:
             if (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(names)
-                    and mark in (proc / "environ").read_bytes().split(b"\0")):
+                    and environment_value(proc / "environ", variable.encode()) == value.encode()):
                 found.append(int(proc.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue

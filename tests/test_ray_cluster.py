@@ -27,6 +27,7 @@ from helpers import TIMEOUT, assert_nothing_left, dead_segments, free_port, ray_
 
 import megatrain
 from megatrain import ConfigError, MegatrainError
+from megatrain.memory.arena import proc_stat
 from pipelines import cluster
 from pipelines.cluster import executor_device, resolve_address
 
@@ -113,10 +114,7 @@ def test_only_the_orphaned_agents_of_this_ray_temp_root_are_reaped(monkeypatch, 
         return made
 
     def alive(pid: int) -> bool:  # a killed orphan may stay a zombie a while: init reaps it when it does
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-        except OSError:
-            return False
+        return (stat := proc_stat(pid)) is not None and stat[0] != "Z"
 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     orphan, other, child = agent(ours), agent(theirs), agent(ours, orphaned=False)

@@ -134,14 +134,14 @@ class FoldLinears(TorchFunctionMode):
     def __init__(self, leaves: Weights):
         super().__init__()
         self.leaves = leaves  # holds them alive while the mode is: their ids below stay theirs
-        self.ids = {id(leaves[name]) for name in foldable(leaves)}
+        self.folding = [leaves[name] for name in foldable(leaves)]
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear and torch.is_grad_enabled():  # every other call passes straight through
             x, weight, bias = _linear_args(*args, **kwargs)
-            if (id(weight) in self.ids and x.requires_grad and x.dtype == weight.dtype
+            if (any(weight is leaf for leaf in self.folding) and x.requires_grad and x.dtype == weight.dtype
                     and not torch.is_autocast_enabled(x.device.type)):
                 return _FoldedLinear.apply(x, weight, bias)
         return func(*args, **kwargs)

@@ -195,9 +195,24 @@ case "$PART" in
     # spare memory between resident units and kept layers by the predicted step, and compile = auto decides from the
     # measured compiled layer; without it they follow a rule (the H100 at K=16 then kept 8 layers and 1 unit:
     # 5,857-7,042 tok/s). The file comes back as $OUT/calibration.json (benchmarks/calibrations/ keeps the H100's).
-    export MEGATRAIN_CALIBRATION=$OUT/calibration.json
-    step calibrate-7b-bf16 120 "${MEGATRAIN[@]}" calibrate --model 7b --batch 1 --seq 2048 --precision bf16 \
-      --max-seconds 40
+    # A calibration of this GPU kept in benchmarks/calibrations/ (its "device" is nvidia-smi's name) is used as it is:
+    # the calibration is 80 s of a session's 15 device minutes (the H200, 2026-11-26). RECALIBRATE=1 measures anew.
+    kept=$(python3 - <<'PY' 2>/dev/null
+import json, pathlib, subprocess
+name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                      text=True).stdout.strip().splitlines()[0]
+print(next(str(p) for p in sorted(pathlib.Path("benchmarks/calibrations").glob("*.json"))
+           if json.loads(p.read_text()).get("device") == name))
+PY
+)
+    if [[ -n $kept && ${RECALIBRATE:-0} != 1 ]]; then
+      say "calibration: $kept (this GPU's, kept in the repository; RECALIBRATE=1 measures anew)"
+      export MEGATRAIN_CALIBRATION=$REPO/$kept
+    else
+      export MEGATRAIN_CALIBRATION=$OUT/calibration.json
+      step calibrate-7b-bf16 120 "${MEGATRAIN[@]}" calibrate --model 7b --batch 1 --seq 2048 --precision bf16 \
+        --max-seconds 40
+    fi
     # HEADLINE_WORKERS (default 8) and HEADLINE_GRADS (default auto: "device" on this GPU) set the runs' optimizer
     # workers and gradient placement: `plan --optimizer-workers auto` on the H100's calibration predicts K=1 fastest
     # with 16 workers and grads = arena (RESULTS.md, third GPU session), never run.

@@ -144,6 +144,34 @@ def test_packed_documents_compile_once_and_match_eager(monkeypatch: pytest.Monke
     assert frames[0] > 0 and frames == [frames[0]] * 3, frames  # the first batch compiled, the others reused it
 
 
+@pytest.mark.parametrize("kept_layers", [0, 2])
+def test_folded_micro_batches_compile_once_across_layers_and_steps(monkeypatch: pytest.MonkeyPatch,
+                                                                   kept_layers: int) -> None:
+    """Micro-batches after a layer's first fold their weight gradients (megatrain/engine/grad_fold.py, its mode traced
+    into the graph): that is one more compilation per batch shape, not one per layer and micro-batch. The mode once
+    told the layer's weights by id(), and dynamo guarded every call on the fresh leaves' ids: each folded call
+    recompiled, and the H200's 7B (2026-11-26) hit the recompile limit and finished no step in 150 s."""
+    counter = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=4)
+    layout = ModelLayout.build(config)
+    params = torch.zeros(layout.numel)
+    init_weights(layout, params, seed=2)
+    eager = Executor(config, layout, params, torch.zeros(layout.numel), kept_layers=kept_layers)
+    compiled = Executor(config, layout, params, torch.zeros(layout.numel), compile=True, kept_layers=kept_layers)
+    ids = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    frames = []
+    for _ in range(3):
+        want, got = eager.run(ids, micro_batches=4), compiled.run(ids, micro_batches=4)
+        assert abs(got.loss - want.loss) <= 1e-6 * abs(want.loss)
+        for unit in layout.units:
+            for name, g in unit.bind(unit.range_of(compiled.grads)).items():
+                assert max_rel(g, unit.bind(unit.range_of(eager.grads))[name]) <= 1e-6, f"{unit.layer} {name}"
+        frames.append(counter.frame_count)
+    # the head's two pieces, and the layer without grad, with it, and with it folding (kept layers: their forward)
+    assert frames == [frames[0]] * 3 and frames[0] <= 5, frames
+
+
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_tiles_and_head_match_eager(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """The tiled path compiled: the layers' token-wise tiles (q/k/v, the output projection, the MLP: three

@@ -3,8 +3,8 @@
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
 #   bash benchmarks/gpu_session.sh headline # FIRST on a lent machine: issue #25's 7b bf16 at K = 16, 4, 1 micro-batches
-#                                           # after this GPU's calibration, K=4 without clipping, FSDP2 alike (the H100,
-#                                           # 2026-11-26, ran the three K without calibration; the fixes since: unrun)
+#                                           # after this GPU's calibration, K=4 without clipping, FSDP2 alike (the H200,
+#                                           # 2026-11-26, ran K=16 and K=1 calibrated; K=4, no-clip, FSDP2: unrun)
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu
 #   bash benchmarks/gpu_session.sh host    # grad_fold.py, pcie.py, optimizer.py (the pool of AdamW workers)
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,24 +104,22 @@ def packed_positions(cuts: list[tuple[int, int]], rows: int = 2, seq: int = 16) 
     return positions
 
 
-def compiled_and_eager(monkeypatch: pytest.MonkeyPatch, backend: str, tile_tokens: int | None = None
+def compiled_and_eager(monkeypatch: pytest.MonkeyPatch, backend: str, num_layers: int = 2, **options: Any
                        ) -> tuple[CompileCounterWithBackend, ModelLayout, Executor, Executor]:
-    """(the compile counter, the layout, an eager executor, a compiling one) of a 2-layer tiny model."""
+    """(the compile counter, the layout, an eager executor, a compiling one) of a tiny model, both with `options`."""
     counter = CompileCounterWithBackend(backend)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
-    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=2)
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=num_layers)
     layout = ModelLayout.build(config)
     params = torch.zeros(layout.numel)
     init_weights(layout, params, seed=2)
-    eager = Executor(config, layout, params, torch.zeros(layout.numel), tile_tokens=tile_tokens)
-    return counter, layout, eager, Executor(config, layout, params, torch.zeros(layout.numel), compile=True,
-                                            tile_tokens=tile_tokens)
+    eager = Executor(config, layout, params, torch.zeros(layout.numel), **options)
+    return counter, layout, eager, Executor(config, layout, params, torch.zeros(layout.numel), compile=True, **options)
 
 
-def assert_same_step(eager: Executor, compiled: Executor, ids: torch.Tensor, positions: torch.Tensor,
-                     tolerance: float) -> None:
+def assert_same_step(eager: Executor, compiled: Executor, ids: torch.Tensor, tolerance: float, **run: Any) -> None:
     """One step of each on the batch: the same loss and gradients, to `tolerance` (relative, per tensor)."""
-    want, got = eager.run(ids, position_ids=positions), compiled.run(ids, position_ids=positions)
+    want, got = eager.run(ids, **run), compiled.run(ids, **run)
     assert abs(got.loss - want.loss) <= tolerance * abs(want.loss)
     for unit in eager.layout.units:
         for name, g in unit.bind(unit.range_of(compiled.grads)).items():
@@ -139,7 +138,8 @@ def test_packed_documents_compile_once_and_match_eager(monkeypatch: pytest.Monke
     frames = []
     for cuts in ([(0, 5)], [(0, 3), (1, 9)], [(1, 2), (0, 11), (1, 7)]):
         ids = torch.randint(0, eager.config.vocab_size, (2, 16), generator=gen)
-        assert_same_step(eager, compiled, ids, packed_positions(cuts), 1e-6 if backend != "inductor" else 1e-5)
+        assert_same_step(eager, compiled, ids, 1e-6 if backend != "inductor" else 1e-5,
+                         position_ids=packed_positions(cuts))
         frames.append(counter.frame_count)
     assert frames[0] > 0 and frames == [frames[0]] * 3, frames  # the first batch compiled, the others reused it
 
@@ -151,22 +151,11 @@ def test_folded_micro_batches_compile_once_across_layers_and_steps(monkeypatch: 
     into the graph): that is one more compilation per batch shape, not one per layer and micro-batch. The mode once
     told the layer's weights by id(), and dynamo guarded every call on the fresh leaves' ids: each folded call
     recompiled, and the H200's 7B (2026-11-26) hit the recompile limit and finished no step in 150 s."""
-    counter = CompileCounterWithBackend("eager")
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
-    config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=4)
-    layout = ModelLayout.build(config)
-    params = torch.zeros(layout.numel)
-    init_weights(layout, params, seed=2)
-    eager = Executor(config, layout, params, torch.zeros(layout.numel), kept_layers=kept_layers)
-    compiled = Executor(config, layout, params, torch.zeros(layout.numel), compile=True, kept_layers=kept_layers)
-    ids = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    counter, layout, eager, compiled = compiled_and_eager(monkeypatch, "eager", num_layers=4, kept_layers=kept_layers)
+    ids = torch.randint(0, eager.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     frames = []
     for _ in range(3):
-        want, got = eager.run(ids, micro_batches=4), compiled.run(ids, micro_batches=4)
-        assert abs(got.loss - want.loss) <= 1e-6 * abs(want.loss)
-        for unit in layout.units:
-            for name, g in unit.bind(unit.range_of(compiled.grads)).items():
-                assert max_rel(g, unit.bind(unit.range_of(eager.grads))[name]) <= 1e-6, f"{unit.layer} {name}"
+        assert_same_step(eager, compiled, ids, 1e-6, micro_batches=4)
         frames.append(counter.frame_count)
     # the head's two pieces, and the layer without grad, with it, and with it folding (kept layers: their forward)
     assert frames == [frames[0]] * 3 and frames[0] <= 5, frames
@@ -179,7 +168,8 @@ def test_compiled_tiles_and_head_match_eager(monkeypatch: pytest.MonkeyPatch, ba
     with packed documents; the eager executor's loss and gradients."""
     counter, layout, eager, compiled = compiled_and_eager(monkeypatch, backend, tile_tokens=8)
     ids = torch.randint(0, eager.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert_same_step(eager, compiled, ids, packed_positions([(0, 3), (1, 9)]), 1e-6 if backend != "inductor" else 1e-5)
+    assert_same_step(eager, compiled, ids, 1e-6 if backend != "inductor" else 1e-5,
+                     position_ids=packed_positions([(0, 3), (1, 9)]))
     assert counter.frame_count == 3 * 2 + 2
 
 

@@ -133,7 +133,8 @@ class FoldLinears(TorchFunctionMode):
 
     def __init__(self, leaves: Weights):
         super().__init__()
-        self.leaves = leaves  # holds them alive while the mode is: their ids below stay theirs
+        # compared with `is`, not by id(): inside a compiled layer dynamo would guard on each call's fresh leaves' ids
+        # and compile the layer anew for every folded call; `is` between its inputs it guards as aliasing
         self.folding = [leaves[name] for name in foldable(leaves)]
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),

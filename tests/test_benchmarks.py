@@ -78,7 +78,7 @@ def is_number(text: str) -> bool:
 def test_throughput_tiny_table(shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.json"
     args = ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
-            "--optimizer-workers", "2", "--object-store-mb", "100", "--timeout", "240", "--out", str(out),
+            "--optimizer-workers", "1", "--object-store-mb", "100", "--timeout", "240", "--out", str(out),
             "--log-dir", str(tmp_path / "logs")]
     proc = run_script("throughput.py", args, shm_dir)
     headers, rows = table(proc.stdout, "peer")

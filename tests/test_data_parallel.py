@@ -20,7 +20,7 @@ from megatrain.config import ConfigError, EngineConfig
 
 def train(directory: Path, batches: list, executors: int, micro_batches: int, max_grad_norm: float | None
           ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    with megatrain.Engine(directory, optimizer_workers=2, precision="fp32", device="cpu", max_grad_norm=max_grad_norm,
+    with megatrain.Engine(directory, optimizer_workers=1, precision="fp32", device="cpu", max_grad_norm=max_grad_norm,
                           batch_size=8 // (executors * micro_batches), seq_len=24, executors=executors,
                           micro_batches=micro_batches, **OPTIM) as engine:
         assert len(engine.executors) == executors and (executors == 1 or engine.grads == "arena")

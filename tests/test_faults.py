@@ -103,7 +103,7 @@ def megatrain_cli(*args: str) -> subprocess.Popen:
 
 def test_sigkilled_driver_resumes_to_the_same_model(ray_session, tmp_path) -> None:
     common = ["train", "--steps", "16", "--batch-size", "4", "--seq-len", "64", "--checkpoint-every", "4",
-              "--device", "cpu", "--precision", "fp32", "--log-every", "5"]
+              "--device", "cpu", "--precision", "fp32", "--log-every", "5", "--optimizer-workers", "1"]
     clean = run_cli(*common, "--out", str(tmp_path / "clean"))  # the reference: no driver of its own to kill
     assert clean.returncode == 0, clean.output
 

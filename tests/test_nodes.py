@@ -8,9 +8,10 @@ executor and with transformers is test_data_parallel's; the checkpoint resumes o
 parameters as the run that went on; killing the second node's executor in the middle of a step, or its optimizer
 worker, recovers exactly; killing its parameter store (the node lost) stops the run in one sentence naming it, and
 the dead store's segments are removed when the run shuts down. A LoRA run on two nodes (slow) is bit for bit its run
-on one node with the same two executors, recovered and resumed alike. The same cluster, with a GPU (a Ray resource
-only) on its second node, first serves a run of one node: its actors and data loader stay on the driver's node, its
-device 'cuda' is refused, and a GPU placement on the other node grants the executor's options there.
+on one node with the same two executors, recovered and resumed alike. The same cluster has a GPU (a Ray resource
+only) on its second node: the one-node run (device 'auto') keeps its actors and a data loader on the driver's node
+and computes on its CPU, device 'cuda' is refused, and a GPU placement on the other node grants the executor's
+options there.
 The plain classes (node parts, resharding of checkpoints) are tested without Ray.
 """
 
@@ -172,22 +173,25 @@ nodes.add_node(**node_args, num_gpus=1, env_vars={"MEGATRAIN_SHM_DIR": shm1})
 result = {}
 
 
-def on_the_drivers_node():
-    gen = torch.Generator().manual_seed(0)
-    with megatrain.Engine("tiny", batch_size=2, seq_len=32, device="auto", optimizer_workers=1) as engine:
-        losses = [engine.step(torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(3)]
-        loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(
-            DataConfig(batch_size=2, seq_len=32, vocab_size=engine.config.vocab_size))
-        actors = [engine.store, engine.executor, *engine.workers, loader]
-        where = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
-        group = sorted(set(placement_group_table(engine.placement.group)["bundles_to_node_id"].values()))
-        worker_cpus, device = engine.placement.worker_cpus, engine.device
+def on_the_drivers_node(engine):
+    '''Where the one-node run's actors, and a data loader placed beside them, run; what its placement reserved.'''
+    loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(
+        DataConfig(batch_size=2, seq_len=32, vocab_size=engine.config.vocab_size))
+    actors = [engine.store, *engine.executors, *engine.workers, loader]
+    where = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in actors])
+    group = sorted(set(placement_group_table(engine.placement.group)["bundles_to_node_id"].values()))
+    ray.kill(loader)
+    return {"driver": ray.get_runtime_context().get_node_id(), "actors": where, "group": group,
+            "nodes": len(ray.nodes()), "worker_cpus": engine.placement.worker_cpus, "device": engine.device}
+
+
+def gpu_placement():
+    '''What the CPU cannot run end to end: "cuda" refused on the driver's node, which has no GPU; a group with a GPU
+    bundle on the other node, and the options the executor gets from it.'''
     try:
         megatrain.Engine("tiny", batch_size=2, seq_len=32, device="cuda", optimizer_workers=1)
     except megatrain.ConfigError as e:
         cuda_refused = str(e)
-
-    # what the CPU cannot run end to end: a group with a GPU bundle, and the options the executor gets from it
     gpu_node = next(n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU"))
     placement = NodePlacement.reserve(gpu_node, 1, gpu=True, timeout=60)
 
@@ -197,17 +201,13 @@ def on_the_drivers_node():
 
     on_gpu = ray.get(probe.options(**placement.executor()).remote(), timeout=60)
     placement.release()
-    return {"losses": losses, "driver": ray.get_runtime_context().get_node_id(), "actors": where, "group": group,
-            "nodes": len(ray.nodes()), "worker_cpus": worker_cpus, "device": device, "cuda_refused": cuda_refused,
-            "gpu_node": gpu_node, "on_gpu": on_gpu}
+    return {"cuda_refused": cuda_refused, "gpu_node": gpu_node, "on_gpu": on_gpu}
 
 
 try:
     # connected by its address, as Ray's docs do: found through the record instead, Ray turns its token auth on in
     # this driver alone, and the nodes this process started reject it (actors die unscheduled)
     ray.init(address=nodes.address)
-    if mode != "lora":  # test_engine_on_a_two_node_cluster_stays_on_the_drivers_node's run, before the two nodes'
-        result["drivers_node"] = on_the_drivers_node()
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(5)]
     settings = dict(batch_size=4, seq_len=32, device="cpu", optimizer_workers=1, lr=1e-2, warmup_steps=0)
@@ -258,7 +258,9 @@ try:
         result["files"] = sorted(os.listdir(out + "/ckpt"))
         print(json.dumps(result))
         sys.exit(0)
-    with megatrain.Engine("tiny", executors=2, **settings) as one:
+    # device "auto" on the driver's node, which has no GPU: the CPU's, as the runs below ("cpu")
+    with megatrain.Engine("tiny", executors=2, **{**settings, "device": "auto"}) as one:
+        result["drivers_node"] = on_the_drivers_node(one)  # test_engine_on_a_two_node_cluster_stays_on_the_drivers_node
         result["one"] = train(one, batches[:3])
         save_file(one.parameters(), out + "/one-3.safetensors")
         result["one"] += train(one, batches[3:])
@@ -282,6 +284,7 @@ try:
         if not full:
             result["restarts"] = two.restarts
             lose_the_second_node(two)
+    result["drivers_node"].update(gpu_placement())
     if not full:
         result["files"] = sorted(os.listdir(out + "/ckpt"))
         print(json.dumps(result))
@@ -352,8 +355,8 @@ def test_engine_on_a_two_node_cluster_stays_on_the_drivers_node(two_nodes: TwoNo
     and "cuda" is refused, since the cluster's GPU is on another node."""
     result = two_nodes.result["drivers_node"]
     driver = result["driver"]
-    assert result["nodes"] == 2 and len(result["losses"]) == 3 and result["gpu_node"] != driver
-    assert result["actors"] == [driver] * 4 and result["group"] == [driver]
+    assert result["nodes"] == 2 and result["gpu_node"] != driver
+    assert result["actors"] == [driver] * 5 and result["group"] == [driver]  # store, 2 executors, worker, loader
     assert result["worker_cpus"] == 2.0
     assert result["device"] == "cpu"
     assert result["cuda_refused"].startswith("device 'cuda' was asked for but the driver's Ray node has no GPU")

@@ -1,6 +1,7 @@
 """Fixtures several test modules use: the session's Ray, a Ray of a test's own, a private /dev/shm directory, and
 the models and batches that tests in more than one module train on. Plain helpers are in helpers.py."""
 
+import json
 import os
 import shutil
 import uuid
@@ -104,6 +105,14 @@ def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torc
     directory = tmp_path_factory.mktemp("micro")
     hf.save_pretrained(directory)
     yield hf, directory
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest test files first (seconds in tests/durations.json; a file not there counts as the longest): with
+    -n 2 each file runs whole in one process, handed out in this order (pyproject.toml's --dist loadfile
+    --no-loadscope-reorder), and a long file handed out last leaves the other process's core idle while it runs."""
+    durations = json.loads((Path(__file__).parent / "durations.json").read_text())
+    items.sort(key=lambda item: -durations.get(item.path.name, float("inf")))  # stable: each file's order kept
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -100,8 +100,9 @@ def _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, see
         assert torch.equal(params[name], want), name
 
 
-# in CI the arena and the device placements clipped; the others with the seeds below (slow)
-IN_CI = {"arena-clipped", "device-clipped"}
+# in CI the device placement clipped; the others with the seeds below (slow). The arena placement meets the simulated
+# streams in CI all the same: test_micro_batches.py's and test_long_context.py's clipped runs on "cpu-async" take it
+IN_CI = {"device-clipped"}
 
 
 @pytest.mark.parametrize(("grads", "max_grad_norm"),

@@ -51,7 +51,7 @@ def test_default_train_learns_and_leaves_nothing(ray_session, tmp_path, flags, s
 def test_ctrl_c_or_sigterm_stops_and_releases_shared_memory(tmp_path, stop, code, said) -> None:
     """Ctrl-C from a terminal, or SIGTERM from `timeout`, `kill` or a job scheduler (to the driver alone)."""
     before = dead_segments()
-    proc = megatrain("train", "--steps", "5000", "--log-every", "1", cwd=tmp_path)
+    proc = megatrain("train", "--steps", "5000", "--log-every", "1", "--optimizer-workers", "1", cwd=tmp_path)
     for line in proc.stdout:
         if line.startswith("step 3/"):
             break
@@ -120,7 +120,7 @@ def test_trace_and_stall_report_of_a_run_without_checkpoints_or_final_model(ray_
     run = tmp_path / "run"
     assert main(["train", "--steps", "4", "--trace", "--out", str(run), "--batch-size", "2", "--seq-len", "32",
                  "--device", "cpu", "--precision", "fp32", "--log-every", "1", "--checkpoint-every", "0",
-                 "--no-save-final", "--grads", "device"]) == 0
+                 "--no-save-final", "--grads", "device", "--optimizer-workers", "1"]) == 0
     assert not list((run / "checkpoints").glob("step-*")) and not (run / "final").exists()
     assert len((run / "steps.jsonl").read_text().splitlines()) == 4
     trace = json.loads((run / "trace.json").read_text())

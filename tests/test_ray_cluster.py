@@ -32,7 +32,7 @@ from pipelines import cluster
 from pipelines.cluster import executor_device, resolve_address
 
 TRAIN = ("train", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
-         "--checkpoint-every", "0", "--no-save-final", "--log-every", "1")
+         "--checkpoint-every", "0", "--no-save-final", "--log-every", "1", "--optimizer-workers", "1")
 
 
 def ray_start_head(env: dict[str, str]) -> str:

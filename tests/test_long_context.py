@@ -1,4 +1,4 @@
-"""Long context on the CPU, exact: a small model at 4096 tokens with 512-token tiles and every layer input kept in
+"""Long context on the CPU, exact: a small model at 2048 tokens with 256-token tiles and every layer input kept in
 host memory (the activation checkpoints' budget 0) against transformers in fp32, with and without packed documents
 (per-document position_ids), under simulated asynchronous streams; three Engine steps so against transformers +
 AdamW; the store's own accounting (kept checkpoints within the budget however many layers, transfers never more
@@ -24,7 +24,7 @@ from megatrain.engine.streams import make_streams
 from megatrain.memory.plan import plan_run
 from pipelines.cli import main
 
-SEQ, TILE = 4096, 512
+SEQ, TILE = 2048, 256  # 8 tiles a row, as at any length: the tiled path is the same code
 VOCAB = 128
 
 
@@ -42,8 +42,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.M
 
 
 def packed_positions() -> torch.Tensor:
-    """Documents of 1000, 1, 2095 and 1000 tokens in one row, each from position 0."""
-    return torch.cat([torch.arange(n) for n in (1000, 1, 2095, 1000)])[None]
+    """Documents of 500, 1, 1047 and 500 tokens in one row, each from position 0."""
+    return torch.cat([torch.arange(n) for n in (500, 1, 1047, 500)])[None]
 
 
 def hf_result(hf: torch.nn.Module, ids: torch.Tensor, position_ids: torch.Tensor | None
@@ -64,7 +64,7 @@ def row() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def hf_results(llama: tuple[torch.nn.Module, Path]) -> Callable[[bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """transformers' loss and gradients on row(), packed or one document, each computed once per module (eager
-    attention at 4096 tokens is most of a test's time): the tiled runs are held to them, and they to each other."""
+    attention at 2048 tokens is most of a test's time): the tiled runs are held to them, and they to each other."""
     hf, _ = llama
     results: dict[bool, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
 
@@ -136,7 +136,7 @@ def test_negative_budget_is_refused() -> None:
 
 def test_engine_tiled_and_offloaded_matches_transformers_and_adamw(ray_session: None,
                                                                   llama: tuple[torch.nn.Module, Path]) -> None:
-    """Three steps at 4096 tokens of packed documents, 512-token tiles, every checkpoint in host memory, simulated
+    """Three steps at 2048 tokens of packed documents, 256-token tiles, every checkpoint in host memory, simulated
     streams, clipping on: losses and parameters as transformers + torch.optim.AdamW, judged against its fp64 run.
     (One-document rows differ only in the positions, which the loss-and-gradient test above covers.)"""
     _, directory = llama
@@ -147,7 +147,7 @@ def test_engine_tiled_and_offloaded_matches_transformers_and_adamw(ray_session: 
                           batch_size=1, seq_len=SEQ, tile_tokens=TILE, checkpoint_budget_gib=0, **OPTIM) as engine:
         losses = [engine.step(*batch) for batch in batches]
         params = engine.parameters()
-    # SDPA: eager attention's [heads, 4096, 4096] scores in fp64 would take most of this test's time
+    # SDPA: eager attention's [heads, 2048, 2048] scores in fp64 would take most of this test's time
     exact_losses, exact = hf_reference(directory, batches, 1.0, OPTIM, torch.float64, attention="sdpa")
     hf_losses, hf_params = hf_reference(directory, batches, 1.0, OPTIM, attention="sdpa")
     assert losses == pytest.approx(exact_losses, rel=1e-5)

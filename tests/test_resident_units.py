@@ -322,7 +322,7 @@ def test_a_killed_actor_recovers_exactly_with_resident_units(ray_session: None, 
             losses = []
             for i, (ids, labels) in enumerate(batches):
                 if i == kill_at:
-                    pid = worker_pids(engine)[1] if victim == "worker" else ray.get(engine.executor.pid.remote())
+                    pid = worker_pids(engine)[0] if victim == "worker" else ray.get(engine.executor.pid.remote())
                     engine.actors.train_step = killing_once(engine.actors.train_step, pid)
                 losses.append(engine.step(ids, labels))
                 if i == 1:

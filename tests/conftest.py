@@ -1,5 +1,6 @@
 """Fixtures several test modules use: the session's Ray, a Ray of a test's own, a private /dev/shm directory, and
-the models and batches that tests in more than one module train on. Plain helpers are in helpers.py."""
+the models and batches that tests in more than one module train on; and the order the test files run in (the
+longest first). Plain helpers are in helpers.py."""
 
 import json
 import os

@@ -31,6 +31,10 @@ def session_shm_dir() -> Path:
 SHM_DIR = session_shm_dir()
 os.environ["MEGATRAIN_SHM_DIR"] = str(SHM_DIR)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray's log monitor lists its log directory for new files every 0.1 s while it holds fewer than this many; a test run
+# leaves the logs of ~150 dead actor processes in each Ray, and the listing is then about half the monitor's CPU.
+# At 0 it lists every 0.5 s (LOG_NAME_UPDATE_INTERVAL_S): a new actor's first lines reach the driver that much later.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 import pytest
 import ray

@@ -143,12 +143,16 @@ def test_trace_and_stall_report_of_a_run_without_checkpoints_or_final_model(ray_
 
 
 def test_resumed_run_logs_each_step_once(ray_session, tmp_path, capsys) -> None:
-    """Resumed from the step-3 checkpoint after the first run went to step 6: steps 3-5 are logged once, by the
-    run that produced the model in the directory; a fresh run into the directory starts a fresh log."""
+    """A fresh run into a directory that holds an earlier run's log starts a fresh log; resumed from the step-3
+    checkpoint after it went to step 6, steps 3-5 are logged once, by the run that produced the model in the
+    directory."""
     run = tmp_path / "run"
     flags = ["--steps", "6", "--checkpoint-every", "3", "--out", str(run), "--batch-size", "2", "--seq-len", "16",
              "--device", "cpu", "--no-save-final", "--optimizer-workers", "1"]
-    assert main(["train", *flags]) == 0
+    run.mkdir()
+    (run / "steps.jsonl").write_text("".join(json.dumps({"step": step, "loss": 9.0}) + "\n" for step in range(8)))
+    assert main(["train", *flags]) == 0  # no --resume: a new run
+    assert [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()] == list(range(6))
     shutil.rmtree(run / "checkpoints" / "step-00000006")
     with open(run / "steps.jsonl", "a") as f:
         f.write('{"step": 6, "lo')  # a line torn by a kill
@@ -157,5 +161,3 @@ def test_resumed_run_logs_each_step_once(ray_session, tmp_path, capsys) -> None:
     assert "trained steps 4-6 (resumed after step 3): loss" in capsys.readouterr().out
     logged = [json.loads(line)["step"] for line in (run / "steps.jsonl").read_text().splitlines()]
     assert logged == [0, 1, 2, 3, 4, 5]
-    assert main(["train", *flags[:2], *flags[4:]]) == 0  # no checkpoints asked for, no --resume: a new run
-    assert len((run / "steps.jsonl").read_text().splitlines()) == 6

@@ -378,19 +378,21 @@ def test_auto_optimizer_workers() -> None:
     assert auto_optimizer_workers(8.0, cal=flat) == 2
 
 
-def test_engine_takes_auto_optimizer_workers_and_predicts_its_own_plan(ray_session: None, cache: Path,
-                                                                      tmp_path: Path) -> None:
-    """optimizer_workers auto; and the run's prediction (the progress line's, prediction.json) is of the Engine's own
-    plan, with the resident units and kept layers it resolved, on its device's cached calibration."""
+def test_engine_takes_auto_optimizer_workers_and_micro_batches_and_predicts_its_own_plan(ray_session: None, cache: Path,
+                                                                                         tmp_path: Path) -> None:
+    """optimizer_workers and micro_batches auto (the fewest micro-batches that fit: one, for the tiny model on the CPU;
+    test_micro_batches.py plans a 7B); and the run's prediction (the progress line's, prediction.json) is of the
+    Engine's own plan, with the resident units and kept layers it resolved, on its device's cached calibration."""
     import megatrain
     from megatrain.telemetry.report import PREDICTION_FILE
     from pipelines.train import record_prediction
 
     cal = cpu_calibration()
     cal.save()
-    with megatrain.Engine("tiny", optimizer_workers="auto", device="cpu", batch_size=2, seq_len=16, resident=2,
-                          keep_activations=1) as engine:
+    with megatrain.Engine("tiny", optimizer_workers="auto", micro_batches="auto", device="cpu", batch_size=2,
+                          seq_len=16, resident=2, keep_activations=1) as engine:
         assert engine.engine_config.optimizer_workers == len(engine.workers) == 2  # the session's 2 CPUs
+        assert engine.engine_config.micro_batches == 1
         engine.step(torch.randint(0, 256, (2, 16)))
         assert (engine.plan.resident_units, len(engine.plan.kept.indices)) == (2, 1)
         expected = predict(engine.plan, engine.config, cal, optimizer_workers=2, speculate="auto")

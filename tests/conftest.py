@@ -35,6 +35,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # leaves the logs of ~150 dead actor processes in each Ray, and the listing is then about half the monitor's CPU.
 # At 0 it lists every 0.5 s (LOG_NAME_UPDATE_INTERVAL_S): a new actor's first lines reach the driver that much later.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# Ray's workers import pyarrow to register serializers for Arrow tables, which megatrain never passes through Ray (its
+# batches are numpy arrays): ~0.1 CPU-s in each of the ~250 actor processes a test run starts.
+os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_DATA_SERIALIZATION", "1")
+os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_JSON_OPTIONS_SERIALIZATION", "1")
 
 import pytest
 import ray

@@ -2,12 +2,18 @@
 the models and batches that tests in more than one module train on; and the order the test files run in (the
 longest first). Plain helpers are in helpers.py."""
 
+from __future__ import annotations
+
 import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def session_shm_dir() -> Path:
@@ -25,9 +31,10 @@ def session_shm_dir() -> Path:
     return path
 
 
-# Both set before megatrain and torch load (conftest imports them first), for this process, its subprocesses and every
-# Ray actor (they inherit the environment). OMP_WAIT_POLICY: two test processes and their actors share CI's 2 cores,
-# and OpenMP threads that spin after each parallel region (libgomp's default) hold a core another process waits for.
+# Set before megatrain and torch load (pytest loads this file before the test modules), for this process, its
+# subprocesses and every Ray actor (they inherit the environment). OMP_WAIT_POLICY: two test processes and their actors
+# share CI's 2 cores, and OpenMP threads that spin after each parallel region (libgomp's default) hold a core another
+# process waits for.
 SHM_DIR = session_shm_dir()
 os.environ["MEGATRAIN_SHM_DIR"] = str(SHM_DIR)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -40,23 +47,25 @@ os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_DATA_SERIALIZATION", "1")
 os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_JSON_OPTIONS_SERIALIZATION", "1")
 
+# Torch, Ray, transformers (helpers) and megatrain are imported where a fixture needs them, not here: with -n 2
+# pytest-xdist's controller loads this file too, before it starts the two test processes, and runs no test (importing
+# them here cost its start ~6 CPU-s while both cores waited).
 import pytest
-import ray
-import torch
-from helpers import STEPS, build_hf_model, micro_llama_config, private_ray_env
-
-from pipelines import cluster
 
 
 @pytest.fixture(autouse=True, scope="session")
 def local_ray_environment() -> None:
     """Every Ray a test starts (the session's, a subprocess's, `ray start`, a test cluster's nodes) starts as the
     driver's private one does: subprocesses inherit the variables."""
+    from pipelines import cluster
+
     cluster.local_ray_environment()
 
 
 @pytest.fixture(scope="session")
 def ray_session():
+    import ray
+
     # "local": a private Ray, also where `ray start` runs one (which ray.init() would join, refusing num_cpus)
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 * 1024,
              ignore_reinit_error=True)
@@ -85,6 +94,8 @@ def no_cached_self_checks(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
     """The environment of one test's Ray (helpers.private_ray_env: its own RAY_TMPDIR, its processes killed after)."""
+    from helpers import private_ray_env
+
     with private_ray_env() as env:
         yield env
 
@@ -103,6 +114,9 @@ def shm_dir() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def fault_batches() -> list[torch.Tensor]:
     """The 20 batches of helpers.train_with_faults (the tiny preset's vocabulary)."""
+    import torch
+    from helpers import STEPS
+
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, 256, (4, 64), generator=gen) for _ in range(STEPS)]
 
@@ -110,6 +124,8 @@ def fault_batches() -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
     """A 2-layer Llama for helpers.rows (HF's model, and the directory it is saved in)."""
+    from helpers import build_hf_model, micro_llama_config
+
     hf = build_hf_model(micro_llama_config())
     directory = tmp_path_factory.mktemp("micro")
     hf.save_pretrained(directory)

@@ -369,7 +369,7 @@ def train_with_faults(batches: list[torch.Tensor], tmp: Path, victim: str | None
 
 def assert_same_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     for name, value in want.items():
-        assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
+        assert torch.equal(got[name], value), f"{name} differs from the reference run's"
 
 
 # ---- error messages ----

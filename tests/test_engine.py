@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from helpers import OPTIM, hf_reference, train_engine
+from helpers import OPTIM, assert_same_model, hf_reference, train_engine
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import megatrain
@@ -86,8 +86,7 @@ def test_gradients_streamed_through_host_slots_give_the_same_training(ray_sessio
     losses, params = cpu_run(grads, max_grad_norm)
     arena_losses, arena_params = cpu_run("arena", max_grad_norm)
     assert losses == arena_losses
-    for name in arena_params:
-        assert torch.equal(params[name], arena_params[name]), name
+    assert_same_model(params, arena_params)
 
 
 PLACEMENTS = [("arena", 1.0), ("arena", None), ("stream", None), ("device", 1.0), ("device", None)]
@@ -98,8 +97,7 @@ def _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, see
     want_losses, want_params = cpu_run(grads, max_grad_norm)
     losses, params = train_engine(hf_dir, batches, 2, max_grad_norm, grads, device=f"cpu-async:{seed}")
     assert losses == want_losses
-    for name, want in want_params.items():
-        assert torch.equal(params[name], want), name
+    assert_same_model(params, want_params)
 
 
 # in CI the device placement clipped; the others with the seeds below (slow). The arena placement meets the simulated
@@ -269,5 +267,4 @@ def test_clipping_off_streams_gradients_and_a_longer_sequence_is_warned_about(ra
     assert f"seq_len {positions + 1} is longer than the {positions} positions" in caplog.text
     arena_losses, arena_params = cpu_run("arena", None)
     assert losses == arena_losses
-    for name in arena_params:
-        assert torch.equal(params[name], arena_params[name]), name
+    assert_same_model(params, arena_params)

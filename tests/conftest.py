@@ -42,10 +42,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # leaves the logs of ~150 dead actor processes in each Ray, and the listing is then about half the monitor's CPU.
 # At 0 it lists every 0.5 s (LOG_NAME_UPDATE_INTERVAL_S): a new actor's first lines reach the driver that much later.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-# Ray's workers import pyarrow to register serializers for Arrow tables, which megatrain never passes through Ray (its
-# batches are numpy arrays): ~0.1 CPU-s in each of the ~250 actor processes a test run starts.
+# Ray's workers register serializers for Arrow tables and JSON options, which megatrain never passes through Ray (its
+# batches are numpy arrays): off. tests/ray_site/sitecustomize.py, on PYTHONPATH for every process a test starts, keeps
+# Ray's serializer add-ons from importing pyarrow and pydantic as well: ~0.28 CPU-s in each of the ~300 worker
+# processes a test run starts.
 os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_DATA_SERIALIZATION", "1")
 os.environ.setdefault("RAY_DISABLE_CUSTOM_ARROW_JSON_OPTIONS_SERIALIZATION", "1")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent / "ray_site"),
+                                                         os.environ.get("PYTHONPATH")]))
 
 # Torch, Ray, transformers (helpers) and megatrain are imported where a fixture needs them, not here: with -n 2
 # pytest-xdist's controller loads this file too, before it starts the two test processes, and runs no test (importing

@@ -437,6 +437,11 @@ def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: a test's Ray imports megatrain from it
 
+
+def python_path() -> str:
+    """PYTHONPATH for a subprocess: the repository (megatrain from it), then what conftest set (tests/ray_site)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
 TIMEOUT = 240  # seconds for one subprocess; a hang fails the test instead of the CI job
 
 
@@ -489,7 +494,7 @@ def private_ray_env() -> Iterator[dict[str, str]]:
     tmp = tempfile.mkdtemp(prefix="mt", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # Ray's own settings (memory monitor off, no prestarted workers) come with os.environ: conftest's session fixture
-    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT)}
+    env |= {"RAY_TMPDIR": tmp, "PYTHONPATH": python_path()}
     try:
         yield env
     finally:

@@ -11,18 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import dead_segments, my_segments, run_cli
+from helpers import dead_segments, my_segments, python_path, run_cli
 
 from megatrain.data import DataError
 from pipelines.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def megatrain(*args: str, cwd: Path) -> subprocess.Popen:
     """`megatrain ...` as a terminal's foreground job runs it: its own process group, SIGINT at its default (a test
     run launched in the background of a shell inherits SIGINT ignored, and so would the driver)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

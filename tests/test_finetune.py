@@ -163,6 +163,7 @@ def test_finetune_cli_end_to_end_and_resume(ray_session, model_dir, chat_file, c
     assert (out / "checkpoints" / "step-00000030").is_dir() and (final / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # CI: test_data_formats.py holds Alpaca records to the messages chats (ids, masks); above: the chats
 def test_finetune_on_an_alpaca_json_file(ray_session, model_dir, chats, tmp_path):
     """An Alpaca export (a JSON array) trains like the messages chats: the data room turns each record into a
     chat, so the model's template, the assistant-only loss and the eval split apply unchanged."""

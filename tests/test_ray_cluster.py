@@ -213,12 +213,24 @@ def test_the_driver_decides_the_executors_device() -> None:
     assert executor_device("cpu-async:3", on_gpu=False) == "cpu-async:3"
 
 
-@pytest.mark.parametrize(("device", "given", "workers", "cpus"), [("auto", "cpu", 3, 0.6666),
-                                                                   ("cpu-async:3", "cpu-async:3", 1, 2.0)])
+def test_three_workers_reserve_what_ray_can_grant(ray_session) -> None:
+    """The workers share the node's free CPUs in Ray's units: three on the session's 2 take 0.6666 each, as Ray counts
+    in 1/10000ths and 3 x 0.6667 is more than 2, which would never be granted."""
+    placement = cluster.NodePlacement.reserve(cluster.driver_node(), 3, gpu=False, timeout=60)
+    try:
+        assert (placement.worker_cpus, placement.worker_threads) == (0.6666, 1)
+    finally:
+        placement.release()
+
+
+# CI: the simulated streams' device with one worker; slow: "auto" with three (its reservation: above, without actors;
+# "auto" on a node without a GPU: test_the_driver_decides_the_executors_device)
+@pytest.mark.parametrize(("device", "given", "workers", "cpus"), [
+    pytest.param("auto", "cpu", 3, 0.6666, marks=pytest.mark.slow), ("cpu-async:3", "cpu-async:3", 1, 2.0)])
 def test_the_executor_actor_receives_the_decided_device(ray_session, monkeypatch, device, given, workers, cpus
                                                         ) -> None:
     """The device the driver decided reaches the executor actor; the workers share the session's 2 CPUs in Ray's units
-    (three: 0.6666 each, as Ray counts in 1/10000ths and 3 x 0.6667 is more than 2, which would never be granted)."""
+    (three: 0.6666 each)."""
     from pipelines import run_actors
 
     received = []

@@ -124,6 +124,10 @@ def test_every_placement_under_many_seeds_of_delays(ray_session, hf_dir, batches
     _under_simulated_streams(hf_dir, batches, cpu_run, grads, max_grad_norm, seed)
 
 
+# slow: in CI two workers train bit for bit as one (test_every_placement_under_simulated_streams, above; and two nodes'
+# workers as one node's, test_nodes.py), and a run resumed in a new Engine repeats the uninterrupted one
+# (test_resident_units.py, test_finetune.py)
+@pytest.mark.slow
 def test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them(ray_session, hf_dir, batches, cpu_run,
                                                                               tmp_path) -> None:
     """3 workers train bit for bit as 1 (every gradient in the arena: clipping on and no GPU); from the checkpoint after

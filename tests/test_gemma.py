@@ -1,8 +1,8 @@
 """Native Gemma 2 and Gemma 3 (text) against transformers' Gemma2ForCausalLM / Gemma3ForCausalLM: config.json in and
 out, loss and every gradient (also under simulated streams, with packed documents and with sequence tiles),
-save_pretrained, a new model's init, three Engine steps against torch.optim.AdamW, the plan of the real Gemma-2-9B
-and Gemma-3-4B / 12B text configs, and the one-sentence refusals. The tiny configs are test_hf_generic's, which runs
-the same models on the generic path."""
+save_pretrained, a new model's init, the plan of the real Gemma-2-9B and Gemma-3-4B / 12B text configs, and the
+one-sentence refusals; slow: three Engine steps against torch.optim.AdamW. The tiny configs are test_hf_generic's,
+which runs the same models on the generic path."""
 
 from __future__ import annotations
 
@@ -177,7 +177,11 @@ def test_a_new_gemma_starts_as_transformers_does(tmp_path: Path) -> None:
 
 # ---- three Engine steps against transformers + AdamW ----
 
-@pytest.mark.parametrize("name", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])  # CI: one of the two
+# slow: CI holds both models' loss and every gradient to transformers (above), and three Engine steps to transformers +
+# AdamW on llama (test_engine.py), qwen3 (test_qwen3.py) and gpt2 (test_model_families.py): the Engine streams every
+# family's units alike
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_engine_matches_transformers_and_adamw(name: str, ray_session: None, tmp_path: Path) -> None:
     build_hf_model(tiny(name)).save_pretrained(tmp_path)
     assert_engine_matches_transformers(tmp_path)

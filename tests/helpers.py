@@ -442,6 +442,7 @@ def python_path() -> str:
     """PYTHONPATH for a subprocess: the repository (megatrain from it), then what conftest set (tests/ray_site)."""
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
+
 TIMEOUT = 240  # seconds for one subprocess; a hang fails the test instead of the CI job
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import python_path
 
 from megatrain import MegatrainError, ModelConfig
 from megatrain.config import ConfigError
@@ -47,7 +48,7 @@ from megatrain.memory.arena import Arena
 
 def spawn(script: str, *args: str) -> subprocess.Popen[str]:
     """Starts `python -c script args...` with megatrain importable; stdin/stdout are text pipes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     pipe = subprocess.PIPE
     return subprocess.Popen([sys.executable, "-c", CHILD_PREAMBLE + textwrap.dedent(script), *args], cwd=REPO,
                             env=env, stdin=pipe, stdout=pipe, stderr=pipe, text=True)

@@ -176,6 +176,7 @@ def test_one_engine_refuses_bad_input_takes_the_drivers_paths_and_holds_its_cpus
     # CPUs an Engine just shut down releases come back within the wait; none come back here: 1 s tells as much as 10
     monkeypatch.setattr(cluster, "FREE_CPU_WAIT_SECONDS", 1.0)
     with engine_on(hf_dir, max_nonfinite_steps=2) as engine:
+        assert engine.grads == "arena", "clipping on (the default) and no GPU: every gradient waits in the arena"
         for bad_ids, labels, expected in [(torch.full((1, 8), VOCAB + 5), None, "outside the model's vocabulary"),
                                           (ids.float() + 0.5, None, "input_ids must hold integer token ids"),
                                           (ids, ids.double(), "labels must hold integer token ids")]:
@@ -253,7 +254,7 @@ def test_clipping_off_streams_gradients_and_a_longer_sequence_is_warned_about(ra
                                                                               caplog) -> None:
     """Clipping off (0, as None) on the CPU: gradients go through a ring of host slots ("stream": each unit's update
     starts as its gradient lands), not every gradient in the arena (clipping on and no GPU: "arena", the engine of
-    test_results_do_not_depend_on_worker_count_and_a_resumed_run_repeats_them; test_arena's resolve_grads), and the
+    test_one_engine_refuses_bad_input_takes_the_drivers_paths_and_holds_its_cpus; test_arena's resolve_grads), and the
     training is bit for bit the arena's. Where a step is given sequences past the model's positions, that is warned
     about once; not for the Engine's planning seq_len (2048 by default) when the batches are short."""
     positions = LlamaConfig().max_position_embeddings  # hf_dir's

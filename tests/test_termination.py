@@ -8,15 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
+from helpers import python_path
 
 import megatrain
 from megatrain.memory.arena import proc_stat
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # SIGTERM handled while the main thread runs an object's __del__: where Ray's own handler raised SystemExit, which
 # Python only prints ("Exception ignored in ... __del__") before carrying on
@@ -43,7 +41,7 @@ sys.exit(3)
 def test_sigterm_inside_a_destructor_cleans_up_and_exits_quietly(tmp_path) -> None:
     marker = tmp_path / "cleanup"
     proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_DEL, str(marker)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                          env={**os.environ, "PYTHONPATH": python_path()}, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
     assert marker.read_text() == "cleaned up"

@@ -25,7 +25,7 @@ def _importer() -> str:
 
 class _NotForRaysAddOns(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 (the finder protocol)
-        if RAYS_ADD_ONS.get(name) is not None and _importer() == RAYS_ADD_ONS[name]:
+        if name in RAYS_ADD_ONS and _importer() == RAYS_ADD_ONS[name]:
             raise ModuleNotFoundError(f"no {name} for Ray's serializer add-on in a test run", name=name)
         return None
 

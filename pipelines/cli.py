@@ -181,7 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megatrain.perf.predict import choose
     from megatrain.store import resolve_model
     from pipelines.lora import as_lora_config
-    from pipelines.plan_prediction import plan_calibration, plan_prediction, plan_step_time
+    from pipelines.plan_prediction import plan_calibration, plan_prediction, plan_step_time, prediction_flags
     from pipelines.train import TrainConfig
 
     workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
@@ -239,6 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         grads=cfg.grads, tile_tokens=cfg.tile_tokens, clipping=optim.clipping,
                         precision=cfg.precision, schedule=cfg.schedule,
                         checkpoint_budget=long_context["checkpoint_budget"],
+                        flags=prediction_flags(args, config, cal, cfg, on_gpu), **on_device,
                         **{k: v for k, v in common.items() if k not in ("precision", "optimizer_workers")})
         if choice is not None:
             common["optimizer_workers"] = choice.optimizer_workers

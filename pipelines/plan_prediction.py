@@ -74,10 +74,17 @@ def plan_step_time(args: argparse.Namespace, config: ModelConfig, cal: Calibrati
 
 def _plan_settings(args: argparse.Namespace, config: ModelConfig, cal: Calibration, cfg: Any, clipping: bool,
                    workers: int, executors: int, on_gpu: bool) -> dict[str, Any]:
+    return dict(precision=cfg.precision, optimizer_workers=workers, clipping=clipping, executors=executors,
+                **prediction_flags(args, config, cal, cfg, on_gpu))
+
+
+def prediction_flags(args: argparse.Namespace, config: ModelConfig, cal: Calibration, cfg: Any, on_gpu: bool
+                     ) -> dict[str, Any]:
+    """predict's keywords that `megatrain plan`'s flags give: how the run updates (--speculate, --clip-rate), whether
+    its layers run compiled (--compile, as its executor decides), the nodes' link (--link-gbps)."""
     if not 0.0 <= args.clip_rate <= 1.0:
         raise ConfigError(f"--clip-rate is the share of steps that clip, from 0 to 1, got {args.clip_rate}.")
-    return dict(precision=cfg.precision, optimizer_workers=workers, clipping=clipping, executors=executors,
-                link_gbps=args.link_gbps or LINK_GBPS, speculate=cfg.speculate, clip_rate=args.clip_rate,
+    return dict(link_gbps=args.link_gbps or LINK_GBPS, speculate=cfg.speculate, clip_rate=args.clip_rate,
                 compiled=compiled_for(cfg.compile, on_gpu, cal, config, cfg.precision))
 
 

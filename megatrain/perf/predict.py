@@ -361,12 +361,16 @@ class Choice:
 
 def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optimizer_workers: int | str = AUTO,
            grads: str = AUTO, tile_tokens: int | None | str = AUTO, clipping: bool = True, precision: str = "tf32",
-           max_workers: int | None = None, **plan_kwargs: Any) -> Choice | None:
+           max_workers: int | None = None, flags: dict[str, Any] | None = None, **plan_kwargs: Any) -> Choice | None:
     """The fastest predicted run among the settings left "auto" that fits memory (None: none fits).
     optimizer_workers: 1 .. max_workers (default: the cores of the machine `cal` was measured on, which `megatrain
     plan --calibration FILE` may run far from); grads: the placements clipping allows (the GPU's
     only on a GPU); tile_tokens: untiled and TILE_TOKENS halved down to MIN_TILE_TOKENS, below the micro-batch's
-    tokens. Micro-batches and the schedule are taken as given (plan_run picks the schedule where it is auto)."""
+    tokens. Micro-batches and the schedule are taken as given (plan_run picks the schedule where it is auto).
+    Each candidate is planned and predicted as the run it stands for would be: with `flags` (predict's speculate,
+    clip_rate, compiled, link_gbps), and, where resident units and kept layers are both "auto" (plan_kwargs), with
+    the split of the GPU's spare memory predicted shortest for its own workers and placement (a search that split
+    the memory by another rule, or predicted eager layers that never clip, picked a slower run than it printed)."""
     on_gpu = plan_kwargs.get("on_gpu", False)
     cores = cal.cores or os.cpu_count() or 1
     workers = (range(1, (max_workers or min(cores, MAX_CALIBRATED_WORKERS)) + 1) if optimizer_workers == AUTO
@@ -378,18 +382,22 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
                                                                               .bit_length())
                                                if TILE_TOKENS >> i < tokens]
                                      if tile_tokens == AUTO and config.family.tiles else [tile_tokens])
+    split = plan_kwargs.get("resident") == plan_kwargs.get("keep_activations") == AUTO
     best: Choice | None = None
     tried = 0
     for w in workers:
+        settings = dict(flags or {}, precision=precision, optimizer_workers=w, clipping=clipping,
+                        executors=plan_kwargs.get("executors", 1))
+        split_by = step_time(config, cal, **settings) if split else None
         for g in placements:
             for tile in tiles:
                 plan = plan_run(config, batch, seq, grads=g, clipping=clipping, precision=precision,
-                                optimizer_workers=w, tile_tokens=tile, find_longest=False, **plan_kwargs)
+                                optimizer_workers=w, tile_tokens=tile, find_longest=False, step_time=split_by,
+                                **plan_kwargs)
                 if plan.host_problem() or plan.gpu_problem():
                     continue
                 tried += 1
-                pred = predict(plan, config, cal, precision=precision, optimizer_workers=w, clipping=clipping,
-                               executors=plan_kwargs.get("executors", 1))
+                pred = predict(plan, config, cal, **settings)
                 # ties (the CPU path's lanes do not depend on the placement) go to the earlier, leaner candidate
                 if best is None or pred.step_s < best.prediction.step_s * (1 - 1e-9):
                     best = Choice(plan, pred, w, 0)

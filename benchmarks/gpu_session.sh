@@ -218,10 +218,12 @@ PY
     # with 16 workers and grads = arena (RESULTS.md, third GPU session), never run.
     workers=${HEADLINE_WORKERS:-8} grads=${HEADLINE_GRADS:-auto}
     # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
-    # set against that plan's totals ("peaks of train-7b-bf16-kK").
+    # set against that plan's totals ("peaks of train-7b-bf16-kK"). The plan predicts these runs as they go: every
+    # step clipping (--clip-rate 1), where the runs' own progress line ("pred s") assumes none does.
     for k in 16 4 1; do
       step "plan-7b-bf16-k$k" 30 "${MEGATRAIN[@]}" plan --model 7b --precision bf16 --batch 1 --seq 2048 \
-        --micro-batches "$k" --optimizer-workers "$workers" --grads "$grads" --resident auto --device cuda
+        --micro-batches "$k" --optimizer-workers "$workers" --grads "$grads" --resident auto --device cuda \
+        --clip-rate 1
       peaks_start "train-7b-bf16-k$k"
       step "train-7b-bf16-k$k" 150 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
         --seq-len 2048 --micro-batches "$k" --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers "$workers" \

@@ -205,9 +205,11 @@ def test_long_context_seq_rounding() -> None:
 WHEELS = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
 GPU_SESSION_COMMANDS = {
     "headline": [WHEELS, "calibrate --model 7b --batch 1 --seq 2048 --precision bf16",
-                 *(f"train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 --micro-batches "
-                   f"{k} --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 8 --grads auto --speculate auto"
-                   for k in (16, 4, 1)),
+                 *(command for k in (16, 4, 1) for command in (
+                     f"plan --model 7b --precision bf16 --batch 1 --seq 2048 --micro-batches {k} --optimizer-workers "
+                     "8 --grads auto --resident auto --device cuda --clip-rate 1",
+                     f"train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 --micro-batches {k} --steps 4 "
+                     "--warmup-steps 1 --log-every 1 --optimizer-workers 8 --grads auto --speculate auto")),
                  "--optimizer-workers 8 --grads auto --speculate auto --resident auto --max-grad-norm 1e9",
                  "throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 --peers fsdp2"],
     "tests": [WHEELS, "== doctor (timeout 90s): python3 -m pipelines.cli doctor",

@@ -77,6 +77,9 @@ class StepResult:
     stats: dict[str, Any] | None = None
     spans: list[Any] = field(default_factory=list)
     rolled_back: bool = False  # the updates beside the backward were taken back (the step clipped, or was skipped)
+    # how its update ran, as the prediction's cases name them (megatrain/perf/predict.py CASES): "speculated" beside
+    # the backward (or final as each gradient landed), "rolled back", "serial" (after the step, its norm known first)
+    update: str = "speculated"
 
 
 class Engine:
@@ -323,13 +326,14 @@ class Engine:
         finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
         lr = self.optim.lr_at(self.updates_applied)
         coef = clip_coefficient(grad_norm, self.optim.max_grad_norm) if finite else 0.0
-        rolled_back = False
+        update = "speculated"
         if not self.updates_after_step:
             self.pending = out["updates"]
         elif speculation is None or not out["updates"]:  # the serial update: nothing was handed out in the backward
             self.pending = self.actors.update(self.updates_applied, coef) if finite else []
+            update = "serial"
         else:
-            rolled_back = self._validate(out, finite, coef, speculation.attempt)
+            update = self._validate(out, finite, coef, speculation.attempt)
         resident = resident_update(out["resident"], out["unit_norms_sq"], finite, coef, self.updates_after_step)
         if resident is not None:  # queued on the executor before the next step (in `pending`, as the pool's)
             self.pending = self.pending + [self.executor.update_resident.remote(self.updates_applied, *resident,
@@ -342,7 +346,7 @@ class Engine:
         self._record(out, time.monotonic() - t0, finite)
         self._count_nonfinite(finite, out["loss"], grad_norm)
         return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
-                          out["spans"] + (update_spans if self.trace else []), rolled_back)
+                          out["spans"] + (update_spans if self.trace else []), update == "rolled back", update)
 
     def _speculation(self) -> Speculation | None:
         """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""
@@ -352,15 +356,16 @@ class Engine:
         self.attempts += 1
         return Speculation(self.attempts, self.optim.max_grad_norm)
 
-    def _validate(self, out: dict[str, Any], finite: bool, coef: float, attempt: int) -> bool:
+    def _validate(self, out: dict[str, Any], finite: bool, coef: float, attempt: int) -> str:
         """After a backward beside which units were handed out: their updates stand where the step does not clip (and
         every unit was updated), else they are taken back: replaced by the clipped update, or put back (a non-finite
         gradient), the units not updated beside the backward (versions bumped only to free a host slot, or waiting
-        for another executor's slice) updated or left. Sets `pending`; returns whether an update was taken back."""
+        for another executor's slice) updated or left. Sets `pending`; returns how the step's update ran (StepResult's
+        `update`): "speculated" (it stands), "rolled back", or "serial" (none was updated beside the backward)."""
         streamed = len(out["unit_norms_sq"]) - len(out["resident"])  # the resident units are not handed out
         if finite and coef == 1.0 and len(out["speculated"]) == streamed:
             self.pending = out["updates"] + self.actors.keep(self.updates_applied, attempt)
-            return False
+            return "speculated"
         get(out["updates"])  # every update beside the backward is in before one is taken back
         if finite:
             self.actors.unpublish(self.updates_applied)
@@ -369,7 +374,7 @@ class Engine:
             self.actors.put_back(self.updates_applied, attempt)
             self.pending = []
         self.rollbacks += out["speculated_any"]
-        return out["speculated_any"]
+        return "rolled back" if out["speculated_any"] else "serial"
 
     def _write_back_resident(self) -> None:  # before something reads the arena (after wait_for_updates)
         if self.engine_config.resident:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import tomllib
@@ -44,6 +44,9 @@ from megatrain.memory.kept_activations import check_keep_activations
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
 from pipelines.lora import as_lora_config
+
+if TYPE_CHECKING:
+    from megatrain.perf.predict import Prediction
 
 log = logging.getLogger("megatrain")
 
@@ -274,8 +277,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-            predicted = record_prediction(engine, out_dir)
-            return _loop(cfg, engine, loader, out_dir, start, extra_files or [], predicted)
+            prediction = record_prediction(engine, out_dir)
+            return _loop(cfg, engine, loader, out_dir, start, extra_files or [], prediction)
     finally:
         if loader is not None:
             ray.kill(loader)
@@ -300,7 +303,7 @@ def sigterm_stops_the_run() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def record_prediction(engine: Engine, out_dir: Path) -> float | None:
+def record_prediction(engine: Engine, out_dir: Path) -> Prediction | None:
     """The predicted step time of this run (megatrain/perf/predict.py): of the Engine's own memory plan (its auto
     settings resolved: resident units, kept layers, micro-batches, ...) with its speculation and compile choice, from
     the cached calibration of its device (the one its plan's split of the GPU took), written to out_dir/prediction.json
@@ -322,11 +325,11 @@ def record_prediction(engine: Engine, out_dir: Path) -> float | None:
         return None
     (out_dir / PREDICTION_FILE).write_text(json.dumps(pred.to_dict(), indent=2))
     log.info("%s", pred.report())
-    return pred.step_s
+    return pred
 
 
 def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: int,
-          extra_files: list[Path], predicted: float | None = None) -> dict[str, Any]:
+          extra_files: list[Path], prediction: Prediction | None = None) -> dict[str, Any]:
     flops_per_token = engine.config.flops_per_token(cfg.data.seq_len)
     progress = Progress(cfg.steps, cfg.log_every)
     steps_path = out_dir / "steps.jsonl"
@@ -353,6 +356,8 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
             _log_step(steps_log, result, step_time, flops_per_token)
             if cfg.trace:
                 spans.extend(result.spans)
+            # each step beside the prediction of its own case: a run whose steps all clip is predicted serial
+            predicted = None if prediction is None else prediction.cases[result.update]["step_s"]
             progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps,
                                                    predicted, engine.rollbacks))
             step += 1
@@ -436,7 +441,8 @@ def keep_step_records_before(path: Path, start: int) -> None:
 def _log_step(f: Any, result: StepResult, step_time: float, flops_per_token: float) -> None:
     tps = _tokens_per_s(result, step_time)
     record = {"step": result.step, "loss": result.loss, "tokens": result.tokens, "grad_norm": result.grad_norm,
-              "lr": result.lr, "skipped": result.skipped, "rolled_back": result.rolled_back, "step_time": step_time,
+              "lr": result.lr, "skipped": result.skipped, "rolled_back": result.rolled_back, "update": result.update,
+              "step_time": step_time,
               "tokens_per_s": tps, "tflops": tps * flops_per_token / 1e12}
     if result.stats:
         record["stats"] = result.stats

@@ -7,7 +7,7 @@ that is benchmarks/predict.py's."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -388,6 +388,22 @@ def test_predicted_beside_measured(tmp_path: Path) -> None:
                                                         "compute_s": 0.3}))
     assert "predicted step 400.0 ms (bound by compute" in report(tmp_path)
     assert "predicted / measured 0.80" in report(tmp_path)
+    # train.py's records say how each step's update ran: each is held to its own case of the prediction (the first
+    # step, which starts the pipeline, is left out of both means)
+    cases = {"speculated": 0.3, "rolled back": 0.9, "serial": 0.6}
+    (tmp_path / PREDICTION_FILE).write_text(json.dumps({
+        "predicted_step_s": 0.3, "bound": "optimizer", "cases": {c: {"share": 0.0, "step_s": s}
+                                                                 for c, s in cases.items()}}))
+    stats = StepStats(0, 0.5, 0.4, 0.0, 0.0, 0.0, 0.1, 0, 0, 0.0, 0.0, 0.0, 0.2)
+    updates = ["speculated", "rolled back", "serial", "serial"]
+    (tmp_path / STEPS_FILE).write_text("".join(
+        json.dumps({"step": s, "update": u, "stats": asdict(replace(stats, step=s))}) + "\n"
+        for s, u in enumerate(updates)))
+    line = next(x for x in report(tmp_path).splitlines() if x.startswith("predicted step"))
+    assert line.startswith("predicted step 700.0 ms for each step's own update: 1 rolled back, 2 serial (bound by")
+    assert line.endswith("measured 500.0 ms: predicted / measured 1.40")
+    # the progress line: each step beside its own case (the Engine says which: StepResult.update)
+    assert _progress_fields(replace(result, update="serial"), 0.5, 1e6, 0, predicted=cases["serial"])["pred s"] == "0.6"
 
 
 def test_auto_optimizer_workers() -> None:
@@ -415,9 +431,11 @@ def test_engine_takes_auto_optimizer_workers_and_micro_batches_and_predicts_its_
                           seq_len=16, resident=2, keep_activations=1) as engine:
         assert engine.engine_config.optimizer_workers == len(engine.workers) == 2  # the session's 2 CPUs
         assert engine.engine_config.micro_batches == 1
-        engine.step(torch.randint(0, 256, (2, 16)))
+        result = engine.step_batch({"input_ids": torch.randint(0, 256, (2, 16)).numpy()})
         assert (engine.plan.resident_units, len(engine.plan.kept.indices)) == (2, 1)
         expected = predict(engine.plan, engine.config, cal, optimizer_workers=2, speculate="auto")
-        assert record_prediction(engine, tmp_path) == pytest.approx(expected.step_s)
+        prediction = record_prediction(engine, tmp_path)
+        assert prediction is not None and prediction.step_s == pytest.approx(expected.step_s)
+        assert result.update in prediction.cases  # the progress line predicts each step as its own case
     recorded = json.loads((tmp_path / PREDICTION_FILE).read_text())
     assert recorded["kept_layers"] == 1 and recorded["resident_update_s"] > 0 and recorded["speculate"] == "auto"

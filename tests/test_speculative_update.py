@@ -233,6 +233,7 @@ def test_where_no_step_clips_the_weights_are_the_serial_updates(ray_session: Non
     assert [r.loss for r in on] == [r.loss for r in off]
     assert_same_model(on_params, off_params)
     assert engine.rollbacks == 0 and not any(r.rolled_back for r in on)
+    assert [r.update for r in on] == ["speculated"] * 3 and [r.update for r in off] == ["serial"] * 3
     spans = [s for r in on for s in r.spans]  # a step's updates come back with the next step's result
     for step in (0, 1):
         backward = [s for s in spans if s.name == "recompute+backward" and s.step == step]
@@ -279,6 +280,7 @@ def test_two_executors_speculate_until_a_step_clips(ray_session: None, micro_lla
     results, params, engine = train(directory, batches, max_grad_norm=CLIPS, executors=2, batch_size=4,
                                     optimizer_workers=2)
     assert [r.rolled_back for r in results] == [True, False, False] and engine.rollbacks == 1
+    assert [r.update for r in results] == ["rolled back", "serial", "serial"]  # the prediction's cases of each
     assert_near_fp64(clipped_reference, [r.loss for r in results], params)
 
 

@@ -202,25 +202,41 @@ PREDICTION_FILE = "prediction.json"  # written by pipelines/train.py where the m
 
 def predicted_line(run_dir: Path, steps: list[StepStats]) -> str:
     """The run's predicted step time beside the measured mean (without the first step), or "" where the run
-    recorded no prediction."""
+    recorded no prediction. Where the step log says how each step's update ran (pipelines/train.py's "update"), the
+    prediction is the mean of each step's own case (a run whose steps all clip is held to the serial case, not to the
+    share of clipping steps the prediction assumed)."""
     try:
         pred = json.loads((run_dir / PREDICTION_FILE).read_text())
         predicted = float(pred["predicted_step_s"])
-    except (OSError, ValueError, KeyError, TypeError):
+        cases = {name: float(case["step_s"]) for name, case in (pred.get("cases") or {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
     body = steps[1:] if len(steps) > 1 else steps
     measured = sum(s.step_time for s in body) / len(body)
+    # by the step number of the stats each record carries (the table's rows), which is the update's count
+    updates = {r["stats"]["step"]: r.get("update") for r in _step_records(run_dir) if r.get("stats")}
+    own = [updates.get(s.step) for s in body]
+    which = ""
+    if all(u in cases for u in own):
+        predicted = sum(cases[u] for u in own) / len(own)
+        which = " for each step's own update: " + ", ".join(f"{own.count(c)} {c}" for c in cases if c in own)
     lanes = ", ".join(f"{name} {1e3 * float(pred.get(name + '_s', 0.0)):.1f}"
                       for name in ("compute", "h2d", "d2h", "optimizer", "data"))
-    return (f"\npredicted step {1e3 * predicted:.1f} ms (bound by {pred.get('bound', '?')}; {lanes} ms), measured "
-            f"{1e3 * measured:.1f} ms: predicted / measured {predicted / measured:.2f}" if measured > 0 else "")
+    return (f"\npredicted step {1e3 * predicted:.1f} ms{which} (bound by {pred.get('bound', '?')}; {lanes} ms), "
+            f"measured {1e3 * measured:.1f} ms: predicted / measured {predicted / measured:.2f}" if measured > 0
+            else "")
+
+
+def _step_records(run_dir: Path) -> list[dict]:
+    """The step log's records as pipelines/train.py wrote them (the whole records, not only their StepStats)."""
+    records = [json.loads(line) for line in (run_dir / STEPS_FILE).read_text().splitlines() if line.endswith("}")]
+    return [r for r in records if isinstance(r, dict)]
 
 
 def rollback_line(run_dir: Path) -> str:
     """How many of the logged steps took back their updates beside the backward (pipelines/train.py's records say
     "rolled_back"), or "" where none did."""
-    records = [json.loads(line) for line in (run_dir / STEPS_FILE).read_text().splitlines() if line.endswith("}")]
-    logged = [r for r in records if isinstance(r, dict) and "rolled_back" in r]
+    logged = [r for r in _step_records(run_dir) if "rolled_back" in r]
     rolled = sum(bool(r["rolled_back"]) for r in logged)
     return (f"\nrollbacks: {rolled} of {len(logged)} steps took back their updates beside the backward (the step "
             "clipped, or a gradient was not finite)") if rolled else ""

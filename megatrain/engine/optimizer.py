@@ -148,8 +148,10 @@ class AdamWShard:
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
-        # read, not written, by the fused kernel: one for every tensor, on their device (resident units': the GPU)
-        steps = torch.tensor(float(step + 1), device=self.device)
+        # read, not written, by the fused kernel: one for every tensor, on their device (resident units': the GPU),
+        # filled there: torch.tensor(value, device=...) copies from pageable memory and waits for the stream, so each
+        # resident unit's update would wait for the one before it and the executor could queue nothing meanwhile
+        steps = torch.full((), float(step + 1), device=self.device)
         for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
             for piece in pieces:
                 if undo:

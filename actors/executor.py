@@ -78,7 +78,8 @@ class GPUExecutor:
                                  checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp,
                                  resident_units=engine.resident if isinstance(engine.resident, int) else 0,
                                  kept_layers=engine.keep_activations if isinstance(engine.keep_activations, int) else 0,
-                                 frozen=self.arena.tensors.get(FROZEN_SEGMENT))
+                                 frozen=self.arena.tensors.get(FROZEN_SEGMENT),
+                                 resident_cast=engine.resident_weights == "cast")
         self.seed = engine.seed  # a LoRA run's dropout masks are drawn from it and the step (LoraStep.start_step)
         self.hold_grads = engine.grads == "device"
         self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1

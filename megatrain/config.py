@@ -328,6 +328,9 @@ SCHEDULES = ("layer-major", "per-micro-batch")
 # step then clips or has a non-finite gradient; "auto": not in the step after one that clipped
 SPECULATE = ("auto", "on", "off")
 COMPILE = ("auto", "on", "off")  # torch.compile: megatrain/perf/compile_choice.py says what auto does
+# in bf16 runs, how compute reads the resident units' weights: a bf16 copy kept beside them on the device (2 B a
+# parameter), or cast from their fp32 weights at each use (more units fit); auto: the memory plan picks (residency.py)
+RESIDENT_WEIGHTS = ("auto", "copy", "cast")
 # what stays on the executor's device (the memory plan picks for "auto": what the GPU has room for; none on CPUs)
 RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer state (megatrain/memory/residency.py)"
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
@@ -362,6 +365,7 @@ class EngineConfig:
     nodes: int = 1
     speculate: str = "auto"  # auto | on | off: the update beside the backward (SPECULATE)
     resident: int | str = "auto"  # RESIDENT_HELP; resolved to a count of units by the memory plan
+    resident_weights: str = "auto"  # RESIDENT_WEIGHTS; resolved to "copy" or "cast" by the memory plan
     keep_activations: int | str = "auto"  # auto | none | all | N top layers not recomputed (memory/kept_activations.py)
     # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is kept
     # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
@@ -388,6 +392,7 @@ class EngineConfig:
         check_choice("grads", self.grads, GRAD_PLACEMENTS)
         check_choice("speculate", self.speculate, SPECULATE)
         check_resident(self.resident)
+        check_choice("resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
         check_resident(self.keep_activations, "keep_activations", ("auto", "none", "all"), "layers")
         check_device(self.device)
         check_choice("lora_base_dtype", self.lora_base_dtype, ("bf16", "fp32"))

@@ -18,6 +18,7 @@ from megatrain.config import (
     LINK_GBPS,
     PRESETS,
     RESIDENT_HELP,
+    RESIDENT_WEIGHTS,
     SCHEDULES,
     SPECULATE,
     MegatrainError,
@@ -96,6 +97,10 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
 def _add_on_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", type=_word_or_count("auto", "none"), help=RESIDENT_HELP + "; auto: as many as the GPU "
                    "has room for, the embedding and the first layers, none on the CPU path")
+    p.add_argument("--resident-weights", choices=RESIDENT_WEIGHTS,
+                   help="bf16: the resident units' bf16 weights for compute are a copy kept on the GPU (copy, 2 B a "
+                        "parameter) or cast from their fp32 weights at each use (cast: more units fit); auto: the "
+                        "faster predicted where this GPU is calibrated, else copy")
     p.add_argument("--keep-activations", type=_word_or_count("auto", "none", "all"),
                    help="auto | none | all | N: the top N decoder layers keep their activations for the backward "
                         "instead of recomputing (megatrain/memory/kept_activations.py); auto: as many as the GPU has "
@@ -111,9 +116,9 @@ def _word_or_count(*words: str) -> Any:
 
 
 def _auto_none_or(kind: type) -> Any:
-    def parse(text: str) -> Any:
+    def parse(text: str) -> Any:  # "none" stays a word: None is a flag not given (TrainConfig.load)
         lowered = text.lower()
-        return None if lowered == "none" else "auto" if lowered == "auto" else kind(text)
+        return lowered if lowered in ("auto", "none") else kind(text)
     parse.__name__ = kind.__name__  # what argparse names in its "invalid value" message
     return parse
 
@@ -194,14 +199,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                          "nodes": args.nodes, "executors": args.executors,
                                          "resident": args.resident, "lora": args.lora,
                                          "keep_activations": args.keep_activations,
+                                         "resident_weights": args.resident_weights,
                                          "lora_base_dtype": args.lora_base_dtype, "speculate": args.speculate,
                                          "compile": args.compile})
     lora = dict(lora=as_lora_config(cfg.lora), lora_base_dtype=cfg.lora_base_dtype)  # adapters on a frozen base
-    on_device = dict(resident=cfg.resident, keep_activations=cfg.keep_activations)  # in what the GPU has left
+    # in what the GPU has left
+    on_device = dict(resident=cfg.resident, keep_activations=cfg.keep_activations,
+                     resident_weights=cfg.resident_weights)
     # the checks the Engine would make at its start
     EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
                  tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib, resident=cfg.resident,
-                 keep_activations=cfg.keep_activations)
+                 keep_activations=cfg.keep_activations, resident_weights=cfg.resident_weights)
     optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
     for flag, value, unit in (("--gpu-gib", args.gpu_gib, "GiB"), ("--host-gib", args.host_gib, "GiB"),
                               ("--link-gbps", args.link_gbps, "GB/s")):

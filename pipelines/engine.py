@@ -94,7 +94,8 @@ class Engine:
                  checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
                  schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto",
                  resident: int | str = "auto", lora: Any = None, lora_base_dtype: str = "bf16",
-                 adapter: str | Path | None = None, keep_activations: int | str = "auto"):
+                 adapter: str | Path | None = None, keep_activations: int | str = "auto",
+                 resident_weights: str = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -117,9 +118,11 @@ class Engine:
         the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
         in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR. speculate: the update beside
         the backward (this module's doc): "auto", "on" or "off". resident: units kept and updated on the executor's
-        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py).
-        keep_activations: the top layers keep their activations for the backward instead of recomputing: "auto" (what
-        the GPU has room for; none on the CPU path), "none", "all" or a count (megatrain/memory/kept_activations.py).
+        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py);
+        resident_weights: in bf16 runs their bf16 weights for compute are a copy kept on the device ("copy") or cast
+        from their fp32 weights at each use ("cast": more units fit), "auto": the memory plan picks. keep_activations:
+        the top layers keep their activations for the backward instead of recomputing: "auto" (what the GPU has room
+        for; none on the CPU path), "none", "all" or a count (megatrain/memory/kept_activations.py).
         lora: train LoRA adapters on the frozen base instead of every weight: a LoraConfig, its command-line form
         ("r=16,alpha=32,targets=q_proj,v_proj") or a table of it; the base is kept in lora_base_dtype ("bf16" or
         "fp32"); adapter: a PEFT adapter directory to start from (pipelines/lora.py, megatrain/lora/). compile:
@@ -133,7 +136,7 @@ class Engine:
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
                                           schedule=schedule, executors=executors, nodes=nodes,
                                           speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
-                                          keep_activations=keep_activations)
+                                          keep_activations=keep_activations, resident_weights=resident_weights)
         self.config, hf_dir, self.model_name = resolve_model(model)
         lora = lora_settings(lora, adapter, self.config, self.engine_config)  # one sentence on a bad setting, now
         self.engine_config, self.adapter = replace(self.engine_config, lora=lora), adapter and absolute(adapter)
@@ -208,7 +211,8 @@ class Engine:
         self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
                                      checkpoint_budget_gib=None if budget is None else budget / 2**30,
                                      schedule=plan.schedule, micro_batches=plan.micro_batches,
-                                     resident=plan.resident_units, keep_activations=len(plan.kept.indices))
+                                     resident=plan.resident_units, keep_activations=len(plan.kept.indices),
+                                     resident_weights=plan.resident_weights)
         if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
             log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
                         "(%d times a step) and the gradients add up in the arena", plan.micro_batches,

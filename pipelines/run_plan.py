@@ -31,7 +31,8 @@ def run_plan(config: ModelConfig, name: str, e: EngineConfig, optim: OptimConfig
                     checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                     gpu_free=get(gpu_free_memory.options(**placements[0].executor()).remote()) if on_gpu else None,
                     resident=e.resident, lora=e.lora, lora_base_dtype=e.lora_base_dtype,
-                    keep_activations=e.keep_activations, step_time=run_step_time(config, e, optim.clipping, on_gpu))
+                    keep_activations=e.keep_activations, step_time=run_step_time(config, e, optim.clipping, on_gpu),
+                    resident_weights=e.resident_weights)
     if e.micro_batches == "auto":  # batch: the step's rows
         plan = pick_micro_batches(config, batch, seq, **settings)
     else:

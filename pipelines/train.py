@@ -29,10 +29,12 @@ import tomllib
 
 from actors.data_loader import DataLoaderActor
 from megatrain.config import (
+    RESIDENT_WEIGHTS,
     ConfigError,
     MegatrainError,
     Terminated,
     check_auto_or_positive,
+    check_choice,
     check_resident,
     check_tiling,
     compile_setting,
@@ -74,6 +76,7 @@ class TrainConfig:
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
     resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
+    resident_weights: str = "auto"  # bf16: their compute weights a copy or cast at each use (EngineConfig)
     keep_activations: int | str = "auto"  # top layers not recomputed: auto | none | all | N (EngineConfig)
     compile: str | bool = "auto"  # auto | on | off: torch.compile the layers and the head (EngineConfig.compile)
     loss_chunk_tokens: int = 4096
@@ -163,11 +166,15 @@ class TrainConfig:
         if self.eval_every and not (self.data.eval_fraction or self.data.eval_count):
             raise ConfigError("train config: eval_every is set but the data has no held-out split; set eval_fraction "
                               "or eval_count in the config file's [data] table, or eval_every = 0.")
+        for name in ("tile_tokens", "checkpoint_budget_gib"):  # "none" from a flag or TOML (which has no null)
+            if isinstance(getattr(self, name), str) and getattr(self, name).lower() == "none":
+                setattr(self, name, None)
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         if as_lora_config(self.lora) is None and self.adapter is None and self.merge:
             raise ConfigError("train config: merge writes the base with a LoRA adapter merged in; set lora (or "
                               "adapter), or leave merge off.")
         check_resident(self.resident)
+        check_choice("train config: resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
         check_keep_activations(self.keep_activations)
         self.compile = compile_setting(self.compile)
         for name in ("optimizer_workers", "micro_batches", "executors"):
@@ -183,14 +190,16 @@ class TrainConfig:
 TRAIN_INTS = ("steps", "warmup_steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "merge")
-TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate", "lora_base_dtype")
+TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate", "lora_base_dtype",
+                 "resident_weights")
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     names = ("lr", "weight_decay", "betas", "eps", "max_grad_norm", "warmup_steps", "min_lr_ratio",
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
-             "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations")
+             "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations",
+             "resident_weights")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

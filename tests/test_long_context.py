@@ -196,7 +196,7 @@ def test_plan_says_7b_at_512k_needs_a_bigger_host() -> None:
     assert bigger.host_problem() is None and bigger.gpu_problem() is None
 
 
-def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = ["plan", "--model", "1b", "--batch", "1", "--seq", str(512 * 1024), "--precision", "bf16",
             "--device", "cuda", "--gpu-gib", "80", "--host-gib", "125"]
     assert main(args) == 0
@@ -210,3 +210,11 @@ def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str
     assert "would fit it" in capsys.readouterr().out
     assert main([*args, "--tile-tokens", "-3"]) == 2
     assert "tile_tokens must be" in capsys.readouterr().err
+    # none, asked for on the command line or in TOML (which has no null): untiled, every checkpoint on the GPU
+    assert main([*args, "--tile-tokens", "none", "--checkpoint-budget-gib", "none"]) == 1  # does not fit so
+    out = capsys.readouterr().out
+    assert "524288 tokens, untiled" in out and "layer checkpoints kept (all)" in out and "fits: NO" in out
+    config = tmp_path / "untiled.toml"
+    config.write_text('tile_tokens = "none"\ncheckpoint_budget_gib = "None"\n')
+    assert main([*args, "--config", str(config)]) == 1
+    assert capsys.readouterr().out == out

@@ -205,8 +205,8 @@ def test_the_spare_gpu_memory_goes_where_the_predicted_step_is_shortest() -> Non
     optimizer-bound, resident first; either way no longer than either pure order, each made here by asking for the
     count the other order leaves (a count is placed first, the other auto in the rest), and the lines say why."""
     predicted = step_time(SEVEN_B, h100(), precision="bf16", optimizer_workers=8, compiled=True)
-    for k in (16, 1):
-        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, **ON_H100)
+    for k in (16, 1):  # the units' bf16 weights a copy throughout (which way is the next test's)
+        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, resident_weights="copy", **ON_H100)
         chosen = plan(resident="auto", keep_activations="auto", step_time=predicted)
         units = plan(resident="auto", keep_activations="none").resident_units
         layers = len(plan(resident="none", keep_activations="auto").kept.indices)
@@ -223,6 +223,44 @@ def test_the_spare_gpu_memory_goes_where_the_predicted_step_is_shortest() -> Non
             assert predicted(chosen) < predicted(resident_first)
         else:
             assert chosen.resident_units == units and chosen.kept.indices == resident_first.kept.indices
+
+
+def test_the_resident_weights_are_cast_where_the_units_it_fits_pay_for_the_casts() -> None:
+    """In bf16 the resident units' weights for compute are a bf16 copy kept on the GPU (18 B a parameter in all) or
+    cast from their fp32 weights at each use (16 B: more units; each resident layer's weights cast twice a step, 6 B a
+    parameter at the device's memory rate). With both auto and a predictor, the plan places the spare memory both ways
+    and takes the shorter predicted step: on the H100 (every step clipping) the casts, whose units take work off the
+    CPU pool that bounds K=1; on the H200 at K=1, where 33 of 34 units fit with their copy, the copy. Without a
+    predictor, or a count asked for, the copy, unless the cast is asked for; the line says which and the two times."""
+    cal = h100()
+    settings = dict(precision="bf16", optimizer_workers=8, compiled=True, clip_rate=1.0)
+    predicted = step_time(SEVEN_B, cal, **settings)
+    plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=1, resident="auto", keep_activations="auto", **ON_H100)
+    chosen, copy, cast = (plan(step_time=predicted, resident_weights=w) for w in ("auto", "copy", "cast"))
+    assert (chosen.resident_weights, copy.resident_weights, cast.resident_weights) == ("cast", "copy", "cast")
+    assert chosen == replace(cast, resident_note=chosen.resident_note)
+    assert cast.resident_units > copy.resident_units  # 16 B a unit's parameter, not 18
+    assert cast.gpu_resident == cast.resident_params * 16 and copy.gpu_resident == copy.resident_params * 18
+    assert predicted(cast) < predicted(copy)
+    assert chosen.resident_note.endswith(f"; their bf16 weights cast at each use: {predicted(cast):.2f} s predicted, "
+                                         f"against {predicted(copy):.2f} s with a bf16 copy of their weights kept")
+    assert "their bf16 weights cast at each use, no copy kept" in chosen.report()
+    # the casts are in the prediction: the units' compute weights read in fp32 and written in bf16, twice a step
+    cast_s = 2 * cast.resident_params * 6 / (cal.device_adamw_gparams * 1e9 * 28)
+    as_copy = predict(replace(cast, resident_weights="copy"), SEVEN_B, cal, **settings)
+    assert predict(cast, SEVEN_B, cal, **settings).compute_s == pytest.approx(as_copy.compute_s + cast_s)
+    # the H200 at K=1: every unit but the head fits with its copy, and the casts would cost more than the head saves
+    h200 = step_time(SEVEN_B, Calibration.read(H100.parent / "h200.json"), **settings)
+    big = plan_run(SEVEN_B, 1, 2048, micro_batches=1, resident="auto", keep_activations="auto", step_time=h200,
+                   **{**ON_H100, "gpu_free": 139 * GiB})
+    assert big.resident_weights == "copy" and big.resident_units == 33
+    assert "; a bf16 copy of their weights kept: " in big.resident_note
+    # no predictor (the rule splits), a count asked for, or not bf16: the copy, or what is asked for
+    assert plan().resident_weights == "copy" and plan(resident_weights="cast").resident_weights == "cast"
+    assert plan(resident=3, step_time=predicted).resident_weights == "copy"
+    fp32 = plan_run(SEVEN_B, 1, 2048, **{**ON_H100, "precision": "tf32"}, resident="auto", step_time=predicted,
+                    resident_weights="cast")
+    assert fp32.resident_weights == "copy" and fp32.gpu_resident == fp32.resident_params * 16
 
 
 def test_compiled_layers_where_the_run_compiles() -> None:

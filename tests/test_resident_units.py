@@ -118,9 +118,11 @@ def test_what_a_steps_update_of_the_resident_units_is() -> None:
 # ---- the executor, without Ray ----
 
 def executor_steps(config: ModelConfig, resident: int, device: str, precision: str, micro_batches: int,
-                   schedule: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float]]:
+                   schedule: str, steps: int = 3, cast: bool = False, kept: int = 0
+                   ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """`steps` steps of the executor and two optimizer workers' shards of the streamed units, the resident ones
-    updated on the device, every step clipping to half its norm; the state written back into the arena."""
+    updated on the device (cast: their bf16 weights cast at each use, no copy kept), the top `kept` layers keeping
+    their activations, every step clipping to half its norm; the state written back into the arena."""
     layout = ModelLayout.build(config)
     optim = OptimConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
     t = {name: torch.zeros(layout.numel) for name in ("params", "grads", "exp_avg", "exp_avg_sq")}
@@ -128,7 +130,9 @@ def executor_steps(config: ModelConfig, resident: int, device: str, precision: s
     init_weights(layout, t["params"], seed=3)
     t[SHADOW_SEGMENT].copy_(t["params"])
     executor = Executor(config, layout, t["params"], t["grads"], device=device, precision=precision,
-                        shadow=t[SHADOW_SEGMENT], resident_units=resident)
+                        shadow=t[SHADOW_SEGMENT], resident_units=resident, resident_cast=cast, kept_layers=kept)
+    assert executor.resident.cast == (cast and precision == "bf16" and resident > 0)
+    assert (SHADOW_SEGMENT in executor.resident.tensors) == (precision == "bf16" and resident > 0 and not cast)
     executor.resident.load(t, 0)
     workers = [AdamWShard(layout, t, optim, w, 2) for w in range(2)]
     ids = torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
@@ -157,17 +161,25 @@ def executor_steps(config: ModelConfig, resident: int, device: str, precision: s
     return t, losses
 
 
-@pytest.mark.parametrize(("tied", "device", "precision", "micro_batches", "schedule"), [
-    (False, "cpu", "fp32", 1, "layer-major"),
-    (True, "cpu-async:3", "bf16", 2, "layer-major"),
-    (False, "cpu", "fp32", 2, "per-micro-batch"),
+@pytest.mark.parametrize(("tied", "device", "precision", "micro_batches", "schedule", "cast"), [
+    (False, "cpu", "fp32", 1, "layer-major", False),
+    (True, "cpu-async:3", "bf16", 2, "layer-major", False),
+    (False, "cpu", "fp32", 2, "per-micro-batch", False),
+    (True, "cpu-async:4", "bf16", 2, "layer-major", True),
+    (False, "cpu", "bf16", 1, "layer-major", True),
+    (False, "cpu-async:5", "bf16", 1, "layer-major", "cast, 2 kept"),
 ])
 def test_the_executors_resident_units_are_the_streamed_ones_bit_for_bit(tied: bool, device: str, precision: str,
-                                                                       micro_batches: int, schedule: str) -> None:
+                                                                       micro_batches: int, schedule: str,
+                                                                       cast: bool | str) -> None:
     """None, three (the embedding, layers 0 and 1) and every unit resident: the weights, their bf16 copy and the
-    moments after three steps, and the losses."""
+    moments after three steps, and the losses; in bf16 also with the resident weights cast at each use, no bf16 copy
+    of them kept (on the plain CPU path the streamed weights are bound where they lie: the pipeline's buffers are
+    made for the casts alone)."""
     config = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=4, tie_embeddings=tied)
-    runs = {n: executor_steps(config, n, device, precision, micro_batches, schedule) for n in (0, 3, 6)}
+    kept = 2 if cast == "cast, 2 kept" else 0  # layers 2-3 keep their graphs, resident among the 3 or the 6 units
+    runs = {n: executor_steps(config, n, device, precision, micro_batches, schedule, cast=bool(cast), kept=kept)
+            for n in (0, 3, 6)}
     (want, want_losses) = runs[0]
     for n, (got, losses) in runs.items():
         assert losses == want_losses, n
@@ -196,6 +208,8 @@ def train(directory: Path, batches: list, *, resume_at: int | None = None, check
     losses = []
     stop = len(batches) if resume_at is None else resume_at
     with megatrain.Engine(directory, **settings) as engine:
+        # what was asked is what runs: the plan's resolved setting, the executor's resident units
+        assert engine.plan.resident_weights == settings.get("resident_weights", "copy")
         losses += [engine.step(ids, labels) for ids, labels in batches[:stop]]
         if resume_at is None:
             return losses, state_of(engine)
@@ -210,13 +224,15 @@ def train(directory: Path, batches: list, *, resume_at: int | None = None, check
 
 def test_resident_units_train_as_streamed_ones_and_resume_exactly(ray_session: None, micro_llama,
                                                                    tmp_path: Path) -> None:
-    """Every step clips; two micro-batches a step; the serial update (speculate off) streamed against the embedding and
-    layer 0 resident, checkpointed after two steps and resumed in a new Engine: bit for bit."""
+    """Every step clips; two micro-batches a step; bf16 compute; the serial update (speculate off) streamed against the
+    embedding and layer 0 resident, their bf16 weights cast at each use (no copy kept), checkpointed after two steps
+    and resumed in a new Engine: bit for bit (the executor's test holds the copy kept, and fp32, to the same)."""
     _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3, 4)]
-    settings = dict(max_grad_norm=CLIPS, speculate="off", micro_batches=2, batch_size=4)
+    settings = dict(max_grad_norm=CLIPS, speculate="off", micro_batches=2, batch_size=4, precision="bf16")
     want_losses, want = train(directory, batches, resident="none", **settings)
-    losses, got = train(directory, batches, resident=2, resume_at=2, checkpoint=tmp_path / "ckpt", **settings)
+    losses, got = train(directory, batches, resident=2, resident_weights="cast", resume_at=2,
+                        checkpoint=tmp_path / "ckpt", **settings)
     assert losses == want_losses
     assert_same_model(got, want)
 

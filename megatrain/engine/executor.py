@@ -64,7 +64,7 @@ class Executor:
                  shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
                  tile_tokens: int | None = None, checkpoint_budget: int | None = None,
                  data_parallel: DataParallel | None = None, resident_units: int = 0, kept_layers: int = 0,
-                 frozen: torch.Tensor | None = None):
+                 frozen: torch.Tensor | None = None, resident_cast: bool = False):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
         simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer; with
         precision "bf16" the weights are read from it (half the bytes to move), else from params. compile: run the
@@ -81,7 +81,8 @@ class Executor:
         many decoder layers keep their activations (their autograd graphs) from the forward to the backward instead of
         recomputing (megatrain/engine/kept_activations.py). frozen: where the layout has a frozen part (a LoRA run), its
         weights, which stream while `params` holds what trains (megatrain/engine/lora_step.py): self.layout is what
-        streams, self.trainable what trains and sends gradients."""
+        streams, self.trainable what trains and sends gradients. resident_cast: in bf16 runs the resident units' weights
+        are cast at each use, no bf16 copy of them kept (megatrain/engine/resident.py)."""
         self.config, self.trainable, self.params, self.grads = config, layout, params, grads
         self.layout = layout.frozen or layout
         self.grad_layout = grad_layout or GradLayout.full(layout)
@@ -114,7 +115,8 @@ class Executor:
         if resident_units and self.dp is not None:
             raise MegatrainError("resident units are kept by one executor; with several, set resident = none.")
         # what trains on the device (a LoRA run's adapters: fp32, cast in the layer), and whose weights are there
-        self.resident = ResidentUnits(layout, resident_units, self.device, torch.float32 if self.lora else self.dtype)
+        self.resident = ResidentUnits(layout, resident_units, self.device, torch.float32 if self.lora else self.dtype,
+                                      cast=resident_cast)
         self.on_device = self.resident if self.lora is None else ResidentUnits(self.layout, 0, self.device, self.dtype)
         self.slots = WeightSlots(self.layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
                                  self.on_device)

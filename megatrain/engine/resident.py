@@ -1,10 +1,15 @@
 """Resident units: the first units in forward order (embedding, layers 0, 1, ...) kept on the executor's device with
 their fp32 weights, gradient and AdamW moments, and updated there. They skip PCIe and the CPU optimizer pool: the
-executor binds their weights from here (no copy in; in bf16 runs a bf16 copy for compute, rewritten by each
-update), writes their gradients here (no copy out), and after the step's norm is known `update` runs the same
-fused AdamW pass as an optimizer worker (megatrain/engine/optimizer.py: same kernel, same decay groups, same clip
-coefficient and step count), so on the CPU path, where the "device" is host memory apart from the arena, the
-weights and moments are bit for bit those of the streamed path.
+executor binds their weights from here (no copy in), writes their gradients here (no copy out), and after the step's
+norm is known `update` runs the same fused AdamW pass as an optimizer worker (megatrain/engine/optimizer.py: same
+kernel, same decay groups, same clip coefficient and step count), so on the CPU path, where the "device" is host
+memory apart from the arena, the weights and moments are bit for bit those of the streamed path.
+
+In bf16 runs compute reads bf16 weights, in one of two ways (EngineConfig.resident_weights): a bf16 copy kept here
+beside the fp32 weights and rewritten by each update's pass (2 B a parameter), or none, each use casting the fp32
+weights into the pipeline's weight buffers (megatrain/engine/weight_slots.py), as a streamed unit's copy would land
+there: a pass over the layer's weights on the device twice a step, for an eighth more units in the same memory. The
+cast rounds to nearest even as the pass's copy does: the same bits either way.
 
 The arena keeps a range for every unit: `load` fills the resident state from it (at start, after a checkpoint is
 loaded or a recovery restored one), `write_back` copies the weights, moments and bf16 copy there (before a checkpoint
@@ -30,12 +35,15 @@ STATE = ("params", "exp_avg", "exp_avg_sq")  # what load and write_back move (th
 class ResidentUnits:
     """The state of the first `count` units of `layout` on `device`, laid out at the arena's offsets from 0."""
 
-    def __init__(self, layout: ModelLayout, count: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout: ModelLayout, count: int, device: torch.device, dtype: torch.dtype, cast: bool = False):
+        """dtype: what compute reads; cast: in bf16 runs no bf16 copy is kept, each use casts (this module's doc)."""
         self.units = layout.units[:count]
         self.numel = self.units[-1].offset + self.units[-1].numel if self.units else 0
         self.device = device
         self.tensors = {name: torch.zeros(self.numel, device=device) for name in ("grads", *STATE)}
-        if dtype != torch.float32 and self.units:  # what compute reads in bf16 runs, rewritten by each update's pass
+        # whether compute's weights are cast from the fp32 ones at each use (no copy kept)
+        self.cast = cast and dtype != torch.float32 and bool(self.units)
+        if dtype != torch.float32 and self.units and not cast:  # what compute reads, rewritten by each update's pass
             self.tensors[SHADOW_SEGMENT] = torch.zeros(self.numel, dtype=dtype, device=device)
         self.weights = self.tensors.get(SHADOW_SEGMENT, self.tensors["params"])
         self.layout = ModelLayout(layout.config, list(self.units), self.numel)  # the resident units alone
@@ -55,7 +63,8 @@ class ResidentUnits:
         return bool(self.units) and any(ptr == x.untyped_storage().data_ptr() for x in self.tensors.values())
 
     def weights_of(self, unit: Unit) -> torch.Tensor:
-        """The unit's weights as compute reads them (compute dtype), flat."""
+        """The unit's weights as compute reads them (compute dtype), flat; where they are cast at each use (`cast`),
+        the fp32 weights they are cast from."""
         return unit.range_of(self.weights)
 
     def grads_of(self, unit: Unit) -> dict[str, torch.Tensor]:

@@ -2,7 +2,9 @@
 stream while compute runs the layer in the other (on the CPU path, where nothing needs copying, the arena's
 views themselves); the head (and a tied head's table) whole, into a device tensor of its own, started early where
 its weights are current and handed to compute when the head runs. A resident unit (megatrain/engine/resident.py)
-takes no buffer: its weights are bound where they live on the device."""
+takes no buffer: its weights are bound where they live on the device; unless they are cast at each use (no bf16 copy
+kept), when they are cast into a buffer on the compute stream (after the unit's last update there), as a streamed
+unit's copy lands in one."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ class WeightSlots:
         self.weights, self.streams, self.dtype, self.rec = weights, streams, dtype, rec  # weights: host, flat
         self.resident_units = resident
         self.copy_needed = streams.asynchronous or dtype != weights.dtype
-        n = 2 if self.copy_needed else 0
+        n = 2 if self.copy_needed or (resident is not None and resident.cast) else 0
         dev = streams.device
         # bf16 compute from fp32 weights on a GPU (or fp32 compute from a LoRA run's bf16 base): they arrive in a
         # staging buffer in their own dtype and are cast there
@@ -39,11 +41,18 @@ class WeightSlots:
 
     def fetch(self, unit: Unit, keep: Unit | None) -> None:
         """Starts bringing `unit` in, into the buffer that does not hold `keep` (the layer computing now)."""
-        if not self.copy_needed or unit.index in self.resident or self._on_device(unit):
+        cast = self._cast(unit)
+        if unit.index in self.resident or not (cast or (self.copy_needed and not self._on_device(unit))):
             return
         slot = next(i for i, r in enumerate(self.resident) if keep is None or r != keep.index)
-        src = unit.range_of(self.weights)
         s = self.streams
+        if cast:  # by compute (this thread, its stream): after the unit's update there and the buffer's last reader
+            s.wait(s.compute, self.ready[slot])  # and after the copy that filled the buffer last, were it landing
+            with self.rec.span("compute", "cast", unit.index, s.compute):
+                self.buffers[slot][: unit.numel].copy_(self.resident_units.weights_of(unit))  # type: ignore[union-attr]
+            self.ready[slot], self.resident[slot] = None, unit.index
+            return
+        src = unit.range_of(self.weights)
         s.wait(s.h2d, self.free[slot])  # before the span: waiting for compute to free the buffer is not copying
         with self.rec.span("h2d", "load", unit.index, s.h2d, src.numel() * src.element_size()):
             if self.staging:
@@ -56,11 +65,11 @@ class WeightSlots:
 
     def acquire(self, unit: Unit) -> tuple[int, dict[str, torch.Tensor]]:
         """Makes the compute stream wait for `unit`'s weights and binds them."""
-        if self._on_device(unit):
+        if self._on_device(unit) and not self._cast(unit):
             w = self.resident_units.weights_of(unit)  # type: ignore[union-attr]
             self.streams.compute_uses(w)
             return -1, unit.bind(w)
-        if not self.copy_needed:
+        if not self.copy_needed and not self._cast(unit):
             return -1, unit.bind(unit.range_of(self.weights))
         slot = self.resident.index(unit.index)
         self.streams.wait(self.streams.compute, self.ready[slot])
@@ -80,8 +89,8 @@ class WeightSlots:
     def take_whole(self, unit: Unit) -> torch.Tensor:
         """`unit`'s weights on the device in the compute dtype, flat, compute ordered after their copy (started now
         where `fetch_whole` did not start it)."""
-        if self._on_device(unit):
-            return self.resident_units.weights_of(unit)  # type: ignore[union-attr]
+        if self._on_device(unit):  # cast here where its weights are cast at each use (else already the dtype)
+            return self.resident_units.weights_of(unit).to(self.dtype)  # type: ignore[union-attr]
         if not self.copy_needed:
             return unit.range_of(self.weights)
         self.fetch_whole(unit)
@@ -92,6 +101,10 @@ class WeightSlots:
 
     def _on_device(self, unit: Unit) -> bool:
         return self.resident_units is not None and self.resident_units.holds(unit)
+
+    def _cast(self, unit: Unit) -> bool:
+        """`unit` is resident and its weights are cast into a buffer at each use."""
+        return self._on_device(unit) and self.resident_units.cast  # type: ignore[union-attr]
 
     def release(self, slot: int) -> None:
         if slot >= 0:

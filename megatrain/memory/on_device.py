@@ -14,6 +14,11 @@ takes the shortest (ties: the one with more resident units). Without one it foll
 counts and nominal rates (NOMINAL_*): resident first where the CPU pool's update of every parameter would take longer
 than the backward's compute (recompute included: 6 FLOPs a parameter and token), else kept first. Either way the
 resident and kept lines of the plan say which split and why.
+
+In bf16 runs the resident units' weights reach compute as a bf16 copy kept beside them (2 B a parameter) or cast at
+each use (megatrain/engine/resident.py: an eighth more units, a pass over them twice a step): with a predictor and
+both "auto", the plan places the GPU's spare memory both ways and takes the shorter predicted step (ties: the copy);
+otherwise the copy, unless "cast" is asked for.
 """
 
 from __future__ import annotations
@@ -51,18 +56,39 @@ def spare_budget(plan: MemoryPlan) -> int | None:
 
 
 def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | str, keep_activations: int | str,
-                    precision: str, world: int, step_time: StepTime | None = None) -> MemoryPlan:
+                    precision: str, world: int, step_time: StepTime | None = None, resident_weights: str = AUTO
+                    ) -> MemoryPlan:
     """The plan with its resident units and kept layers placed as this module's doc says. world: executors of the
-    run, all nodes'; step_time: the predictor the split is chosen by (None: the rule). A LoRA run's resident units
-    are its adapters' (lora_resident), and its layers keep no activations."""
+    run, all nodes'; step_time: the predictor the split is chosen by (None: the rule); resident_weights: "copy",
+    "cast" or "auto" (EngineConfig.resident_weights). A LoRA run's resident units are its adapters' (lora_resident),
+    and its layers keep no activations."""
     if plan.adapter_numels:
         plan = lora_resident(plan, resident, world)
         return _with_kept(plan, plan_kept(plan, config, keep_activations, precision, None))
+    both = (resident_weights == AUTO and precision == "bf16" and step_time is not None and resident == AUTO
+            and spare_budget(plan) is not None)
+    if not both:
+        return _placed(plan, config, resident, keep_activations, precision, world, step_time,
+                       cast=resident_weights == "cast")
+    assert step_time is not None
+    ways = [_placed(plan, config, resident, keep_activations, precision, world, step_time, cast)
+            for cast in (False, True)]
+    times = [step_time(way) for way in ways]
+    best = min((0, 1), key=times.__getitem__)  # the first of equals: the copy, no casts
+    how = ("their bf16 weights cast at each use", "a bf16 copy of their weights kept")
+    chosen = ways[best]
+    return replace(chosen, resident_note=f"{chosen.resident_note}; {how[1 - best]}: {times[best]:.2f} s predicted, "
+                                         f"against {times[1 - best]:.2f} s with {how[best]}")
+
+
+def _placed(plan: MemoryPlan, config: ModelConfig, resident: int | str, keep_activations: int | str, precision: str,
+            world: int, step_time: StepTime | None, cast: bool) -> MemoryPlan:
+    """place_on_device's placement with the resident units' weights kept as a bf16 copy, or cast at each use."""
     budget = spare_budget(plan)
 
     def resident_in(room: int | None) -> Residency:
         return choose_resident(config, resident, budget=room, on_gpu=plan.on_gpu, precision=precision, world=world,
-                               held_grads=plan.grads == "device")
+                               held_grads=plan.grads == "device", cast=cast)
 
     def kept_in(room: int | None) -> KeptLayers:
         return plan_kept(plan, config, keep_activations, precision, room)
@@ -127,7 +153,7 @@ def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept
     h2d = passes * (2 * units.layers_numel + units.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
     d2h = passes * (grads + rows)
     return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=units.bytes,
-                   gpu_grads=plan.gpu_grads - units.freed_grads,
+                   resident_weights="cast" if units.cast else "copy", gpu_grads=plan.gpu_grads - units.freed_grads,
                    h2d_bytes=max(0, plan.h2d_bytes - h2d), d2h_bytes=max(0, plan.d2h_bytes - d2h),
                    process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes))
 

@@ -91,6 +91,7 @@ class MemoryPlan:
     resident_params: int = 0
     gpu_resident: int = 0  # their device bytes (on the CPU path part of process_bytes too: the device is the host)
     resident_note: str = ""  # which units and why (Residency.describe)
+    resident_weights: str = "copy"  # in bf16 runs compute's weights of them: "copy" kept, or "cast" at each use
     kept: KeptLayers = KeptLayers()  # the top layers that keep their activations, their bytes, why (plan_kept)
     # a LoRA run (megatrain/memory/lora_plan.py): the frozen base's arena bytes (part of arena_bytes) and precision, the
     # adapters' parameters, and each unit's adapter elements in forward order (padded ranges)
@@ -348,8 +349,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
              checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
              find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
              executors: int = 1, resident: int | str = "none", lora: LoraConfig | None = None,
-             lora_base_dtype: str = "bf16", keep_activations: int | str = "none", step_time: StepTime | None = None
-             ) -> MemoryPlan:
+             lora_base_dtype: str = "bf16", keep_activations: int | str = "none", step_time: StepTime | None = None,
+             resident_weights: str = AUTO) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
     resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room for it (else
     fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -361,8 +362,9 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     fits. resident: units kept on the device with their optimizer state (the Engine and `megatrain plan` pass theirs,
     "auto" by default), and keep_activations: the layers that keep activations, in what is left; where both are "auto"
     the split between them is the one `step_time` (a predictor: megatrain/perf/predict.py step_time) predicts shortest,
-    or without one a rule's (megatrain/memory/on_device.py). Where the result does not fit, its `longest_seq` says the
-    longest sequence that would (find_longest)."""
+    or without one a rule's (megatrain/memory/on_device.py); resident_weights: in bf16 runs the resident units' bf16
+    weights a copy kept or cast at each use, "auto" the shorter predicted with a predictor (else the copy). Where the
+    result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     if schedule != AUTO:
         check_choice("schedule", schedule, SCHEDULES)
     kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
@@ -387,14 +389,14 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
         fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
                             checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
                             resident=resident, keep_activations=keep_activations, step_time=step_time,
-                            **{k: v for k, v in kwargs.items() if k != "schedule"})
+                            resident_weights=resident_weights, **{k: v for k, v in kwargs.items() if k != "schedule"})
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback
     if find_longest and (plan.host_problem() or plan.gpu_problem()):
         plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
                                        checkpoint_budget=checkpoint_budget, **kwargs)
     return place_on_device(plan, config, resident=resident, keep_activations=keep_activations, precision=precision,
-                           world=executors * nodes, step_time=step_time)
+                           world=executors * nodes, step_time=step_time, resident_weights=resident_weights)
 
 
 def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:

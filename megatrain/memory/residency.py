@@ -6,7 +6,8 @@ layer checkpoints), with the bytes it may take (megatrain/memory/on_device.py: w
 margin, shared with the layers that keep their activations): units in forward order, the embedding first, then
 layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
 otherwise gate them. Each costs 16 B a parameter (weights, gradient, m, v in fp32) plus, in bf16 runs, a bf16 copy
-of its weights for compute (2 B).
+of its weights for compute (2 B), unless those are cast from the fp32 weights at each use (resident_weights "cast":
+megatrain/engine/resident.py), which fits an eighth more units for a pass over them on the device twice a step.
 
 "auto" keeps units resident on a GPU whose free memory is known; on the CPU path the "device" is host memory the
 arena already holds, so none unless a count is asked for. Several executors or nodes keep none: each executor
@@ -26,9 +27,10 @@ MARGIN_BYTES = 2 * GiB  # at least this much of the device stays free: the alloc
 MARGIN_FRACTION = 0.1  # ... or this share of its free memory, where that is more
 
 
-def bytes_per_param(precision: str) -> int:
-    """Device bytes of a resident parameter: fp32 weight, gradient, m and v; a bf16 copy for compute in bf16 runs."""
-    return 16 + (2 if precision == "bf16" else 0)
+def bytes_per_param(precision: str, cast: bool = False) -> int:
+    """Device bytes of a resident parameter: fp32 weight, gradient, m and v; a bf16 copy for compute in bf16 runs,
+    unless compute's weights are cast at each use (`cast`)."""
+    return 16 + (2 if precision == "bf16" and not cast else 0)
 
 
 def held_grad_bytes(unit: int, numel: int, total_units: int, precision: str) -> int:
@@ -53,6 +55,7 @@ class Residency:
     total_units: int = 0
     why: str = ""  # one line for the plan's report
     freed_grads: int = 0  # device bytes of held gradients (grads = "device") they no longer take
+    cast: bool = False  # bf16 compute casts their fp32 weights at each use: no bf16 copy kept (bytes_per_param)
 
     @property
     def embed(self) -> bool:
@@ -70,9 +73,10 @@ class Residency:
         parts = (["the embedding"] if self.embed else []) + (
             ["layer 0" if self.layers == 1 else f"layers 0-{self.layers - 1}"] if self.layers else []) + (
             ["the head"] if self.head else [])
+        weights = "; their bf16 weights cast at each use, no copy kept" if self.cast else ""
         return (f"resident units: {' + '.join(parts)} ({self.units} of {self.total_units} units, "
                 f"{self.params / 1e9:.2f} G params, {self.bytes / GiB:.2f} GiB): updated on the device, no PCIe, no "
-                f"CPU pool; {self.why}")
+                f"CPU pool{weights}; {self.why}")
 
 
 def margin(room: int) -> int:
@@ -81,10 +85,11 @@ def margin(room: int) -> int:
 
 
 def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,
-                    world: int = 1, held_grads: bool = False) -> Residency:
+                    world: int = 1, held_grads: bool = False, cast: bool = False) -> Residency:
     """The units to keep resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
     take, the margin already left (None: not known). world: executors of the run, all nodes'. held_grads: the plan
-    holds every gradient on the device until the step ends, so a resident unit costs its held gradient less."""
+    holds every gradient on the device until the step ends, so a resident unit costs its held gradient less. cast:
+    in bf16 runs their weights are cast at each use, no bf16 copy kept."""
     check_resident(requested)
     total = config.num_layers + 2
     if not on_gpu and requested in ("auto", "none", 0):
@@ -102,7 +107,8 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
         count = None
     else:
         budget, count = None, min(int(requested), total)
-    per_param = bytes_per_param(precision)
+    cast = cast and precision == "bf16"
+    per_param = bytes_per_param(precision, cast)
     numels: list[int] = []
     cost = freed = 0  # device bytes of the units so far, and of the held gradients they free
     for numel in planned_unit_numels(config):
@@ -119,4 +125,4 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
     why = ("the first units the next forward needs, which the CPU pool's update would gate" if requested == "auto"
            else f"resident = {requested}")
     return Residency(units, params, params * per_param, layers, sum(numels[1 : 1 + layers]),
-                     numels[-1] if head else 0, total, why, freed)
+                     numels[-1] if head else 0, total, why, freed, cast)

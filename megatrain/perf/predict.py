@@ -50,6 +50,8 @@ FORWARD_SHARE, RECOMPUTE_SHARE = 0.25, 0.25
 # the 2-core development machine (benchmarks/RESULTS.md: 0.71 against 1.42 G params/s)
 ROLLBACK_COST = 2.0
 CASES = ("speculated", "rolled back", "serial")
+DEVICE_ADAMW_BYTES = 28  # read and written a parameter by the fused AdamW (fp32 weight, gradient, m, v; three written)
+CAST_BYTES = 6  # read and written a parameter by a cast of fp32 weights to bf16
 
 
 # ---- the prediction ----
@@ -131,13 +133,26 @@ class Compute:
         return self.forward_s + self.head_s + self.backward_s
 
 
-def compute_phases(plan: MemoryPlan, config: ModelConfig, times: LayerTimes, kept_layers: int) -> Compute:
+def compute_phases(plan: MemoryPlan, config: ModelConfig, times: LayerTimes, kept_layers: int, cast_s: float = 0.0
+                   ) -> Compute:
     """The step's compute by phase (Executor._forward, _head, _backward): a kept layer's backward takes the forward's
-    graph (KeptActivations.backward) and skips its recompute, for every micro-batch."""
+    graph (KeptActivations.backward) and skips its recompute, for every micro-batch; cast_s: the resident weights'
+    casts (resident_cast_s), half of them in each phase."""
     k, layers = plan.micro_batches, config.num_layers
     forward = k * layers * FORWARD_SHARE * times.layer_s
     backward = k * (layers * (1 - FORWARD_SHARE) - kept_layers * RECOMPUTE_SHARE) * times.layer_s
-    return Compute(forward, k * times.rest_s, backward)
+    return Compute(forward + cast_s / 2, k * times.rest_s, backward + cast_s / 2)
+
+
+def resident_cast_s(plan: MemoryPlan, cal: Calibration) -> float:
+    """Compute's casts of the resident units' fp32 weights to bf16 where no copy of them is kept (resident_weights
+    "cast": WeightSlots.fetch): each unit's twice a pass (its forward, its backward), CAST_BYTES a parameter, at the
+    device's memory rate as its fused AdamW's rate gives it (DEVICE_ADAMW_BYTES a parameter)."""
+    rate = cal.device_adamw_gparams if plan.on_gpu else cal.adamw_rate(1, beside=False)
+    if plan.resident_weights != "cast" or not plan.resident_params or not rate:
+        return 0.0
+    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    return 2 * passes * plan.resident_params * CAST_BYTES / (rate * 1e9 * DEVICE_ADAMW_BYTES)
 
 
 def copy_times(plan: MemoryPlan, cal: Calibration) -> tuple[float, float]:
@@ -296,7 +311,7 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
         raise ValueError(f"clip_rate is a share of steps, 0 to 1, got {clip_rate}")
     kept = min(len(plan.kept.indices) if kept_layers is None else kept_layers, config.num_layers)
     times = layer_times(plan, config, cal, precision, compiled)
-    compute = compute_phases(plan, config, times, kept)
+    compute = compute_phases(plan, config, times, kept, resident_cast_s(plan, cal))
     h2d, d2h = copy_times(plan, cal)
     update = update_times(plan, cal, optimizer_workers)
     tokens = plan.step_tokens * executors * plan.nodes  # a step's, over every executor of the run
@@ -365,8 +380,9 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
     """The fastest predicted run among the settings left "auto" that fits memory (None: none fits).
     optimizer_workers: 1 .. max_workers (default: the cores of the machine `cal` was measured on, which `megatrain
     plan --calibration FILE` may run far from); grads: the placements clipping allows (the GPU's
-    only on a GPU); tile_tokens: untiled and TILE_TOKENS halved down to MIN_TILE_TOKENS, below the micro-batch's
-    tokens. Micro-batches and the schedule are taken as given (plan_run picks the schedule where it is auto).
+    only on a GPU); tile_tokens: untiled, else the largest of TILE_TOKENS halved down to MIN_TILE_TOKENS (below the
+    micro-batch's tokens) that fits. Micro-batches and the schedule are taken as given (plan_run picks the schedule
+    where it is auto).
     Each candidate is planned and predicted as the run it stands for would be: with `flags` (predict's speculate,
     clip_rate, compiled, link_gbps), and, where resident units and kept layers are both "auto" (plan_kwargs), with
     the split of the GPU's spare memory predicted shortest for its own workers and placement (a search that split
@@ -390,7 +406,8 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
                         executors=plan_kwargs.get("executors", 1))
         split_by = step_time(config, cal, **settings) if split else None
         for g in placements:
-            for tile in tiles:
+            for tile in tiles:  # the largest tiles that fit (untiled first): a calibration times untiled layers
+                # only, so tiles would be predicted free, and chosen where they only make room for resident units
                 plan = plan_run(config, batch, seq, grads=g, clipping=clipping, precision=precision,
                                 optimizer_workers=w, tile_tokens=tile, find_longest=False, step_time=split_by,
                                 **plan_kwargs)
@@ -401,6 +418,7 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
                 # ties (the CPU path's lanes do not depend on the placement) go to the earlier, leaner candidate
                 if best is None or pred.step_s < best.prediction.step_s * (1 - 1e-9):
                     best = Choice(plan, pred, w, 0)
+                break
     if best is not None:
         best.tried = tried
     return best

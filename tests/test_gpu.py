@@ -271,6 +271,28 @@ def test_engine_cpu_and_gpu_agree(ray_session, tmp_path: Path, grads: str, max_g
         assert rel <= 1e-4, f"{name}: {rel:.2e}"
 
 
+def test_resident_weights_cast_at_each_use_train_as_a_kept_copy(ray_session, tmp_path: Path) -> None:
+    """bf16 on CUDA, the embedding and layers 0-1 resident: their bf16 weights for compute a copy kept on the GPU or
+    cast from the fp32 weights into the weight buffers at each use (on the compute stream, after the device's update):
+    the same weights either way (round to nearest even), so the same training, up to the GPU's own run-to-run
+    differences; and the plan says which ran."""
+    hf_models()["llama-gqa"].save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 512, (2, 128), generator=gen) for _ in range(3)]
+    results = {}
+    for weights in ("copy", "cast"):
+        with megatrain.Engine(tmp_path, device="cuda", precision="bf16", optimizer_workers=2, lr=1e-3, eps=1e-5,
+                              warmup_steps=1, total_steps=3, compile="off", resident=3,
+                              resident_weights=weights) as engine:
+            assert engine.plan.resident_weights == weights and engine.plan.resident_units == 3
+            results[weights] = ([engine.step(b) for b in batches], engine.parameters())
+    (copy_losses, copy_params), (cast_losses, cast_params) = results["copy"], results["cast"]
+    assert cast_losses == pytest.approx(copy_losses, rel=1e-5)
+    for name, value in copy_params.items():
+        rel = ((cast_params[name] - value).abs().max() / value.abs().max()).item()
+        assert rel <= 1e-5, f"{name}: {rel:.2e}"
+
+
 def executor_gpu_memory(engine: megatrain.Engine) -> tuple[int, int]:
     """(max_memory_allocated, max_memory_reserved) of the executor actor's process, where the Engine's GPU
     work runs: read there through Ray's __ray_call__, which calls a function with the actor instance (as

@@ -186,9 +186,10 @@ case "$PART" in
     # Compiled by the default, compile auto: from this GPU's calibration where one timed the 7b layer compiled
     # (`megatrain calibrate --model 7b --precision bf16 --batch 1 --seq 2048`, a minute or two), else compiled with
     # a notice; the log's "layers compiled:" / "layers eager:" line says which and why.
-    # Units resident on the GPU (--resident auto, the default on CUDA since 2026-11-26; never run on a GPU yet): the
-    # log's "resident units:" line says which; the streamed numbers to compare with are RESULTS.md's H200 table
-    # (2026-11-26), or rerun one K with --resident none.
+    # Units resident on the GPU (--resident auto, the default on CUDA since 2026-11-26): the log's "resident units:"
+    # line says which, and whether their bf16 weights are a kept copy or cast at each use (--resident-weights auto,
+    # since 2026-11-27, never run on a GPU: on the H100's calibration the plan casts at every K, 21 units at K=1
+    # instead of 18); rerun one K with --resident-weights copy to compare, or --resident none for the streamed path.
     # Each progress line shows tok/s, TFLOP/s and stall %; steps.jsonl (the step's compute and waits) goes into the
     # logs archive. Then FSDP2 CPU offload at K=16's batch (the H200, 2026-11-26: not done building the 7B in 110 s).
     # This GPU's calibration first (~70 s on the H100, 2026-11-26): with it the runs and plans below split the GPU's
@@ -215,7 +216,8 @@ PY
     fi
     # HEADLINE_WORKERS (default 8) and HEADLINE_GRADS (default auto: "device" on this GPU) set the runs' optimizer
     # workers and gradient placement: `plan --optimizer-workers auto` on the H100's calibration predicts K=1 fastest
-    # with 16 workers and grads = arena (RESULTS.md, third GPU session), never run.
+    # with 16 workers and grads = device (2,083 tok/s against 1,871 with 8; RESULTS.md, 2026-11-27), never run:
+    # HEADLINE_WORKERS=16 STEPS=train-7b-bf16-k1 after the part.
     workers=${HEADLINE_WORKERS:-8} grads=${HEADLINE_GRADS:-auto}
     # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
     # set against that plan's totals ("peaks of train-7b-bf16-kK"). The plan predicts these runs as they go: every

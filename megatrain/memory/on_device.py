@@ -71,14 +71,16 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
         return _placed(plan, config, resident, keep_activations, precision, world, step_time,
                        cast=resident_weights == "cast")
     assert step_time is not None
+    names = ("a bf16 copy of their weights kept", "their bf16 weights cast at each use")
     ways = [_placed(plan, config, resident, keep_activations, precision, world, step_time, cast)
             for cast in (False, True)]
     times = [step_time(way) for way in ways]
     best = min((0, 1), key=times.__getitem__)  # the first of equals: the copy, no casts
-    how = ("their bf16 weights cast at each use", "a bf16 copy of their weights kept")
     chosen = ways[best]
-    return replace(chosen, resident_note=f"{chosen.resident_note}; {how[1 - best]}: {times[best]:.2f} s predicted, "
-                                         f"against {times[1 - best]:.2f} s with {how[best]}")
+    if not chosen.resident_units:
+        return chosen
+    return replace(chosen, resident_note=f"{chosen.resident_note}; {names[best]}: {times[best]:.2f} s predicted, "
+                                         f"against {times[1 - best]:.2f} s with {names[1 - best]}")
 
 
 def _placed(plan: MemoryPlan, config: ModelConfig, resident: int | str, keep_activations: int | str, precision: str,

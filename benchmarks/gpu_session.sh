@@ -3,8 +3,9 @@
 # part per device command (10 minutes at most each, 30 minutes of device time in all, one at a time).
 #
 #   bash benchmarks/gpu_session.sh headline # FIRST on a lent machine: issue #25's 7b bf16 at K = 16, 4, 1 micro-batches
-#                                           # after this GPU's calibration, K=4 without clipping, FSDP2 alike (the H200,
-#                                           # 2026-11-26, ran K=16 and K=1 calibrated; K=4, no-clip, FSDP2: unrun)
+#                                           # after this GPU's calibration, K=1 with 16 workers, K=4 without clipping,
+#                                           # FSDP2 alike (the H200, 2026-11-26, ran K=16 and K=1 calibrated; K=4,
+#                                           # 16 workers, no-clip, FSDP2, the resident weights cast: unrun)
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu
 #   bash benchmarks/gpu_session.sh host    # grad_fold.py, pcie.py, optimizer.py (the pool of AdamW workers)
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
@@ -216,8 +217,8 @@ PY
     fi
     # HEADLINE_WORKERS (default 8) and HEADLINE_GRADS (default auto: "device" on this GPU) set the runs' optimizer
     # workers and gradient placement: `plan --optimizer-workers auto` on the H100's calibration predicts K=1 fastest
-    # with 16 workers and grads = device (2,083 tok/s against 1,871 with 8; RESULTS.md, 2026-11-27), never run:
-    # HEADLINE_WORKERS=16 STEPS=train-7b-bf16-k1 after the part.
+    # with 16 workers and grads = device (2,083 tok/s against 1,871 with 8; RESULTS.md, 2026-11-27), never run: the
+    # step train-7b-bf16-k1-w16 below runs it beside the 8 workers' K=1.
     workers=${HEADLINE_WORKERS:-8} grads=${HEADLINE_GRADS:-auto}
     # Before each run its memory plan (this GPU's memory, the host's), and the GPU's and host's peaks while it runs
     # set against that plan's totals ("peaks of train-7b-bf16-kK"). The plan predicts these runs as they go: every
@@ -233,6 +234,12 @@ PY
       peaks_stop "train-7b-bf16-k$k" "plan-7b-bf16-k$k"
       save "$WORK/logs/steps-7b-bf16-k$k.jsonl" "$WORK/run-7b-k$k/steps.jsonl"
     done
+    # K=1 with 16 workers, the pool that bounds K=1 at its calibrated best (16 workers beside the executor's own host
+    # threads on 16 cores: the calibration's copies came from one thread, not from the executor)
+    step train-7b-bf16-k1-w16 120 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 \
+      --seq-len 2048 --micro-batches 1 --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 16 \
+      --grads "$grads" --speculate auto --resident auto --checkpoint-every 0 --no-save-final --out "$WORK/run-7b-k1-w16"
+    save "$WORK/logs/steps-7b-bf16-k1-w16.jsonl" "$WORK/run-7b-k1-w16/steps.jsonl"
     # The runs above clip every step (random weights, synthetic data: norms 17 to 231 on the H100), so speculate auto
     # runs the serial update; a run whose steps do not clip updates beside the backward (never measured on a GPU:
     # the H100's try, 2026-11-26, met the bug fixed since in ea4cd18). K=4 with clipping that never triggers:

@@ -210,6 +210,7 @@ GPU_SESSION_COMMANDS = {
                      "8 --grads auto --resident auto --device cuda --clip-rate 1",
                      f"train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 --micro-batches {k} --steps 4 "
                      "--warmup-steps 1 --log-every 1 --optimizer-workers 8 --grads auto --speculate auto")),
+                 "--micro-batches 1 --steps 4 --warmup-steps 1 --log-every 1 --optimizer-workers 16 --grads auto",
                  "--optimizer-workers 8 --grads auto --speculate auto --resident auto --max-grad-norm 1e9",
                  "throughput.py --model 7b --batch 16 --seq 2048 --precision bf16 --peers fsdp2"],
     "tests": [WHEELS, "== doctor (timeout 90s): python3 -m pipelines.cli doctor",

@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 
 WITHIN_ROUNDING = "fp64: within fp32 rounding"  # how fp64_verdict says a difference is rounding
 REL_TOL = 1e-5
-# transformers' fp32 runs that give its own distance from fp64 (beyond_fp32_rounding): the loss as it is, and scaled
-# by one part in 2^20 either way (no power of two: every product's rounding moves)
-FP32_LOSS_SCALES = (1.0, 1.0 + 2**-20, 1.0 - 2**-20)
+# transformers' fp32 runs that give its own distance from fp64 (beyond_fp32_rounding) beside the reference's own: the
+# loss scaled by one part in 2^20 either way (no power of two: every product's rounding moves)
+FP32_LOSS_SCALES = (1.0 + 2**-20, 1.0 - 2**-20)
 BATCH, SEQ, SEED, DROPOUT_SEED = 3, 16, 0, 123
 CACHE_FORMAT = 3  # bump when what a cached verdict means changes
 Grads = dict[str, torch.Tensor]
@@ -203,10 +203,10 @@ def compare(ours: tuple[torch.Tensor, Grads], theirs: tuple[torch.Tensor, Grads]
 def beyond_fp32_rounding(ref: Reference, ours: tuple[torch.Tensor, Grads]) -> dict[str, tuple[float, float]]:
     """The tensors (the loss, gradients) of `ours` further from an fp64 run of transformers than twice transformers'
     own fp32 distance from it (and than 1e-5): name -> (ours, transformers fp32) distances from fp64. Transformers'
-    distance is the farthest of its fp32 runs with the loss scaled by each of FP32_LOSS_SCALES: one run's roundings
-    may land near fp64 by chance where a gradient sums terms that cancel (a linear attention's decay, A_log), and any
-    other order of the same sums (megatrain's) then looks wrong by a factor that is luck. Raises what the fp64 run
-    raises (a kernel without fp64)."""
+    distance is the farthest of its fp32 runs, the reference's and one with the loss scaled by each of
+    FP32_LOSS_SCALES: one run's roundings may land near fp64 by chance where a gradient sums terms that cancel (a
+    linear attention's decay, A_log), and any other order of the same sums (megatrain's) then looks wrong by a factor
+    that is luck. Raises what the fp64 run raises (a kernel without fp64)."""
     exact = copy.deepcopy(ref.model).double()
     if hasattr(exact, "set_experts_implementation"):
         exact.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
@@ -214,8 +214,8 @@ def beyond_fp32_rounding(ref: Reference, ours: tuple[torch.Tensor, Grads]) -> di
     exact_all = {"loss": exact_loss, **exact_grads}
     largest = largest_gradient(exact_grads)
     fp32: dict[str, float] = {}
-    for scale in FP32_LOSS_SCALES:
-        loss, grads = hf_loss_and_grads(ref.model, ref.input_ids, ref.labels, scale)
+    runs = [ref.result, *(hf_loss_and_grads(ref.model, ref.input_ids, ref.labels, s) for s in FP32_LOSS_SCALES)]
+    for loss, grads in runs:
         for n, g in {"loss": loss, **grads}.items():
             if n in exact_all:
                 fp32[n] = max(fp32.get(n, 0.0), relative_error(g, exact_all[n].float(), largest))

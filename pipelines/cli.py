@@ -347,6 +347,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     logging.disable(logging.INFO)  # what the cleanup functions log, this command prints itself
     try:
         removed = remove_stale_segments(everything=args.all)
+        if args.nvme:  # state directories of the NVMe tier whose run is gone
+            from megatrain.memory.nvme import remove_stale_state_dirs
+
+            removed += remove_stale_state_dirs(args.nvme, everything=args.all)
         reaped = reap_orphaned_ray_agents()
     finally:
         logging.disable(logging.NOTSET)
@@ -446,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
     p.add_argument("--all", action="store_true", help="also remove segments of live runs")
+    p.add_argument("--nvme", metavar="PATH", help="also remove the NVMe tier's state directories under PATH")
     p.set_defaults(func=cmd_cleanup)
 
     p = sub.add_parser("report", help="stall table per step and a PNG timeline of a run")

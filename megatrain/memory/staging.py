@@ -1,0 +1,144 @@
+"""The arena as the NVMe tier's staging buffer: a unit's NVMe-resident states brought into its arena range before the
+optimizer's pass over it and sent back behind it, no Ray.
+
+Each process that moves states (an optimizer worker its shard of every unit, the parameter store whole units for a
+checkpoint) has one UnitStager over its extents. `take(u)` returns once u's states are in the arena (read ahead where
+the order was foreseen); `give(u)` writes them behind and, once on disk, punches their pages out of /dev/shm. The order
+is foreseen from the last two units taken: the backward takes L-1, L-2, ..., the serial update and the rollback
+0, 1, ...; a wrong guess costs one read. All I/O of a unit goes through its own future, so a read of it never overtakes
+its write.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatrain.memory.nvme import StateFiles, all_of, punch_out
+
+AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM while it waits
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes [start, end) of one kind's arena segment and state file (the same offsets in both)."""
+
+    kind: str
+    start: int
+    end: int
+
+
+def unit_extents(bounds: dict[int, tuple[int, int]], kinds: tuple[str, ...], element_size: int = 4
+                 ) -> dict[int, list[Extent]]:
+    """unit -> its extents of each kind, from unit -> [start, end) in elements of the arena's segments."""
+    return {u: [Extent(k, a * element_size, b * element_size) for k in kinds] for u, (a, b) in bounds.items() if b > a}
+
+
+class UnitStager:
+    """Moves `extents` (per unit) between `files` and the arena segments `tensors` (kind -> flat tensor) at `paths`."""
+
+    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], paths: dict[str, Path],
+                 extents: dict[int, list[Extent]], ahead: int = AHEAD):
+        self.files, self.extents, self.ahead = files, extents, ahead
+        self.bytes = {kind: tensors[kind].view(torch.uint8) for kind in {e.kind for x in extents.values() for e in x}}
+        self.paths = paths
+        self.io: dict[int, Future] = {}  # unit -> its last read or write
+        self.staged: set[int] = set()  # units whose states are in the arena (read, or being read)
+        self.taken: int | None = None
+        self.last: int | None = None
+
+    def holds(self, unit: int) -> bool:
+        return unit in self.extents
+
+    def take(self, unit: int) -> None:
+        """Returns once the unit's states are in its arena range; reads the foreseen next one ahead."""
+        if unit not in self.extents:
+            return
+        if unit not in self.staged:
+            self._read(unit)
+        self.io[unit].result()
+        self.taken = unit
+        guess = None if self.last is None else unit + (unit - self.last)
+        self.last = unit
+        if self.ahead and guess is not None and guess in self.extents and guess not in self.staged:
+            self._drop_unused(keep=unit)
+            self._read(guess)
+
+    def give(self, unit: int, changed: bool = True) -> None:
+        """The pass over the unit is done: its states are written behind (`changed`) and leave the arena."""
+        if unit not in self.extents:
+            return
+        self.taken = None
+        self.staged.discard(unit)
+        self.io[unit] = self._write(unit) if changed else self._punch_now(unit)
+
+    def flush(self) -> None:
+        """Every write on disk and nothing left staged: what another process reads of the files is current."""
+        self._drop_unused(keep=None)
+        errors = []
+        for unit in list(self.io):
+            try:
+                self.io.pop(unit).result()
+            except Exception as e:  # noqa: BLE001 - all writes are waited for before the first error is raised
+                errors.append(e)
+        self.last = None
+        if errors:
+            raise errors[0]
+
+    # ---- whole ranges, for the store ----
+    def bring_in(self) -> None:
+        """Every extent into the arena (a checkpoint reads them there); `send_out` ends it."""
+        for unit in self.extents:
+            if unit not in self.staged:
+                self._read(unit)
+        for unit in self.extents:
+            self.io[unit].result()
+
+    def send_out(self, changed: bool = True) -> None:
+        """Every extent to disk (`changed`) and out of the arena."""
+        for unit in self.extents:
+            self.staged.discard(unit)
+            self.io[unit] = self._write(unit) if changed else self._punch_now(unit)
+        self.flush()
+
+    # ---- I/O ----
+    def _read(self, unit: int) -> None:
+        before = self.io.get(unit)
+        if before is not None:
+            before.result()  # its write: a read must not overtake it
+        self.staged.add(unit)
+        self.io[unit] = all_of([self.files.read(e.kind, e.start, self.bytes[e.kind][e.start:e.end])
+                                for e in self.extents[unit]])
+
+    def _write(self, unit: int) -> Future:
+        before = self.io.get(unit)
+        if before is not None:
+            before.result()
+        parts = [self.files.write(e.kind, e.start, self.bytes[e.kind][e.start:e.end]) for e in self.extents[unit]]
+        return all_of(parts, then=lambda: self._punch(unit))
+
+    def _punch_now(self, unit: int) -> Future:
+        before = self.io.get(unit)
+        if before is not None:
+            before.result()
+        return all_of([], then=lambda: self._punch(unit))
+
+    def _punch(self, unit: int) -> None:
+        for e in self.extents[unit]:
+            punch_out(self.paths[e.kind], e.start, e.end - e.start)
+
+    def _drop_unused(self, keep: int | None) -> None:
+        """Read-ahead units never taken leave the arena (unchanged: nothing to write)."""
+        for unit in [u for u in self.staged if u != keep and u != self.taken]:
+            self.staged.discard(unit)
+            self.io[unit] = self._punch_now(unit)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.files.close()
+

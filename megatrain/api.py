@@ -1,6 +1,6 @@
 """The single-process API: an arena-backed model whose loss and gradients come from the streamed templates.
 
-    m = megatrain.from_pretrained("tiny")                  # or an HF directory
+    m = megatrain.from_pretrained("tiny")                  # or an HF directory, or "Qwen/Qwen2.5-0.5B"
     loss, grads = m.loss_and_grads(input_ids, labels=None)  # grads: HF name -> tensor
     m.save_pretrained("out")
 
@@ -16,6 +16,7 @@ import torch
 from megatrain.config import MegatrainError
 from megatrain.engine.executor import Executor
 from megatrain.engine.streams import resolve_device
+from megatrain.io.hub import tokenizer_files
 from megatrain.model.layout import ModelLayout
 from megatrain.store import ParameterStore
 
@@ -57,8 +58,9 @@ class Model:
         return self.layout.hf_views(self.store.arena.params)
 
     def save_pretrained(self, directory: str | Path) -> Path:
+        """An HF directory, with the tokenizer's files of the model this one was loaded from."""
         self._check_open()
-        return self.store.save_pretrained(directory)
+        return self.store.save_pretrained(directory, tokenizer_files(self.store.source_dir))
 
     def _check_open(self) -> None:
         if self.store.arena is None:
@@ -78,7 +80,8 @@ class Model:
 def from_pretrained(path_or_preset: str | Path, device: str = "cpu", precision: str = "fp32", seed: int = 0,
                     loss_chunk_tokens: int = 4096, tile_tokens: int | None = None,
                     checkpoint_budget: int | None = None) -> Model:
-    """Loads an HF directory (or builds a preset with HF's init) into a new shared-memory arena. tile_tokens and
+    """Loads an HF directory or a Hugging Face Hub model (`org/name[@revision]`, through the hub's cache), or builds a
+    preset with HF's init, into a new shared-memory arena. tile_tokens and
     checkpoint_budget (bytes): sequence tiling and the device budget of the layer-input checkpoints (the rest wait
     in host memory), for long sequences."""
     on_gpu = resolve_device(device).type == "cuda"  # then activations take GPU memory, not host memory

@@ -24,6 +24,7 @@ import torch
 from megatrain.config import PRESETS, ConfigError, ModelConfig
 from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
+from megatrain.io.hub import hub_model, is_hub_name
 from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
 from megatrain.lora.config import BASE_DTYPES, LoraConfig
 from megatrain.lora.layout import training_layout
@@ -39,11 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model(model: str | Path | ModelConfig, verify: bool = True) -> tuple[ModelConfig, Path | None, str]:
-    """(config, HF directory or None, display name) for a preset name, an HF directory, or a config. verify: an HF
-    directory's weight files are there and readable, and a model of the generic path passes megatrain's self-check
-    (megatrain/self_check.py: refused in one sentence where megatrain's path differs from transformers'), before Ray
-    or anything else starts; a plan, which runs nothing, skips both."""
-    config, directory, name = _resolved(model)
+    """(config, HF directory or None, display name) for a preset name, an HF directory, a Hugging Face Hub name
+    (`org/name[@revision]`: its snapshot in the hub's cache, config.json alone where not verify), or a config.
+    verify: an HF directory's weight files are there and readable, and a model of the generic path passes
+    megatrain's self-check (megatrain/self_check.py: refused in one sentence where megatrain's path differs from
+    transformers'), before Ray or anything else starts; a plan, which runs nothing, skips both."""
+    config, directory, name = _resolved(model, config_only=not verify)
     if verify:
         if directory is not None:
             ckpt.check_readable(ckpt.weight_files(directory, "model"))
@@ -51,16 +53,20 @@ def resolve_model(model: str | Path | ModelConfig, verify: bool = True) -> tuple
     return config, directory, name
 
 
-def _resolved(model: str | Path | ModelConfig) -> tuple[ModelConfig, Path | None, str]:
+def _resolved(model: str | Path | ModelConfig, config_only: bool) -> tuple[ModelConfig, Path | None, str]:
     if isinstance(model, ModelConfig):
         return model, None, "model"
     path = Path(model)
     if path.is_dir():
         return ckpt.read_hf_config(path), path, path.name
+    if str(model).lower() not in PRESETS and is_hub_name(str(model)):
+        directory = hub_model(str(model), config_only)
+        return ckpt.read_hf_config(directory), directory, str(model)
     # a preset name is no path even where it looks like one: "2.8b" has the suffix ".8b"
     if str(model).lower() not in PRESETS and (path.suffix or "/" in str(model) or path.exists()):
         raise ConfigError(f"model {str(model)!r} is neither an HF model directory nor a preset name; "
-                          "pass a directory holding config.json and safetensors weights, or a preset like 'tiny'.")
+                          "pass a directory holding config.json and safetensors weights, a Hugging Face Hub name "
+                          "like 'Qwen/Qwen2.5-7B', or a preset like 'tiny'.")
     return ModelConfig.from_name(str(model)), None, str(model)
 
 

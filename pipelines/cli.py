@@ -31,7 +31,7 @@ GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory t
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
 
 
-PRESETS_HELP = f"preset name ({', '.join(PRESETS)}) or HF directory"
+PRESETS_HELP = f"preset name ({', '.join(PRESETS)}), HF directory or Hugging Face Hub name (org/name[@revision])"
 
 
 def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP) -> None:
@@ -88,8 +88,9 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
 
 
 def _add_lora_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora", help="train LoRA adapters on the frozen base: r=16,alpha=32,targets=q_proj,v_proj "
-                                  "[,dropout=0.05,rslora=true] (targets as PEFT names them, or all-linear)")
+    p.add_argument("--lora", nargs="?", const="defaults",
+                   help="train LoRA adapters on the frozen base: --lora alone (r=16, alpha=2r, all-linear targets) or "
+                        "r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05,rslora=true] (targets as PEFT names them)")
     p.add_argument("--lora-base-dtype", choices=("bf16", "fp32"), help="LoRA: the frozen base's precision on the "
                                                                        "host (default bf16: 2 B/param)")
 

@@ -34,6 +34,7 @@ import tomllib
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.data import BatchLoader, ByteTokenizer, DataError
 from megatrain.io.checkpoint import weight_files
+from megatrain.io.hub import TOKENIZER_FILES, hub_model, is_hub_name
 from pipelines.train import TrainConfig, run
 
 log = logging.getLogger("megatrain")
@@ -56,9 +57,6 @@ WARMUP_FRACTION = 0.03  # of the steps (HF's warmup_ratio in SFT recipes), at le
 EVALS_PER_RUN = 10  # eval_every defaults to steps / 10
 MAX_SEQ_LEN = 1024  # the default seq_len, capped at the model's max_position_embeddings
 
-# Files besides config.json and the weights that make a model directory usable for inference.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def finetune(model_dir: str | Path | None, data_path: str | Path | None, out_dir: str | Path | None,
@@ -91,7 +89,7 @@ def finetune_config(model_dir: str | Path | None, data_path: str | Path | None, 
     _check_data(cfg.data.source, "data.source" in given)
     cfg.data.vocab_size = model_config.vocab_size  # the loader checks tokenizer and ids against it
     if "data.tokenizer" not in given:
-        cfg.data.tokenizer = _default_tokenizer(Path(cfg.model), model_config)
+        cfg.data.tokenizer = _default_tokenizer(model_directory(cfg.model), model_config)
     if "data.seq_len" not in given:
         cfg.data.seq_len = min(MAX_SEQ_LEN, model_config.max_position_embeddings)
     if (cfg.lora is not None or cfg.adapter is not None) and "lr" not in given:
@@ -119,7 +117,7 @@ def inference_files(cfg: TrainConfig) -> list[Path]:
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 files.setdefault(name, folder / name)
-    generation = Path(cfg.model) / "generation_config.json"
+    generation = model_directory(cfg.model) / "generation_config.json"
     if generation.is_file():  # replaces the minimal one save_pretrained writes: sampling defaults, eos lists
         files["generation_config.json"] = generation
     return list(files.values())
@@ -140,14 +138,20 @@ def _toml_keys(config: str | Path | None) -> set[str]:
     return set(values) | ({f"data.{k}" for k in data} if isinstance(data, dict) else set())
 
 
+def model_directory(model: str) -> Path:
+    """The model's directory: `model` itself, or a Hugging Face Hub name's snapshot in the hub's cache (fetched
+    where it is not there yet)."""
+    return hub_model(model) if is_hub_name(model) else Path(model)
+
+
 def _check_model(model: str, given: bool) -> ModelConfig:
     if not given:
-        raise ConfigError("finetune needs a model: pass --model with an HF model directory (or set model in "
-                          "the config file).")
-    path = Path(model)
+        raise ConfigError("finetune needs a model: pass --model with an HF model directory or a Hugging Face Hub "
+                          "name (or set model in the config file).")
+    path = model_directory(model)
     if not path.is_dir():
         raise ConfigError(f"model directory {path} does not exist; pass --model an HF model directory holding "
-                          "config.json and safetensors weights.")
+                          "config.json and safetensors weights, or a Hugging Face Hub name like Qwen/Qwen2.5-0.5B.")
     model_config = ModelConfig.from_hf(path)
     weight_files(path, "model")  # a directory without weights fails here rather than inside the store actor
     return model_config

@@ -58,9 +58,11 @@ def lora_settings(lora: LoraConfig | str | dict[str, Any] | None, adapter: str |
         raise ConfigError("kept activations would take the frozen base's gradients too; set keep_activations = none "
                           "for a LoRA run.")
     lora, params = layout.lora, layout.adapter_numel()  # targets as the model's projections (all-linear resolved)
-    log.info("LoRA: rank %d, alpha %g%s on %s: %s adapter parameters (%.2f MiB, %.2f MiB with their gradients and "
+    defaults = (f" ({', '.join(lora.defaulted)} not given: TRL's recipe r=16, alpha=2r, targets all-linear)"
+                if lora.defaulted else "")
+    log.info("LoRA: rank %d, alpha %g%s on %s%s: %s adapter parameters (%.2f MiB, %.2f MiB with their gradients and "
              "Adam state), the %s base frozen in %s", lora.r, lora.alpha, ", rsLoRA" if lora.use_rslora else "",
-             ",".join(lora.target_modules), f"{params:,}", params * 4 / 2**20, params * 16 / 2**20,
+             ",".join(lora.target_modules), defaults, f"{params:,}", params * 4 / 2**20, params * 16 / 2**20,
              config.model_type, engine.lora_base_dtype)
     return lora
 

@@ -42,7 +42,9 @@ from megatrain.config import (
 )
 from megatrain.data import DataConfig, find_data_files
 from megatrain.io.checkpoint import CheckpointError
+from megatrain.io.hub import tokenizer_files
 from megatrain.memory.kept_activations import check_keep_activations
+from megatrain.store import resolve_model
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
 from pipelines.lora import as_lora_config
@@ -57,7 +59,7 @@ log = logging.getLogger("megatrain")
 class TrainConfig:
     """One run. Defaults: the tiny preset on synthetic data, about a minute on a laptop CPU."""
 
-    model: str = "tiny"  # preset name or HF model directory
+    model: str = "tiny"  # preset name, HF model directory or Hugging Face Hub name (org/name[@revision])
     steps: int = 300
     out_dir: str = "runs/tiny"
     # optimizer
@@ -273,6 +275,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
         log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
                     "is 0); lower warmup_steps", cfg.warmup_steps, cfg.steps, cfg.lr)
     engine = Engine(cfg.model, **engine_kwargs(cfg))
+    if extra_files is None:  # an HF model's tokenizer files travel with the trained weights into final/
+        extra_files = tokenizer_files(resolve_model(cfg.model, verify=False)[1])
     loader = None
     try:
         with sigterm_stops_the_run():

@@ -202,6 +202,7 @@ def test_config_from_the_command_line_and_toml() -> None:
         16, 32.0, ("q_proj", "v_proj"), 0.05, True)
     assert lora.scaling == 32 / 4  # rsLoRA: alpha / sqrt(r)
     assert LoraConfig.parse(lora.to_cli()) == lora
+    assert LoraConfig.parse("r=16,alpha=32") == LoraConfig(16, 32.0, ("all-linear",))  # targets not given: DEFAULTS
     toml = LoraConfig.from_dict({"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"]})
     assert toml.scaling == 2.0 and not toml.use_rslora and toml.dropout == 0.0
     config = ModelConfig.from_hf(micro_llama_config().to_dict())
@@ -212,7 +213,7 @@ def test_config_from_the_command_line_and_toml() -> None:
 def test_bad_settings_are_refused_in_one_sentence(tmp_path) -> None:
     config = ModelConfig.from_hf(micro_llama_config().to_dict())
     for text in ("r=0,alpha=32,targets=q_proj", "r=16,alpha=0,targets=q_proj", "r=16,alpha=32,targets=q_proj,dropout=1",
-                 "r=16,alpha=32,targets=q_proj,bogus=1", "r=16,alpha=32", "r=sixteen,alpha=32,targets=q_proj",
+                 "r=16,alpha=32,targets=q_proj,bogus=1", "r=sixteen,alpha=32,targets=q_proj",
                  "r=16,alpha=32,targets=q_proj,rslora=maybe", "r=2.5,alpha=32,targets=q_proj"):
         assert_one_sentence(error(LoraConfig.parse, text))
     assert_one_sentence(error(LoraConfig.from_dict, {"r": 16, "alpha": 32, "targets": ["q_proj"], "rank": 4}))

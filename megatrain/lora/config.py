@@ -9,7 +9,7 @@ or PEFT's `all-linear` for every projection of the layers (never lm_head, as PEF
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatrain.config import ConfigError, ModelConfig
@@ -19,6 +19,10 @@ from megatrain.lora.targets import resolve_targets
 KEYS = {"r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout", "lora_dropout": "dropout",
         "targets": "targets", "target_modules": "targets", "rslora": "rslora", "use_rslora": "rslora"}
 TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+# What a setting not given is (`--lora` alone): TRL's and PEFT's LoRA recipes (r=16, alpha=2r, every linear
+# projection of the layers), not PEFT LoraConfig's bare r=8, alpha=8 on its per-model default targets (q_proj, v_proj
+# for Llama), which adapts a fraction of what fine-tuning changes; dropout 0 as PEFT's default.
+DEFAULTS = {"r": 16, "targets": "all-linear"}  # alpha: twice r
 # the precisions a LoRA run keeps its frozen base in on the host (lora_base_dtype), and their arena dtypes
 BASE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -30,6 +34,7 @@ class LoraConfig:
     target_modules: tuple[str, ...]  # projection names as PEFT spells them, e.g. ("q_proj", "v_proj")
     dropout: float = 0.0  # on the adapter's input only, as PEFT's lora_dropout
     use_rslora: bool = False  # rank-stabilised scaling (Kalajdzievski 2023): alpha / sqrt(r)
+    defaulted: tuple[str, ...] = field(default=(), compare=False)  # the settings not given, taken from DEFAULTS
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -52,8 +57,11 @@ class LoraConfig:
     @classmethod
     def parse(cls, text: str) -> LoraConfig:
         """The command line's form: comma-separated key=value pairs; the names after targets= run on, comma-separated,
-        to the next key=value (`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05`)."""
+        to the next key=value (`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05`); "defaults" (what `--lora` alone
+        gives) takes every setting from DEFAULTS."""
         values: dict[str, Any] = {}
+        if text.strip() in ("", "defaults"):  # `--lora` alone: every setting from DEFAULTS
+            return cls.from_dict(values)
         key = None
         for part in (p.strip() for p in text.split(",")):
             if "=" in part:
@@ -69,7 +77,8 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LoraConfig:
         """A TOML table (or parse's pairs): keys r, alpha, targets, dropout, rslora, or PEFT's spelling of them
-        (lora_alpha, target_modules, lora_dropout, use_rslora); numbers and flags may be strings."""
+        (lora_alpha, target_modules, lora_dropout, use_rslora); numbers and flags may be strings. What is not given
+        is DEFAULTS' (r 16, alpha twice r, all-linear targets, dropout 0): an empty table is a whole config."""
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             field = KEYS.get(key)
@@ -78,14 +87,14 @@ class LoraConfig:
             if field in kwargs:
                 raise ConfigError(f"LoRA setting {field!r} is given twice (as {key!r} too); give it once.")
             kwargs[field] = value
-        missing = [k for k in ("r", "alpha", "targets") if k not in kwargs]
-        if missing:
-            raise ConfigError(f"LoRA settings lack {', '.join(missing)}; e.g. r=16,alpha=32,targets=q_proj,v_proj.")
-        targets = kwargs["targets"]
-        return cls(r=_number(kwargs["r"], "r", int), alpha=_number(kwargs["alpha"], "alpha", float),
+        defaulted = tuple(k for k in ("r", "alpha", "targets") if k not in kwargs)
+        r = _number(kwargs.get("r", DEFAULTS["r"]), "r", int)
+        alpha = kwargs.get("alpha", 2 * r if isinstance(r, int) else r)  # a bad r is LoraConfig's to refuse
+        targets = kwargs.get("targets", DEFAULTS["targets"])
+        return cls(r=r, alpha=_number(alpha, "alpha", float),
                    target_modules=tuple(targets.split(",")) if isinstance(targets, str) else tuple(targets),
                    dropout=_number(kwargs.get("dropout", 0.0), "dropout", float),
-                   use_rslora=_flag(kwargs.get("rslora", False)))
+                   use_rslora=_flag(kwargs.get("rslora", False)), defaulted=defaulted)
 
     def to_cli(self) -> str:
         """The command line's form, which parse reads back as this config."""

@@ -3,7 +3,24 @@ that size, as ModelConfig keyword arguments."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+# The peak learning rate a run gets where none is given, by the model's parameter count: what published recipes
+# train that size at (GPT-3's table 2.1 and Pythia: 6e-4 at 125-160M; Pythia and LLaMA: 3e-4 from 410M to 13B;
+# LLaMA-33B/65B and Llama-2-70B: 1.5e-4). The tiny test sizes keep 3e-3, which they were tuned with. 3e-3 at 7B
+# diverged on the H100 (loss 11.2 -> 31.2 with one warm-up step).
+LR_BY_SIZE = ((50e6, 3e-3), (400e6, 6e-4), (20e9, 3e-4), (math.inf, 1.5e-4))  # (below this many parameters, lr)
+WARMUP_STEPS, WARMUP_FRACTION = 20, 0.03  # warm-up: 3% of the steps, at least 20, at most half of them
+
+
+def default_lr(num_params: int) -> float:
+    return next(lr for below, lr in LR_BY_SIZE if num_params < below)
+
+
+def default_warmup(steps: int) -> int:
+    """Warm-up steps for a run of `steps`: 3% of them, at least 20, and never over half (a short run still trains)."""
+    return min(max(WARMUP_STEPS, math.ceil(WARMUP_FRACTION * steps)), steps // 2)
 
 # Named shapes. tiny is for tests and the laptop default; the rest follow public models of that size.
 PRESETS: dict[str, dict[str, Any]] = {

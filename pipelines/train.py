@@ -32,6 +32,7 @@ from megatrain.config import (
     RESIDENT_WEIGHTS,
     ConfigError,
     MegatrainError,
+    ModelConfig,
     Terminated,
     check_auto_or_positive,
     check_choice,
@@ -44,6 +45,7 @@ from megatrain.data import DataConfig, find_data_files
 from megatrain.io.checkpoint import CheckpointError
 from megatrain.io.hub import tokenizer_files
 from megatrain.memory.kept_activations import check_keep_activations
+from megatrain.presets import default_lr, default_warmup
 from megatrain.store import resolve_model
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
@@ -63,12 +65,12 @@ class TrainConfig:
     steps: int = 300
     out_dir: str = "runs/tiny"
     # optimizer
-    lr: float = 3e-3
+    lr: float | None = None  # None: by the model's size (megatrain/presets.py LR_BY_SIZE: 3e-4 at 7B)
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0
-    warmup_steps: int = 20
+    warmup_steps: int | None = None  # None: 3% of the steps, at least 20, at most half (presets.default_warmup)
     decay: bool = True  # cosine decay to min_lr_ratio over `steps` (False: constant after warmup)
     min_lr_ratio: float = 0.1
     # engine
@@ -155,6 +157,9 @@ class TrainConfig:
                 value = getattr(self, name)
                 if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                     raise ConfigError(f"train config: {name} must be {what}, got {value!r}.")
+        if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or
+                                              isinstance(self.warmup_steps, bool)):
+            raise ConfigError(f"train config: warmup_steps must be an integer, got {self.warmup_steps!r}.")
         if self.address is not None and not isinstance(self.address, str):
             raise ConfigError(f"train config: address must be a string, got {self.address!r}.")
         for name in ("steps", "log_every", "keep_checkpoints"):
@@ -189,11 +194,25 @@ class TrainConfig:
         return asdict(self)
 
 
-TRAIN_INTS = ("steps", "warmup_steps", "loss_chunk_tokens", "seed", "nodes",
+TRAIN_INTS = ("steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "merge")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate", "lora_base_dtype",
                  "resident_weights")
+
+
+def with_size_defaults(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
+    """cfg, its learning rate and warm-up where it left them unset (None) chosen for the model's size and the run's
+    length, said in a log line."""
+    chosen = {k: v for k, v in (("lr", default_lr(config.num_params())), ("warmup_steps", default_warmup(cfg.steps)))
+              if getattr(cfg, k) is None}
+    if chosen:
+        log.info("%s by default for a %.3g G-parameter model over %d steps (megatrain/presets.py: published recipes' "
+                 "rate for the size, warm-up 3%% of the steps, at least 20, at most half)",
+                 ", ".join(f"{k} {v:g}" for k, v in chosen.items()), config.num_params() / 1e9, cfg.steps)
+    for name, value in chosen.items():
+        setattr(cfg, name, value)
+    return cfg
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -271,6 +290,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
     find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
+    cfg = with_size_defaults(cfg, resolve_model(cfg.model, verify=False)[0])
     if cfg.warmup_steps >= cfg.steps:
         log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
                     "is 0); lower warmup_steps", cfg.warmup_steps, cfg.steps, cfg.lr)

@@ -46,7 +46,7 @@ from megatrain.config import (
 )
 from megatrain.data import DataConfig
 from megatrain.store import ParameterStore, resolve_model
-from pipelines.train import TrainConfig, engine_kwargs
+from pipelines.train import TrainConfig, engine_kwargs, with_size_defaults
 
 T = TypeVar("T")
 SCALE = float(os.environ.get("MEGATRAIN_FUZZ_SCALE", "1"))
@@ -406,7 +406,7 @@ def corrupt(text: bytes, edits: list[tuple[float, int]]) -> bytes:
     return bytes(data)
 
 
-TRAIN_INTS = ("steps", "warmup_steps", "optimizer_workers", "loss_chunk_tokens", "seed", "checkpoint_every",
+TRAIN_INTS = ("steps", "optimizer_workers", "loss_chunk_tokens", "seed", "checkpoint_every",
               "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 
 
@@ -420,8 +420,9 @@ def check_train_config(cfg: TrainConfig) -> None:
     assert cfg.compile in COMPILE  # true / false read as "on" / "off"
     for name in ("model", "out_dir", "precision", "device", "grads"):
         assert type(getattr(cfg, name)) is str, name
+    assert cfg.warmup_steps is None or type(cfg.warmup_steps) is int  # None: chosen by the run's length
     assert isinstance(cfg.data, DataConfig)
-    kw = engine_kwargs(cfg)
+    kw = engine_kwargs(with_size_defaults(cfg, ModelConfig.from_name("tiny")))  # what run() hands the engine
     attempt(lambda: OptimConfig(lr=kw["lr"], weight_decay=kw["weight_decay"], betas=kw["betas"],
                                 eps=kw["eps"],
                                 max_grad_norm=kw["max_grad_norm"], warmup_steps=kw["warmup_steps"],

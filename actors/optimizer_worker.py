@@ -22,7 +22,7 @@ from actors.arena_handle import HandleArg, open_arena
 from actors.metrics import EngineMetrics
 from actors.termination import exit_on_sigterm
 from megatrain.config import OptimConfig
-from megatrain.engine.optimizer import AdamWShard
+from megatrain.engine.optimizer import AdamWShard, shard_stager
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
 from megatrain.telemetry import Span, optimizer_lane
@@ -42,7 +42,8 @@ class OptimizerWorker:
         versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
         self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
                                 GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),
-                                NodeShard.build(self.layout, node, nodes))
+                                NodeShard.build(self.layout, node, nodes),
+                                stager=shard_stager(self.layout, self.arena, worker, num_workers))
         self.lane = optimizer_lane(worker, node)
         self.resident = self.arena.tensors.get(RESIDENT_SEGMENT)  # written by the executor once it holds them
         self.worker, self.metrics = worker, metrics
@@ -95,6 +96,11 @@ class OptimizerWorker:
         """Leaves `unit` as it is for update `step` (non-finite gradient) without stalling the executor."""
         self.shard.publish(unit, step + 1)
         return []
+
+    def flush(self) -> None:
+        """The NVMe tier's writes behind on disk (before a checkpoint or anything else reads the state files)."""
+        if self.shard.stager is not None:
+            self.shard.stager.flush()
 
     def numel(self) -> int:
         return self.shard.numel

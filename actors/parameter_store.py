@@ -13,6 +13,7 @@ from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, ModelConfig
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.arena import ArenaHandle
+from megatrain.memory.nvme import TierSpec
 from megatrain.store import ParameterStore
 
 
@@ -24,7 +25,7 @@ class ParameterStoreActor:
                  run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False,
                  tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1,
                  lora: LoraConfig | None = None, lora_base_dtype: str = "bf16", adapter: str | None = None,
-                 node: int = 0, nodes: int = 1):
+                 tier: TierSpec | None = None, node: int = 0, nodes: int = 1):
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
         self.init_error: MegatrainError | None = None
@@ -36,7 +37,7 @@ class ParameterStoreActor:
                                         run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
                                         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
                                         micro_batches=micro_batches, node=node, nodes=nodes, lora=lora,
-                                        lora_base_dtype=lora_base_dtype, adapter=adapter,
+                                        lora_base_dtype=lora_base_dtype, adapter=adapter, tier=tier,
                                         verify=False)  # the driver's resolve_model made its checks
         except MegatrainError as e:
             self.init_error = e

@@ -336,6 +336,17 @@ RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer 
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
+def check_nvme_states(states: str | tuple[str, ...] | list[str]) -> None:
+    """nvme_states: "auto", "all", or a list of master, moments, grads (a comma-separated string from a command line
+    becomes the list)."""
+    names = ("master", "moments", "grads")
+    if states in ("auto", "all"):
+        return
+    items = tuple(states.split(",")) if isinstance(states, str) else tuple(states)
+    if not items or any(i not in names for i in items):
+        raise ConfigError(f"nvme_states must be 'auto', 'all' or a list of {', '.join(names)}, got {states!r}.")
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs: where compute happens, how many optimizer workers, how long sequences are chunked."""
@@ -371,8 +382,15 @@ class EngineConfig:
     # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
     lora: Any = None
     lora_base_dtype: str = "bf16"
+    # the NVMe tier (megatrain/memory/nvme.py): a directory on a local disk, and which states live there ("auto",
+    # "all" or a list of master, moments, grads); None: every state in host memory
+    nvme: str | None = None
+    nvme_states: str | tuple[str, ...] = "auto"
 
     def __post_init__(self) -> None:
+        check_nvme_states(self.nvme_states)
+        if isinstance(self.nvme_states, str) and self.nvme_states not in ("auto", "all"):
+            self.nvme_states = tuple(self.nvme_states.split(","))
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)
         check_choice("precision", self.precision, PRECISIONS)
         check_auto_or_positive("optimizer_workers", self.optimizer_workers)

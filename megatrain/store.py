@@ -16,6 +16,7 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ from megatrain.lora.config import BASE_DTYPES, LoraConfig
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.nvme import TierSpec
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
+from megatrain.memory.staging import StoreTier
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
 from megatrain.self_check import verify as self_check
@@ -104,7 +107,7 @@ class ParameterStore:
                  grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
                  checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1,
                  verify: bool = True, lora: LoraConfig | None = None, lora_base_dtype: str = "bf16",
-                 adapter: str | Path | None = None):
+                 adapter: str | Path | None = None, tier: TierSpec | None = None):
         """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
         (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
         (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
@@ -114,7 +117,8 @@ class ParameterStore:
         whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal).
         verify: resolve_model's checks first (weight files readable, the self-check); False where a driver made them.
         lora: train these adapters (PEFT's init, or those of the PEFT directory `adapter`) beside the frozen base,
-        which is kept in `lora_base_dtype` ("bf16" or "fp32") with no gradient or moments (megatrain/lora/)."""
+        which is kept in `lora_base_dtype` ("bf16" or "fp32") with no gradient or moments (megatrain/lora/).
+        tier: the states kept on NVMe (megatrain/memory/nvme.py), their arena segments left sparse and staged there."""
         self.config, self.source_dir, self.name = resolve_model(model, verify)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
@@ -138,12 +142,17 @@ class ParameterStore:
         if self.layout.frozen is not None:
             extra.append((FROZEN_SEGMENT, BASE_DTYPES[lora_base_dtype], self.layout.frozen.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
-                                  grads_numel=self.grad_layout.numel, moments_numel=self.node.numel)
+                                  grads_numel=self.grad_layout.numel, moments_numel=self.node.numel,
+                                  sparse=tier.kinds if tier is not None else ())
+        self.tier: StoreTier | None = None
         self.versions = self.arena.versions.view(units, columns)
         self.seed, self.adapter = seed, adapter
         self.node_group: NodeGroup | None = None
         self.kept: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as the checkpoint stores them
         try:
+            if tier is not None:
+                self.tier = StoreTier(tier, self.arena, {u.index: (u.offset, u.offset + u.numel)
+                                                         for u in self.layout.units})
             self._init_params()
         except BaseException:
             # the half-built store is unreachable but the traceback keeps it (and its arena) alive: unlink now
@@ -175,7 +184,10 @@ class ParameterStore:
         """Back to the state before the first step: initial weights, zero moments, version 0."""
         self._init_params(base=False)
         for name in ("grads", "exp_avg", "exp_avg_sq"):
-            self.arena.tensors[name].zero_()
+            if self.tier is None or name not in self.tier.kinds:
+                self.arena.tensors[name].zero_()
+        if self.tier is not None:
+            self.tier.zero()
         self.set_version(0)
 
     @property
@@ -240,6 +252,10 @@ class ParameterStore:
             else:
                 ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept))
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        with self.tier.states_in_arena() if self.tier is not None else nullcontext():
+            self._write_moments(directory)
+
+    def _write_moments(self, directory: Path) -> None:
         if self.node.nodes == 1:
             moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
                        + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
@@ -286,6 +302,9 @@ class ParameterStore:
         return state
 
     def close(self) -> None:
+        if getattr(self, "tier", None) is not None:
+            self.tier.close()
+            self.tier = None
         if getattr(self, "node_group", None) is not None:
             self.node_group.close()
             self.node_group = None

@@ -95,7 +95,7 @@ class Engine:
                  schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto",
                  resident: int | str = "auto", lora: Any = None, lora_base_dtype: str = "bf16",
                  adapter: str | Path | None = None, keep_activations: int | str = "auto",
-                 resident_weights: str = "auto"):
+                 resident_weights: str = "auto", nvme: str | None = None, nvme_states: Any = "auto"):
         """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
         starts a private one; "local" always starts a private one; "auto" or host:port must answer.
         max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
@@ -136,7 +136,8 @@ class Engine:
                                           checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
                                           schedule=schedule, executors=executors, nodes=nodes,
                                           speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
-                                          keep_activations=keep_activations, resident_weights=resident_weights)
+                                          keep_activations=keep_activations, resident_weights=resident_weights,
+                                          nvme=nvme and str(nvme), nvme_states=nvme_states)  # the NVMe tier
         self.config, hf_dir, self.model_name = resolve_model(model)
         lora = lora_settings(lora, adapter, self.config, self.engine_config)  # one sentence on a bad setting, now
         self.engine_config, self.adapter = replace(self.engine_config, lora=lora), adapter and absolute(adapter)
@@ -146,8 +147,7 @@ class Engine:
         self.max_nonfinite_steps, self.trace = max_nonfinite_steps, trace
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
-        self.nonfinite_in_row = 0
-        self.skipped_steps = 0
+        self.nonfinite_in_row = self.skipped_steps = 0
         self.rollbacks = 0  # steps whose updates beside the backward were taken back
         self.speculating = True  # speculate "auto": whether the next step does (not after one that clipped)
         self.attempts = 0  # train_step calls: each try of a step has its own record at the workers
@@ -437,7 +437,7 @@ class Engine:
         while True:
             try:
                 ray.get(self.pending)
-                self.pending = []
+                self.pending = self.actors.flush_tier()  # and the NVMe tier's writes behind on disk: []
                 return
             except ray.exceptions.RayError as e:
                 if not is_actor_death(e):

@@ -26,6 +26,7 @@ from megatrain.io.checkpoint import check_save_target
 from megatrain.lora.config import LoraConfig
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
+from megatrain.memory.nvme import TierSpec, resolve_tier
 from megatrain.memory.versions import VersionTable
 from pipelines.cluster import NodePlacement, executor_device
 
@@ -77,11 +78,15 @@ class RunActors:
         self.engine_config: EngineConfig | None = None
         self.on_gpu = False
         self.store_args: tuple[Any, ...] = ()
+        self.tier: TierSpec | None = None  # the states on NVMe (megatrain/memory/nvme.py)
 
     def start(self, engine_config: EngineConfig, on_gpu: bool, store_args: tuple[Any, ...]) -> None:
         """Every node's actors, in the placements reserved. engine_config: as the memory plan resolved it; store_args:
         what the parameter stores are made from (again, by a recovery that replaces every actor)."""
         self.engine_config, self.on_gpu, self.store_args = engine_config, on_gpu, store_args
+        assert isinstance(engine_config.resident, int)
+        self.tier = resolve_tier(engine_config.nvme, engine_config.nvme_states, engine_config.resident,
+                                 len(self.placements), engine_config.lora is not None)
         self._start()
 
     def replace_all(self) -> None:
@@ -93,7 +98,7 @@ class RunActors:
         nodes = len(self.placements)
         self.stores = [ParameterStoreActor.options(name=self._name("parameter-store" if nodes == 1 else
                                                                    f"parameter-store/{m}"), **p.pinned()
-                                                   ).remote(*self.store_args, node=m, nodes=nodes)
+                                                   ).remote(*self.store_args, tier=self.tier, node=m, nodes=nodes)
                        for m, p in enumerate(self.placements)]
         # The workers and executors start while the stores build their arenas (their processes' imports are a second
         # or more each): each gets its node's handle as a reference inside a list, which Ray hands over as it is
@@ -108,6 +113,12 @@ class RunActors:
         self.arena = Arena.open(self.handles[0])  # the driver reads the version table and, on request, weights
         self.versions = VersionTable(self.arena.versions.view(-1, self.placements[0].workers + (nodes > 1)))
         get([w.numel.remote() for w in self.workers])  # all up before the first step
+
+    def flush_tier(self) -> list[ray.ObjectRef]:
+        """Waits for the workers' writes behind to the NVMe tier (before anything reads the state files); []."""
+        if self.tier is not None:
+            get([w.flush.remote() for w in self.workers])
+        return []
 
     def new_worker(self, index: int) -> Any:
         """Optimizer worker `index` of the run: worker index % n of node index // n."""

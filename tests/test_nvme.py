@@ -126,3 +126,63 @@ def test_stale_state_directories_are_removed(tmp_path: Path) -> None:
 def test_measure_rates_small_file(tmp_path: Path) -> None:
     write, read = nvme.measure_rates(tmp_path, 8 << 20, threads=2)
     assert write > 0 and read > 0 and list_state_dirs(tmp_path) == []
+
+
+# ---- the Engine with its moments on NVMe: bit for bit the host-memory run ----
+
+ENGINE = dict(lr=1e-2, weight_decay=0.1, warmup_steps=1, total_steps=6, optimizer_workers=2, precision="fp32",
+              device="cpu", seed=0, batch_size=8, seq_len=24, metrics=False)
+CLIPS = 1.0  # every step's gradient norm here is 1.3 to 1.5: each clips (and a speculated one rolls back)
+
+
+def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint: the weights and the Adam moments, as the run wrote them."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update({f"{f.stem}/{k}": v for k, v in load_file(f).items()})
+    return state
+
+
+def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, **settings: object
+          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Steps on `batches` (after loading `resume_from`), then the checkpoint's tensors."""
+    import megatrain
+
+    out = tmp / f"ckpt-{uuid.uuid4().hex[:6]}"
+    with megatrain.Engine(directory, **{**ENGINE, **settings}) as engine:
+        if resume_from is not None:
+            engine.load_checkpoint(resume_from)
+        losses = [engine.step(ids, labels) for ids, labels in batches]
+        if settings.get("nvme"):  # the moments of the streamed units are on disk, none in /dev/shm
+            engine.wait_for_updates()
+            resident = sum(u.numel * 4 for u in engine.actors.layout.units[:engine.plan.resident_units])
+            assert allocated(engine.handle.path("exp_avg")) <= resident
+        engine.save_checkpoint(out)
+    return losses, checkpoint_state(out)
+
+
+def assert_same(got: tuple[list[float], dict[str, torch.Tensor]], want: tuple[list[float], dict[str, torch.Tensor]]
+                ) -> None:
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for k, v in want[1].items():
+        assert torch.equal(got[1][k], v), k
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_grad_norm=CLIPS, speculate="on", micro_batches=2, batch_size=4, resident=1, device="cpu-async:3"),
+    pytest.param(dict(max_grad_norm=1e3, speculate="on"), marks=pytest.mark.slow),
+], ids=["clips-rollback-micro-batches-resident-simulated-streams", "no-clip-beside-the-backward"])
+def test_moments_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, settings: dict) -> None:
+    from helpers import rows
+
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    want = train(directory, tmp_path, batches, **settings)
+    got = train(directory, tmp_path, batches, nvme=nvme_dir, nvme_states="moments", **settings)
+    assert_same(got, want)
+    assert list_state_dirs(nvme_dir) == []  # removed with the run

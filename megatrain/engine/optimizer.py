@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.config import OptimConfig
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import SHADOW_SEGMENT, Arena
+from megatrain.memory.staging import UnitStager, open_stager
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 # Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
@@ -61,6 +62,17 @@ class Speculation:
 
     attempt: int  # this try of the step (a recovery tries a step again): the workers' record of what they updated
     max_grad_norm: float | None  # once the units landed so far clip, the rest wait for the step's coefficient
+
+
+def shard_stager(layout: ModelLayout, arena: Arena, worker: int, num_workers: int) -> UnitStager | None:
+    """The worker's stager of the run's NVMe-resident states (None without a tier): its shard of every unit."""
+    if arena.handle.tier is None:
+        return None
+    bounds = {}
+    for unit in layout.units:
+        lo, hi = shard_bounds(unit, worker, num_workers)
+        bounds[unit.index] = (unit.offset + lo, unit.offset + hi)
+    return open_stager(arena.handle.tier, arena, bounds)
 
 
 def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:
@@ -91,10 +103,11 @@ class AdamWShard:
 
     def __init__(self, layout: ModelLayout, tensors: dict[str, torch.Tensor], optim: OptimConfig, worker: int,
                  num_workers: int, versions: torch.Tensor | None = None, grad_layout: GradLayout | None = None,
-                 issued: torch.Tensor | None = None, node: NodeShard | None = None, piece_numel: int = PIECE_NUMEL):
+                 issued: torch.Tensor | None = None, node: NodeShard | None = None, piece_numel: int = PIECE_NUMEL,
+                 stager: UnitStager | None = None):
         """`node`: the part of each unit this node updates, whose moments are packed in `exp_avg`/`exp_avg_sq`
         (several nodes); by default the whole model, moments at the weights' offsets. piece_numel: a multiple of
-        ALIGN."""
+        ALIGN. stager: the states this shard keeps on NVMe, brought into their arena ranges around each pass."""
         assert piece_numel % ALIGN == 0, "pieces must be cut where the fused kernel's result does not change"
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
         self.node = node or NodeShard.build(layout)
@@ -103,6 +116,7 @@ class AdamWShard:
         # where each unit's gradient is read from (its slot of a ring, when gradients stream)
         self.grad_layout = grad_layout or GradLayout.full(layout)
         self.piece_numel = piece_numel
+        self.stager = stager
         self.device = tensors["params"].device
         # per unit: (decay group's pieces, no-decay group's pieces)
         self.groups: list[tuple[list[_Piece], list[_Piece]]] = [self._pieces(u, tensors) for u in layout.units]
@@ -152,6 +166,8 @@ class AdamWShard:
         # filled there: torch.tensor(value, device=...) copies from pageable memory and waits for the stream, so each
         # resident unit's update would wait for the one before it and the executor could queue nothing meanwhile
         steps = torch.full((), float(step + 1), device=self.device)
+        if self.stager is not None:
+            self.stager.take(unit_index)
         for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
             for piece in pieces:
                 if undo:
@@ -165,6 +181,8 @@ class AdamWShard:
                                         maximize=False)
                 if piece.shadow:
                     torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
+        if self.stager is not None:
+            self.stager.give(unit_index)  # behind: the version is published before the states are back on disk
         self.publish(unit_index, step + 1 if update else step)
         return time.perf_counter() - t0
 

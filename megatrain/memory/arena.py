@@ -19,6 +19,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ class ArenaHandle:
     owner_start: int
     directory: str
     segments: tuple[tuple[str, str, int], ...]  # (name, dtype name, numel)
+    tier: Any = None  # the run's NVMe state files (megatrain/memory/nvme.py TierHandle), None without a tier
 
     def path(self, segment: str) -> Path:
         return Path(self.directory) / f"{PREFIX}-{self.run_id}-{self.owner_pid}-{self.owner_start}-{segment}"
@@ -90,10 +92,11 @@ class Arena:
     @classmethod
     def create(cls, numel: int, run_id: str | None = None, directory: Path | str | None = None,
                extra_segments: tuple[tuple[str, str, int], ...] = (), grads_numel: int | None = None,
-               moments_numel: int | None = None) -> Arena:
+               moments_numel: int | None = None, sparse: tuple[str, ...] = ()) -> Arena:
         """Creates and zero-fills the segments (params of `numel` elements, grads of `grads_numel` and each Adam
         moment of `moments_numel`, both by default `numel`); the calling process becomes the owner that unlinks
-        them."""
+        them. Segments named in `sparse` take no pages until touched: the NVMe tier stages their states there unit
+        by unit (megatrain/memory/staging.py)."""
         sizes = {"grads": grads_numel, "exp_avg": moments_numel, "exp_avg_sq": moments_numel}
         directory = Path(directory or SHM_DIR)
         remove_stale_segments(directory)
@@ -116,7 +119,9 @@ class Arena:
                 try:
                     # Reserve the pages now: tmpfs answers a full /dev/shm here with ENOSPC instead of
                     # a SIGBUS at some later first touch.
-                    if nbytes:
+                    if nbytes and name in sparse:
+                        os.ftruncate(fd, nbytes)
+                    elif nbytes:
                         os.posix_fallocate(fd, 0, nbytes)
                 finally:
                     os.close(fd)

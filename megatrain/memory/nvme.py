@@ -139,6 +139,7 @@ class TierHandle:
     owner_start: int
     root: str
     files: tuple[tuple[str, int], ...]  # (kind, bytes)
+    from_unit: int = 0  # the units before it keep their states in the arena (resident on the executor's device)
 
     @property
     def directory(self) -> Path:
@@ -169,8 +170,8 @@ class StateFiles:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme")
 
     @classmethod
-    def create(cls, root: str | Path, sizes: dict[str, int], run_id: str | None = None, threads: int = 4
-               ) -> StateFiles:
+    def create(cls, root: str | Path, sizes: dict[str, int], run_id: str | None = None, threads: int = 4,
+               from_unit: int = 0) -> StateFiles:
         """Checks `root`, removes stale runs' files there and creates one zero-filled file per kind of `sizes` (bytes,
         rounded up to 4 KiB): the calling process becomes the owner that removes them."""
         root = Path(root)
@@ -179,7 +180,7 @@ class StateFiles:
         check_directory(root, sum(sizes.values()))
         pid = os.getpid()
         handle = TierHandle(run_id or uuid.uuid4().hex[:12], pid, process_start_time(pid) or 0, str(root),
-                            tuple(sizes.items()))
+                            tuple(sizes.items()), from_unit)
         handle.directory.mkdir(mode=0o700)
         try:
             for kind, nbytes in handle.files:
@@ -244,6 +245,12 @@ class StateFiles:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+    def zero(self) -> None:
+        """Every file back to zeros (the moments before the first step), without writing them."""
+        for kind, nbytes in self.handle.files:
+            if nbytes:
+                punch_out(self.handle.path(kind), 0, nbytes)
 
     def unlink(self) -> None:
         shutil.rmtree(self.handle.directory, ignore_errors=True)
@@ -376,3 +383,38 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
 def wait_all(futures: Iterable[Future]) -> None:
     for f in futures:
         f.result()
+
+
+# ---- what a run puts on NVMe ----
+# nvme_states names (EngineConfig) -> the arena segments they are; the plan places those in SUPPORTED today
+STATE_NAMES = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
+SUPPORTED = ("moments",)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A run's NVMe tier as resolved: the directory, the arena segments whose states live there, and the first unit
+    they do for (the units before it are resident on the executor's device, their states loaded from the arena)."""
+
+    root: str
+    kinds: tuple[str, ...]
+    from_unit: int = 0
+    threads: int = 4
+
+
+def resolve_tier(nvme: str | None, states: str | tuple[str, ...], resident_units: int = 0, nodes: int = 1,
+                 lora: bool = False) -> TierSpec | None:
+    """The run's tier from its settings, or one sentence on what this build cannot place on NVMe."""
+    if not nvme:
+        return None
+    names = SUPPORTED if states == "auto" else tuple(STATE_NAMES) if states == "all" else tuple(states)
+    refused = [n for n in names if n not in SUPPORTED]
+    if refused:
+        raise MegatrainError(f"nvme_states {', '.join(refused)} cannot be placed on NVMe yet (only "
+                             f"{', '.join(SUPPORTED)}): the GPU streams the fp32 masters and the held gradients from "
+                             "the arena; use nvme_states = \"moments\" (or \"auto\").")
+    if nodes > 1 or lora:
+        raise MegatrainError("the NVMe tier holds a whole model's Adam moments on one node; run on one node without "
+                             "LoRA (whose moments are small) or drop --nvme.")
+    check_directory(nvme)
+    return TierSpec(str(Path(nvme).resolve()), tuple(k for n in names for k in STATE_NAMES[n]), resident_units)

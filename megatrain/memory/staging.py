@@ -11,13 +11,16 @@ its write.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from megatrain.memory.nvme import StateFiles, all_of, punch_out
+from megatrain.memory.arena import Arena
+from megatrain.memory.nvme import StateFiles, TierHandle, TierSpec, all_of, punch_out
 
 AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM while it waits
 
@@ -142,3 +145,51 @@ class UnitStager:
         finally:
             self.files.close()
 
+
+
+def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int]]) -> UnitStager:
+    """A process's stager over `bounds` (unit -> [start, end) elements of its share) of the run's state files."""
+    paths = {kind: arena.handle.path(kind) for kind in tier.kinds()}
+    extents = unit_extents({u: b for u, b in bounds.items() if u >= tier.from_unit}, tier.kinds())
+    return UnitStager(StateFiles.open(tier), arena.tensors, paths, extents)
+
+
+class StoreTier:
+    """The parameter store's side of the tier: owns the state files, and moves whole units for checkpoints."""
+
+    def __init__(self, spec: TierSpec, arena: Arena, bounds: dict[int, tuple[int, int]]):
+        sizes = {k: arena.tensors[k].numel() * arena.tensors[k].element_size() for k in spec.kinds}
+        self.files = StateFiles.create(spec.root, sizes, run_id=arena.handle.run_id, threads=spec.threads,
+                                       from_unit=spec.from_unit)
+        arena.handle = replace(arena.handle, tier=self.files.handle)  # what workers open the files by
+        paths = {kind: arena.handle.path(kind) for kind in spec.kinds}
+        extents = unit_extents({u: b for u, b in bounds.items() if u >= spec.from_unit}, spec.kinds)
+        self.stager = UnitStager(self.files, arena.tensors, paths, extents)
+        self.arena, self.kinds = arena, spec.kinds
+
+    @contextmanager
+    def states_in_arena(self) -> Iterator[None]:
+        """The states in their arena ranges while the block reads them (a checkpoint), out again after."""
+        self.stager.bring_in()
+        try:
+            yield
+        finally:
+            self.stager.send_out(changed=False)
+
+    def written(self) -> None:
+        """The arena's ranges of the states were written (a checkpoint loaded): to disk and out of RAM."""
+        self.stager.send_out(changed=True)
+
+    def zero(self) -> None:
+        """The states back to zeros in the arena and on disk, touching no page."""
+        self.stager.flush()
+        for kind in self.kinds:
+            t = self.arena.tensors[kind]
+            punch_out(self.arena.handle.path(kind), 0, t.numel() * t.element_size())
+        self.files.zero()
+
+    def close(self) -> None:
+        try:
+            self.stager.close()
+        finally:
+            self.files.unlink()

@@ -24,6 +24,7 @@ from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimCon
 from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
+from megatrain.engine.generation import Generator, Sampling
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.weight_waits import VersionWaits
@@ -111,6 +112,7 @@ class GPUExecutor:
         # updates handed out as gradients land in the backward are final only when nothing must be known first (the
         # step's norm, other executors' slices of each unit); otherwise they are speculative where the driver asks
         self.final_updates = not clipping and not self.hold_grads and world == 1
+        self.generator: Generator | None = None  # made at the first generate
 
     def device(self) -> str:
         return str(self.executor.device)
@@ -222,6 +224,19 @@ class GPUExecutor:
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's
         return {"loss": out.loss, "tokens": out.tokens}
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, expected_version: int,
+                 pending: list[ray.ObjectRef]) -> dict[str, Any]:
+        """New tokens for each prompt (megatrain/engine/generation.py) with the weights of update `expected_version`."""
+        if self.generator is None:
+            self.generator = Generator(self.executor)
+        rec = self.executor.rec
+        rec.begin_step(rec.step, self.executor.device)
+        try:
+            out = self.generator.generate(prompts, sampling, self._waits(expected_version, pending))
+        finally:
+            rec.end_step(keep=False)  # its spans are not the next training step's
+        return {"token_ids": out.token_ids, "finished": out.finished}
 
     @ray.method(concurrency_group="grads_out")
     def send_grads(self, step: int, clip_coef: float, attempt: int | None = None, put_back: bool = False

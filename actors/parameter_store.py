@@ -53,6 +53,10 @@ class ParameterStoreActor:
     def config(self) -> ModelConfig:
         return self.store.config
 
+    def model_dir(self) -> str | None:
+        """The HF directory the model was read from (its tokenizer, its generation config), if any."""
+        return None if self.store.source_dir is None else str(self.store.source_dir)
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -1,4 +1,4 @@
-"""`megatrain train | finetune | plan | calibrate | cleanup | report | doctor | dashboard`.
+"""`megatrain train | finetune | plan | calibrate | generate | cleanup | report | doctor | dashboard`.
 
 Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
 Ctrl-C stops the run, removes its shared memory and exits 130.
@@ -25,6 +25,7 @@ from megatrain.config import (
     Terminated,
     cause_chain,
 )
+from pipelines.generate_command import add_generate_parser
 from pipelines.plan_prediction import add_prediction_flags, calibration_json
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
@@ -448,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of compiling beyond --max-seconds; default on)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=cmd_calibrate)
+
+    add_generate_parser(sub)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
     p.add_argument("--all", action="store_true", help="also remove segments of live runs")

@@ -20,9 +20,8 @@ One step, as the driver sees it:
      clipping off with one executor: each unit's update is final as its gradients land
   3. units resident on the executor's device (EngineConfig.resident) are updated there once the norm is known; their
      state is written back into the arena before something reads it there, and loaded again from a checkpoint
-Ray carries only control messages and token batches; weights and gradients stay in the arena.
-Where gradients wait (EngineConfig.grads) is settled before the arena is allocated: "auto" keeps the host
-at 12 B/param whenever it can (megatrain/memory/plan.py: plan_run).
+Ray carries only control messages and token batches; weights and gradients stay in the arena. Where gradients wait
+(EngineConfig.grads) is settled before the arena is allocated ("auto": the host at 12 B/param wherever it can).
 
 The actors themselves (made, replaced, stopped): pipelines/run_actors.py. When one dies, pipelines/recovery.py
 replaces it and, where an update may be half applied, restores the last checkpoint and replays the steps since.
@@ -54,6 +53,7 @@ from megatrain.perf.predict import auto_optimizer_workers
 from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
+from pipelines.generate import Generating
 from pipelines.lora import lora_settings, record_lora_arena
 from pipelines.recovery import Recovery, is_actor_death, is_fault
 from pipelines.run_actors import RunActors, absolute, get, save_target
@@ -82,7 +82,7 @@ class StepResult:
     update: str = "speculated"
 
 
-class Engine:
+class Engine(Generating):
     def __init__(self, model: str | Path | ModelConfig, *, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                  warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0,

@@ -9,6 +9,11 @@ nothing else of the model's math.
     head: arch.final_norm(x, norm weights), lm_head, cross-entropy (logits soft-capped at arch.logit_softcap); an
           architecture with a `logits(hidden, head weights)` method makes its logits itself (the generic path)
 
+Generation (megatrain/engine/generation.py) runs the layers on new tokens beside the keys and values of the earlier
+ones, which it keeps: an architecture that can has `cached_batch(positions, key_positions, device, dtype)` (what every
+layer's cached step gets, given the new tokens' positions and every key's) and `cached_layer(i)`, a function
+fn(x, weights, past_kv, *cached.layer_args(i)) -> (x, new_kv) (templates.DecoderLayer.cached).
+
 Layers of one structure share one function object (`layer(i) is layer(j)`), so a compiled layer compiles once
 per structure. A layer function may be rerun, with grad, on the same arguments for the backward: whatever it
 records in the forward (`batch`) it must replay then.
@@ -76,6 +81,16 @@ class RopeBatch:
         return None
 
 
+class CachedBatch:
+    """What every layer's cached step gets: the rotary tables at the new tokens' positions, and the keys each sees."""
+
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], sees: torch.Tensor):
+        self.rope, self.sees = rope, sees
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        return (self.rope, self.sees)
+
+
 class LlamaArchitecture:
     """The Llama family's (and Qwen3's) decoder: one DecoderLayer for every layer, RoPE, RMSNorm, plain head."""
 
@@ -99,6 +114,16 @@ class LlamaArchitecture:
 
     def tile(self, tile_tokens: int) -> None:
         self.template.tile_tokens = tile_tokens
+
+    def cached_batch(self, positions: torch.Tensor, key_positions: torch.Tensor, device: torch.device,
+                     dtype: torch.dtype) -> CachedBatch:
+        """positions [b, n] of the new tokens, key_positions [b, m] of every key so far (theirs last); -1: padding."""
+        positions, key_positions = positions.to(device), key_positions.to(device)
+        rope = ops.rope_cos_sin(self.config, positions.shape[1], device, dtype, positions.clamp_min(0))
+        return CachedBatch(rope, ops.cached_sees(positions, key_positions, self.config.sliding_window))
+
+    def cached_layer(self, index: int) -> Callable[..., Any]:
+        return self.template.cached
 
     def layer(self, index: int) -> LayerFn:
         return self.template

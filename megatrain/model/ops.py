@@ -116,6 +116,31 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     return _fused_sdpa(q, k, v)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q [b, heads, n, d] over keys and values [b, kv_heads, m, d] (grouped-query when kv_heads <
+    heads) where sees [b, 1, n, m] is True: a cached generation step's, whose new tokens attend to earlier ones."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
+
+
+def cached_sees(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None
+                ) -> torch.Tensor:
+    """[b, 1, n, m] bool: which of m keys each of n new tokens attends to, given each row's positions of the new tokens
+    [b, n] and of all keys so far [b, m], the new ones last (-1: padding, never attended to): the keys at its position
+    or before (within `window` positions where set, as a sliding window counts them). A padding token attends to its
+    own key alone, so that no row of its attention is empty (its output is never read)."""
+    q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]
+    sees = (k >= 0) & (k <= q)
+    if window is not None:
+        sees &= q - k < window
+    n, m = query_positions.shape[1], key_positions.shape[1]
+    own = torch.zeros(n, m, dtype=torch.bool, device=sees.device)
+    own[:, m - n:] = torch.eye(n, dtype=torch.bool, device=sees.device)
+    return sees | (own & (q < 0))
+
+
 # query rows per block of windowed or soft-capped attention: its scores are at most [b, heads, this, this + window]
 ATTENTION_BLOCK = 1024
 

@@ -32,6 +32,7 @@ Bind = Callable[[Weights], Weights]  # the weights -> what the layer math reads,
 Grads = torch.Tensor | tuple[torch.Tensor, ...]  # the gradient of a function's output (of each, for a tuple of them)
 
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [batch, kv_heads, tokens, head_dim] each
 Documents = torch.Tensor | None  # where each row's packed documents begin, [batch, seq] bool (ops.document_starts)
 MLP_WEIGHTS = ("post_attention_layernorm.", "mlp.")  # the second half of a layer, tiled over all tokens at once
 O_WEIGHTS = "self_attn.o_proj."  # the output projection, tiled along the sequence
@@ -179,6 +180,18 @@ class DecoderLayer:
         qk_norm = (lambda heads, g: ops.rms_norm(heads, g, eps)) if self.qk_norm else None
         return project_qkv(h, w, self.config, rope, qk_norm)
 
+    def cached(self, x: torch.Tensor, w: Weights, past: KV | None, rope: tuple[torch.Tensor, torch.Tensor],
+               sees: torch.Tensor) -> tuple[torch.Tensor, KV]:
+        """One step of cached generation: the layer on new tokens x [b, n, hidden] (rope at their positions), their
+        queries attending to the earlier tokens' keys and values `past` ([b, kv_heads, p, d] each; None: none) and
+        their own; sees [b, 1, n, p + n] bool: which keys each new token attends to (causality, padding, a window).
+        Returns (the layer's output, the new tokens' (k, v)); what keeps them is the caller's."""
+        b, n, _ = x.shape
+        q, k, v = self._qkv(x, w, rope)
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+        attn = ops.masked_attention(q, keys, values, sees).transpose(1, 2).reshape(b, n, self.config.q_size)
+        return self.mlp(x + self._output_projection(attn, w), w), (k, v)
+
     @staticmethod
     def _output_projection(attn: torch.Tensor, w: Weights) -> torch.Tensor:
         return F.linear(attn, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
@@ -321,6 +334,20 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         for name, g in zip(norm_leaves if weight_grads else (), gn, strict=True):
             grad_norm[name] += g
     return loss / n_valid, grad_x.view_as(x), (grad_norm, grad_head)
+
+
+def next_token_logits(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
+                      norm_weights: Weights, lm_head: torch.Tensor, softcap: float | None = None,
+                      logits: LogitsFn | None = None) -> torch.Tensor:
+    """fp32 logits [n, vocab] of the last layer's output at n positions [n, hidden], as head_loss_and_grads makes
+    them: the final norm, then the lm_head (capped where softcap is set), or the model's own `logits` (the generic
+    path's) given lm_head's weight and the head's other weights."""
+    hidden = final_norm(x, {n: w for n, w in norm_weights.items() if n.startswith("norm.")})
+    if logits is not None:
+        others = {n: w for n, w in norm_weights.items() if not n.startswith("norm.")}
+        return logits(hidden, {"lm_head.weight": lm_head, **others}).float()
+    z = F.linear(hidden, lm_head).float()
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
 
 
 LogitsFn = Callable[[torch.Tensor, Weights], torch.Tensor]  # (normed hidden [n, h], head weights) -> logits [n, vocab]

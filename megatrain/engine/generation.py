@@ -1,0 +1,215 @@
+"""Generation by the streamed model: a batch of prompts, new tokens one at a time, a KV cache beside the pipeline.
+
+    prefill   the prompts left-padded into one [batch, longest] batch: each layer's weights stream in once for all of
+              it (the same two buffers and copies as a step's forward), the layer runs its cached step
+              (Architecture.cached_layer) and its keys and values go into the cache
+    decode    per new token: the token's embedding, then every layer again, its weights streamed (or bound where they
+              are resident), attending to the cache and appending its own keys and values; the head's logits of the
+              last position pick the next token of each row (greedy, or sampled with temperature and top-p from a
+              seeded generator); a row that picks the end-of-sequence token is done, and the batch stops once every
+              row is, or after max_new_tokens
+
+Padding: a row's tokens take positions 0, 1, ... from its first real token (transformers' generate with left padding
+and an attention mask does the same), and no token attends to a padding key (ops.cached_sees). The layers' math
+knows nothing of the cache: it takes the earlier keys and values and gives back the new ones (templates.py); the
+cache itself is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatrain.config import ConfigError, MegatrainError
+from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
+from megatrain.model.templates import KV, next_token_logits
+
+if TYPE_CHECKING:
+    from megatrain.engine.executor import Executor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How new tokens are picked. temperature 0: greedy (the most likely token, as transformers' greedy search);
+    else sampled from softmax(logits / temperature) within the smallest set of tokens whose probability reaches top_p
+    (transformers' TopPLogitsWarper), from a generator seeded with `seed`: the same seed repeats the same tokens."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # a row that picks one is done (none: rows run to max_new_tokens)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be a positive number of tokens, got {self.max_new_tokens!r}.")
+        if not self.temperature >= 0.0:
+            raise ConfigError(f"temperature must be 0 (greedy) or positive, got {self.temperature!r}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+
+
+@dataclass
+class Generated:
+    """Per prompt, its new tokens (the end-of-sequence token included where one ended the row) and whether one did."""
+
+    token_ids: list[list[int]]
+    finished: list[bool]
+
+
+class KVCache:
+    """Per layer, the keys and values of every token so far on the device, [batch, kv_heads, capacity, head_dim] each
+    (made at the layer's first tokens), and every key's position in its row (-1: padding)."""
+
+    def __init__(self, layers: int, batch: int, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.keys: list[KV | None] = [None] * layers
+        self.key_positions = torch.full((batch, 0), -1, dtype=torch.long)
+
+    def add_positions(self, positions: torch.Tensor) -> None:
+        """The positions [batch, n] of the tokens about to run (their keys come last)."""
+        if self.length + positions.shape[1] > self.capacity:
+            raise MegatrainError(f"the KV cache holds {self.capacity} tokens; {self.length + positions.shape[1]} "
+                                 "were asked for.")
+        self.key_positions = torch.cat((self.key_positions, positions), 1)
+
+    def past(self, layer: int) -> KV | None:
+        kv = self.keys[layer]
+        return None if kv is None or not self.length else (kv[0][:, :, : self.length], kv[1][:, :, : self.length])
+
+    def append(self, layer: int, new: KV) -> None:
+        """Layer `layer`'s keys and values of the tokens running now (kept at length.. until `advance`)."""
+        if self.keys[layer] is None:
+            b, heads, _, d = new[0].shape
+            self.keys[layer] = tuple(t.new_empty(b, heads, self.capacity, d) for t in new)  # type: ignore[assignment]
+        end = self.length + new[0].shape[2]
+        for cached, t in zip(self.keys[layer], new, strict=True):  # type: ignore[arg-type]
+            cached[:, :, self.length : end] = t
+
+    def advance(self) -> None:
+        """Every layer has appended the tokens that ran: they are the past of the next ones."""
+        self.length = self.key_positions.shape[1]
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [batch, longest] with each prompt at the right, its positions from 0 and -1 on the padding)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    positions = torch.full((len(prompts), longest), -1, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        positions[row, longest - len(prompt):] = torch.arange(len(prompt))
+    return ids, positions
+
+
+def pick_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row [batch] (host) from fp32 logits [batch, vocab]: their argmax where greedy, else a
+    draw from the softmax of sampling_scores, as transformers samples."""
+    if sampling.temperature == 0.0:
+        return logits.argmax(-1).cpu()
+    scores = sampling_scores(logits.float().cpu(), sampling)
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+def sampling_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits / temperature, -inf outside the smallest set of tokens whose probability reaches top_p (the most likely
+    token always kept): transformers' TemperatureLogitsWarper, then its TopPLogitsWarper."""
+    scores = logits / sampling.temperature
+    if sampling.top_p < 1.0:
+        ordered, order = scores.sort(-1)  # ascending, as TopPLogitsWarper: drop the tail up to 1 - top_p
+        tail = ordered.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+        tail[:, -1] = False
+        scores = scores.masked_fill(tail.scatter(1, order, tail), float("-inf"))
+    return scores
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not prompts or any(not isinstance(p, (list, tuple)) or not p for p in prompts):
+        raise MegatrainError("generate needs at least one prompt, each a non-empty list of token ids.")
+    for p in prompts:
+        bad = next((t for t in p if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise MegatrainError(f"token id {bad!r} of a prompt is outside the model's vocabulary [0, {vocab_size}); "
+                                 "check the tokenizer matches the model.")
+
+
+class Generator:
+    """Generation on an Executor's pipeline: its weight buffers, embedding rows, resident units and head."""
+
+    def __init__(self, executor: Executor):
+        self.ex = executor
+        arch = executor.arch
+        if executor.lora is not None:
+            raise MegatrainError("generation in a LoRA run is not implemented yet; save the adapter (or the merged "
+                                 "model) and generate from that.")
+        if not hasattr(arch, "cached_layer"):
+            raise MegatrainError(f"generation is not implemented for {executor.config.model_type}'s layers in "
+                                 "megatrain; generate with transformers instead.")
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, waits: WeightWaits = NO_WAITS) -> Generated:
+        """New tokens for each prompt (token ids), the weights read once `waits` says they are current."""
+        ex = self.ex
+        check_prompts(prompts, ex.config.vocab_size)
+        if len(ex.resident):
+            waits = ResidentCurrent(waits, ex.resident)
+        pad = ex.config.pad_token_id if ex.config.pad_token_id is not None else 0
+        ids, positions = left_padded(prompts, pad)
+        cache = KVCache(len(ex.layout.layers), len(prompts), ids.shape[1] + sampling.max_new_tokens)
+        generator = torch.Generator().manual_seed(sampling.seed)
+        ex.slots.invalidate()  # the optimizer may have rewritten the arena since the buffers were filled
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        with torch.no_grad():
+            logits = self._run(ids, positions, cache, waits)
+            for number in range(sampling.max_new_tokens):
+                tokens = pick_next(logits, sampling, generator)
+                for row, token in enumerate(tokens.tolist()):
+                    if not done[row]:
+                        out[row].append(token)
+                        done[row] = token in sampling.eos_token_ids
+                if all(done) or number == sampling.max_new_tokens - 1:
+                    break
+                positions = positions[:, -1:] + 1  # every row's last token is a real one from the first new token on
+                logits = self._run(tokens[:, None], positions, cache, waits)
+        return Generated(out, done)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, waits: WeightWaits) -> torch.Tensor:
+        """Every layer on new tokens ids [b, n] at `positions`, their keys and values into the cache; the fp32 logits
+        [b, vocab] of each row's last token."""
+        ex, layers = self.ex, self.ex.layout.layers
+        cache.add_positions(positions)
+        batch = ex.arch.cached_batch(positions, cache.key_positions, ex.device, ex.dtype)  # type: ignore[attr-defined]
+        self._fetch(0, waits, keep=layers[-1])  # into the buffer the last layer of the token before does not hold
+        waits.wait(ex.layout.embed)
+        rows, _, row_of_token = ex.embedding.gather(ids)
+        x = ex.embedding.embedded(rows, row_of_token)
+        for i, unit in enumerate(layers):
+            slot, w = ex.slots.acquire(unit)
+            x, new = ex.arch.cached_layer(i)(x, w, cache.past(i), *batch.layer_args(i))  # type: ignore[attr-defined]
+            ex.slots.release(slot)
+            cache.append(i, new)
+            if i + 1 < len(layers):
+                self._fetch(i + 1, waits, keep=unit)
+        cache.advance()
+        return self._logits(x[:, -1], waits)
+
+    def _fetch(self, i: int, waits: WeightWaits, keep: object) -> None:
+        ex = self.ex
+        waits.wait(ex.layout.layers[i])
+        ex.slots.fetch(ex.layout.layers[i], keep=keep)  # type: ignore[arg-type]
+
+    def _logits(self, x: torch.Tensor, waits: WeightWaits) -> torch.Tensor:
+        """The head on the last layer's output at one position per row [b, hidden]: fp32 logits [b, vocab]."""
+        ex = self.ex
+        head_unit, embed_unit = ex.layout.head, ex.layout.embed
+        waits.wait(head_unit)
+        head_w = head_unit.bind(ex.slots.take_whole(head_unit))
+        lm_head = head_w.get("lm_head.weight")
+        if lm_head is None:  # tied: the embedding table is the output projection
+            waits.wait(embed_unit)
+            lm_head = embed_unit.bind(ex.slots.take_whole(embed_unit))["embed_tokens.weight"]
+        others = {name: t for name, t in head_w.items() if name != "lm_head.weight"}
+        return next_token_logits(x, ex.arch.final_norm, others, lm_head, ex.arch.logit_softcap,
+                                 getattr(ex.arch, "logits", None))

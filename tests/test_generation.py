@@ -1,0 +1,169 @@
+"""Generation by the streamed model with a KV cache (megatrain/engine/generation.py): greedy tokens equal to
+transformers' `generate` on a left-padded batch, for Llama, Qwen2 and Qwen3, on the CPU path and under simulated
+streams, with and without resident units; a row stops at its end-of-sequence token; sampling repeats with its seed and
+filters as transformers' warpers do; Engine.generate and `megatrain generate` with text prompts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAMILIES, assert_one_sentence, build_hf_model
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+import megatrain
+from megatrain import MegatrainError
+from megatrain.config import ConfigError
+from megatrain.engine.executor import Executor
+from megatrain.engine.generation import Generator, Sampling, sampling_scores
+from megatrain.store import ParameterStore
+from pipelines.cli import main
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 100, 101, 17, 18, 19]]  # left-padded to 7 tokens
+NEW = 10
+
+
+def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int | None = None) -> list[list[int]]:
+    """transformers' greedy generate on the prompts left-padded (with its attention mask): each row's new tokens, up
+    to and including its end-of-sequence token."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    rows = [r[longest:].tolist() for r in out]
+    return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen2-tied", "qwen3-head-dim"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[torch.nn.Module, ParameterStore]]:
+    hf = build_hf_model(FAMILIES[request.param]())
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    store = ParameterStore(directory, check_memory=False)
+    yield hf, store
+    store.close()
+
+
+def generated(store: ParameterStore, sampling: Sampling, device: str = "cpu", resident: int = 0,
+              prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    executor = Executor(store.config, store.layout, store.arena.params, store.arena.grads, device, "fp32",
+                        resident_units=resident)
+    try:
+        if resident:
+            executor.resident.load(store.arena.tensors, 0)
+        return Generator(executor).generate(prompts, sampling).token_ids
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize(("device", "resident"), [("cpu", 0), ("cpu-async:2", 2), ("cpu", "all")])
+def test_greedy_generation_is_transformers_generate(family: tuple[torch.nn.Module, ParameterStore], device: str,
+                                                    resident: int | str) -> None:
+    """Every unit streamed, the embedding and layer 0 resident (simulated streams), and every unit resident."""
+    hf, store = family
+    count = len(store.layout.units) if resident == "all" else int(resident)
+    assert generated(store, Sampling(max_new_tokens=NEW), device, count) == hf_greedy(hf, PROMPTS, NEW)
+
+
+def test_a_row_stops_at_its_end_of_sequence_token(family: tuple[torch.nn.Module, ParameterStore]) -> None:
+    """A token some row picks first after a few others is made the end of sequence: that row stops there, the others
+    run on (or stop where they pick it too), as in transformers' generate."""
+    hf, store = family
+    free = hf_greedy(hf, PROMPTS, NEW)
+    row, at = next((r, j) for r, tokens in enumerate(free) for j in range(1, NEW) if tokens[j] not in tokens[:j])
+    eos = free[row][at]
+    want = hf_greedy(hf, PROMPTS, NEW, eos)
+    assert want[row][-1] == eos and len(want[row]) == at + 1
+    assert generated(store, Sampling(max_new_tokens=NEW, eos_token_ids=(eos,))) == want
+
+
+def test_sampling_repeats_with_its_seed(family: tuple[torch.nn.Module, ParameterStore]) -> None:
+    _, store = family
+    sampling = Sampling(max_new_tokens=NEW, temperature=1.5, top_p=0.9, seed=3)
+    first = generated(store, sampling)
+    assert generated(store, sampling, "cpu-async:1", 2) == first
+    other = generated(store, Sampling(max_new_tokens=NEW, temperature=1.5, top_p=0.9, seed=4))
+    assert other != first and all(len(row) == NEW for row in first + other)
+
+
+def test_sampling_filters_as_transformers_warpers() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_p in ((0.7, 0.9), (1.3, 0.5), (1.0, 0.01), (2.0, 1.0)):
+        want = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+        got = sampling_scores(logits, Sampling(temperature=temperature, top_p=top_p))
+        assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got[~got.isinf()], want[~want.isinf()])
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p")])
+def test_bad_sampling_settings_are_refused_in_one_sentence(settings: dict, words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Sampling(**settings)
+    assert words in str(e.value)
+    assert_one_sentence(str(e.value))
+
+
+def test_bad_prompts_are_refused_in_one_sentence(family: tuple[torch.nn.Module, ParameterStore]) -> None:
+    _, store = family
+    for prompts, words in (([], "at least one prompt"), ([[1, 2], []], "non-empty"), ([[1, 999]], "vocabulary")):
+        with pytest.raises(MegatrainError) as e:
+            generated(store, Sampling(), prompts=prompts)
+        assert words in str(e.value)
+        assert_one_sentence(str(e.value))
+
+
+# ---- Engine.generate and `megatrain generate` ----
+
+def save_word_tokenizer(directory: Path, vocab: int) -> None:
+    """A word-level tokenizer.json of `vocab` words w0, w1, ... (w2 the end of sequence)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2", "pad_token": "w0"}))
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    hf = build_hf_model(FAMILIES["qwen3-head-dim"]())
+    hf.generation_config.eos_token_id = None
+    directory = tmp_path_factory.mktemp("worded")
+    hf.save_pretrained(directory)
+    save_word_tokenizer(directory, hf.config.vocab_size)
+    return hf, directory
+
+
+def test_engine_generates_from_text_and_ids_as_transformers(ray_session: None, worded: tuple[torch.nn.Module, Path]
+                                                           ) -> None:
+    """Under simulated streams with two units resident: text prompts through the model's tokenizer, token ids as
+    given; the completions' tokens are transformers' greedy ones, their text the tokenizer's decoding; sampling with a
+    seed repeats across calls."""
+    hf, directory = worded
+    text = ["w5 w6 w7 w8 w9", "w11 w12"]
+    with megatrain.Engine(directory, optimizer_workers=1, device="cpu-async:1", precision="fp32", metrics=False,
+                          batch_size=3, seq_len=24, resident=2) as engine:
+        out = engine.generate([*text, PROMPTS[2]], max_new_tokens=NEW)
+        sampled = [engine.generate(text, max_new_tokens=6, temperature=1.0, seed=7).token_ids for _ in range(2)]
+    assert out.prompt_ids == PROMPTS
+    assert out.token_ids == hf_greedy(hf, PROMPTS, NEW)
+    assert out.texts == [" ".join(f"w{t}" for t in row) for row in out.token_ids]
+    assert sampled[0] == sampled[1]
+
+
+def test_the_generate_command_prints_a_json_line_per_prompt(ray_session: None, worded: tuple[torch.nn.Module, Path],
+                                                            tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    hf, directory = worded
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": PROMPTS[2]}) + "\n")
+    assert main(["generate", "--model", str(directory), "--prompt", "w5 w6 w7 w8 w9", "--prompts", str(prompts),
+                 "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    want = hf_greedy(hf, [PROMPTS[0], PROMPTS[2]], 4)
+    assert [r["token_ids"] for r in rows] == want
+    assert rows[0]["completion"] == " ".join(f"w{t}" for t in want[0]) and not rows[0]["finished"]

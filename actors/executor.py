@@ -188,7 +188,7 @@ class GPUExecutor:
         out = self.executor.run(input_ids, labels, position_ids, weight_waits=self._waits(expected_version, pending),
                                 grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
                                 hold_grads=self.hold_grads, micro_batches=self.micro_batches,
-                                schedule=self.schedule, loss_tokens=loss_tokens,
+                                schedule=self.schedule, loss_tokens=loss_tokens, token_loss=batch.get("token_loss"),
                                 also_send=speculation is not None)  # held gradients go out now as well
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm) unless units were updated beside
@@ -237,6 +237,21 @@ class GPUExecutor:
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's
         return {"token_ids": out.token_ids, "finished": out.finished}
+
+    def logprobs(self, batch: dict[str, Any], expected_version: int, pending: list[ray.ObjectRef],
+                 temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each label's log-prob (and entropy) with the weights of update `expected_version` (Executor.logprobs)."""
+        input_ids, labels, position_ids = _batch_tensors(batch)
+        rec = self.executor.rec
+        rec.begin_step(rec.step, self.executor.device)
+        if self.executor.lora is not None:  # no dropout
+            self.executor.lora.start_step(expected_version, training=False)
+        try:
+            return self.executor.logprobs(input_ids, labels, position_ids,
+                                          weight_waits=self._waits(expected_version, pending),
+                                          micro_batches=self.micro_batches, temperature=temperature, entropy=entropy)
+        finally:
+            rec.end_step(keep=False)  # its spans are not the next training step's
 
     @ray.method(concurrency_group="grads_out")
     def send_grads(self, step: int, clip_coef: float, attempt: int | None = None, put_back: bool = False

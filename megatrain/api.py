@@ -16,6 +16,7 @@ import torch
 from megatrain.config import MegatrainError
 from megatrain.engine.executor import Executor
 from megatrain.engine.streams import resolve_device
+from megatrain.engine.token_loss import TokenLoss
 from megatrain.io.hub import tokenizer_files
 from megatrain.model.layout import ModelLayout
 from megatrain.store import ParameterStore
@@ -39,18 +40,29 @@ class Model:
 
     def loss_and_grads(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None, micro_batches: int = 1,
-                       schedule: str = "layer-major") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       schedule: str = "layer-major", loss: TokenLoss | None = None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean next-token loss and its gradient for every parameter, by HF name.
 
         Labels follow transformers: same shape as input_ids, shifted inside, -100 ignored; None means
         input_ids. position_ids: packed documents, each from 0 (as transformers reads them in training: each
         attends within itself). micro_batches: the rows run as that many micro-batches, in `schedule` (the same
         loss and gradients, less memory per layer's working set). The gradients are views of the arena, valid until
-        the next call.
+        the next call. loss: a loss on the tokens' log-probs instead (megatrain/engine/token_loss.py).
         """
         self._check_open()
-        out = self.executor.run(input_ids, labels, position_ids, micro_batches=micro_batches, schedule=schedule)
+        out = self.executor.run(input_ids, labels, position_ids, micro_batches=micro_batches, schedule=schedule,
+                                token_loss=loss)
         return torch.tensor(out.loss), self.layout.hf_views(self.store.arena.grads)
+
+    def logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, micro_batches: int = 1, temperature: float = 1.0,
+                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p of each label, each position's entropy or None), [batch, seq] aligned with the labels
+        (megatrain/engine/token_loss.py), no gradient."""
+        self._check_open()
+        return self.executor.logprobs(input_ids, labels, position_ids, micro_batches=micro_batches,
+                                      temperature=temperature, entropy=entropy)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """HF name -> fp32 weight (views of the arena)."""

@@ -43,7 +43,6 @@ import torch
 
 from actors.executor import GPU_HOST_THREADS
 from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
-from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
@@ -54,6 +53,7 @@ from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
 from pipelines.generate import Generating
+from pipelines.logprobs import LogprobQueries, batch_of
 from pipelines.lora import lora_settings, record_lora_arena
 from pipelines.recovery import Recovery, is_actor_death, is_fault
 from pipelines.run_actors import RunActors, absolute, get, save_target
@@ -82,7 +82,7 @@ class StepResult:
     update: str = "speculated"
 
 
-class Engine(Generating):
+class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: pipelines/generate.py, logprobs.py
     def __init__(self, model: str | Path | ModelConfig, *, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                  warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0,
@@ -277,14 +277,12 @@ class Engine(Generating):
     replayed_steps = property(lambda self: self.recovery.replayed_steps)  # steps recomputed from a checkpoint
 
     # ---- step ----
-    def step(self, input_ids: Any, labels: Any = None, position_ids: Any = None) -> float:
+    def step(self, input_ids: Any, labels: Any = None, position_ids: Any = None, *, loss: Any = None,
+             temperature: float = 1.0, entropy: bool = False, **fields: Any) -> float:
         """One optimizer step on this batch (tensors or numpy [batch, seq]); returns the loss. position_ids: each
-        packed document's positions from 0 (a document attends within itself only), as transformers takes them."""
-        batch = {"input_ids": token_ids(input_ids)}
-        for key, value in (("labels", labels), ("position_ids", position_ids)):
-            if value is not None:
-                batch[key] = token_ids(value)
-        return self.step_batch(batch).loss
+        packed document's positions from 0 (a document attends within itself only), as transformers takes them.
+        loss: train on loss(logprobs, entropy, fields) -> scalar instead (megatrain/engine/token_loss.py)."""
+        return self.step_batch(batch_of(input_ids, labels, position_ids, loss, temperature, entropy, fields)).loss
 
     def step_batch(self, batch: Any) -> StepResult:
         """One step on a batch dict or an ObjectRef to one (e.g. straight from the data-loader actor)."""

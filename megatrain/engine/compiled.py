@@ -11,9 +11,10 @@ boundaries are a tensor (ops.document_starts), the loss's 1 / tokens a 0-d tenso
 
 Kept eager, and why: a layer function that says `compilable = False` (LoRA's: its weights are __torch_function__
 wrappers a full graph cannot trace; the generic path's first layer: it stops the model's forward with an exception);
-the generic path's head, which runs the model's own logits and torch.autograd.grad per chunk (_chunk_through), which
-no full graph holds. Attention itself is one SDPA call either way; over packed documents it is an opaque op
-(ops.packed_attention) that reads the boundaries when it runs.
+the generic path's head, which runs the model's own logits and torch.autograd.grad per chunk
+(templates.chunk_through), which no full graph holds; the head of a loss on log-probabilities
+(megatrain/model/logprob_head.py). Attention itself is one SDPA call either way; over packed documents it is an opaque
+op (ops.packed_attention) that reads the boundaries when it runs.
 """
 
 from __future__ import annotations

@@ -46,11 +46,13 @@ from megatrain.engine.lora_step import LoraStep
 from megatrain.engine.resident import ResidentUnits
 from megatrain.engine.step_state import PreparedStep, StepOutput
 from megatrain.engine.streams import make_streams
+from megatrain.engine.token_loss import TokenLoss, joined, train_head
 from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.engine.weight_slots import WeightSlots
 from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, ModelLayout, Unit
+from megatrain.model.logprob_head import LogprobHead
 from megatrain.model.templates import Weights, head_loss_and_grads
 from megatrain.telemetry import Recorder
 
@@ -134,7 +136,8 @@ class Executor:
             *, weight_waits: WeightWaits = NO_WAITS, grads_landed: LandedCallback = noop,
             loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = noop,
             hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major",
-            loss_tokens: int | None = None, also_send: bool = False) -> StepOutput:
+            loss_tokens: int | None = None, also_send: bool = False, token_loss: TokenLoss | None = None
+            ) -> StepOutput:
         """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
 
         weight_waits: when a unit's weights in the arena may be read (its update is done), asked blocking or not
@@ -154,6 +157,7 @@ class Executor:
         "arena" only): one micro-batch's checkpoints at a time, for when every micro-batch's do not fit.
         loss_tokens: the labelled tokens the loss is the mean over, where they are more than this batch's (its
         rows are an executor's share of a step's, data parallel); StepOutput.tokens stays this batch's.
+        token_loss: train on that loss on the tokens' log-probs instead (megatrain/engine/token_loss.py).
         """
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
@@ -178,8 +182,11 @@ class Executor:
             position_ids = check_positions(position_ids, input_ids)
         if len(self.resident):  # their weights are on the device, updated by this process: nothing to wait for
             weight_waits = ResidentCurrent(weight_waits, self.resident)
+        if token_loss is not None:
+            token_loss.check_schedule(self.dp is not None, schedule == "per-micro-batch" and k > 1)
 
         step = self._prepare(input_ids, host_targets, position_ids, k, loss_tokens, weight_waits)
+        step.token_loss = token_loss
         passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
         # loss_ready sees each pass's share of the loss (finite if and only if their sum is); once it says stop
         # (a non-finite loss, or an evaluation), the remaining passes run their forward only, for the loss
@@ -285,15 +292,16 @@ class Executor:
         """The head's forward and backward at once, micro-batch by micro-batch, each scaled by the whole step's
         tokens: xs[j] becomes the gradient with respect to its input. Returns the loss (plus `extra_loss`, a
         router's) and the gradients of the final norm's weights and of the lm_head (the table's, tied)."""
-        head_unit, embed_unit = self.layout.head, self.layout.embed
-        waits.wait(head_unit)
-        head_w = head_unit.bind(self.slots.take_whole(head_unit))  # copied in by now where _fetch_layer started it
-        lm_head = head_w.get("lm_head.weight")
-        if lm_head is None:  # tied: the embedding table is the output projection
-            waits.wait(embed_unit)
-            lm_head = embed_unit.bind(self.slots.take_whole(embed_unit))["embed_tokens.weight"]
+        head_unit = self.layout.head
+        norm_w, lm_head = self._head_weights(waits)
         with self.rec.span("compute", "head", head_unit.index, self.streams.compute):
-            norm_w = {name: t for name, t in head_w.items() if name != "lm_head.weight"}  # final norm, a head bias
+            weight_grads = bool(self.trainable.head.slots or self.trainable.embed.slots)  # LoRA: frozen
+            if step.token_loss is not None:  # a loss on log-probs, on every micro-batch's rows at once
+                rows, tl = [step.micro[m] for m in ms], step.token_loss
+                head = self._logprob_head(norm_w, lm_head, tl.temperature)
+                loss, sums = train_head(tl, head, xs, [step.targets[r] for r in rows],
+                                        [step.host_targets[r] for r in rows], weight_grads)
+                return (loss if extra_loss is None else loss + extra_loss), *sums
             sums = None
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for j, m in enumerate(ms):
@@ -302,12 +310,51 @@ class Executor:
                     self.loss_chunk_tokens, step.host_targets[step.micro[m]], self.arch.logit_softcap,
                     n_valid=step.n_tokens, cross_entropy=self.passes.compiled.cross_entropy,
                     grads_into=sums, logits=getattr(self.arch, "logits", None),
-                    weight_grads=bool(self.trainable.head.slots or self.trainable.embed.slots))  # LoRA: frozen
+                    weight_grads=weight_grads)
                 loss += micro_loss
             grad_norm_w, grad_lm = sums
             if extra_loss is not None:
                 loss = loss + extra_loss
         return loss, grad_norm_w, grad_lm  # the head's device weights (a tied table's device copy too) go here
+
+    def _head_weights(self, waits: WeightWaits) -> tuple[Weights, torch.Tensor]:
+        """The head's weights on the device once current: (the final norm's and a head bias, the lm_head's; the
+        embedding table's, tied)."""
+        head_unit, embed_unit = self.layout.head, self.layout.embed
+        waits.wait(head_unit)
+        head_w = head_unit.bind(self.slots.take_whole(head_unit))  # copied in by now where _fetch_layer started it
+        lm_head = head_w.get("lm_head.weight")
+        if lm_head is None:  # tied: the embedding table is the output projection
+            waits.wait(embed_unit)
+            lm_head = embed_unit.bind(self.slots.take_whole(embed_unit))["embed_tokens.weight"]
+        return {name: t for name, t in head_w.items() if name != "lm_head.weight"}, lm_head
+
+    def _logprob_head(self, norm_w: Weights, lm_head: torch.Tensor, temperature: float) -> LogprobHead:
+        return LogprobHead(self.passes.compiled.final_norm, norm_w, lm_head, self.loss_chunk_tokens,
+                           self.arch.logit_softcap, getattr(self.arch, "logits", None), temperature)
+
+    def logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, *, weight_waits: WeightWaits = NO_WAITS,
+                 micro_batches: int = 1, temperature: float = 1.0, entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p of each label [b, t], its position's entropy [b, t] or None) on the host, aligned with the labels
+        as token_loss.py says; a forward only (each micro-batch's in turn), nothing kept, no gradient."""
+        input_ids, labels = torch.as_tensor(input_ids).long(), None if labels is None else torch.as_tensor(labels)
+        self.check_batch(input_ids, labels)
+        k = check_micro_batches(micro_batches, input_ids.shape[0])
+        host_targets = ops.shift_labels(input_ids, None if labels is None else labels.long())
+        position_ids = None if position_ids is None else check_positions(position_ids, input_ids)
+        weight_waits = ResidentCurrent(weight_waits, self.resident) if len(self.resident) else weight_waits
+        step, outs = self._prepare(input_ids, host_targets, position_ids, k, 1, weight_waits), []
+        for m in range(k):  # one micro-batch's forward at a time: only its checkpoints are kept
+            self.passes.begin([step.batches[m]])
+            try:
+                x, head = self._forward(step, [m], weight_waits)[0], self._head_weights(weight_waits)
+                outs.append(self._logprob_head(*head, temperature).logprobs(x, step.targets[step.micro[m]],
+                                                                             step.host_targets[step.micro[m]], entropy))
+            finally:
+                self.passes.end()
+        return joined([lp for lp, _ in outs]), joined([e for _, e in outs]) if entropy else None
 
     def _backward(self, step: PreparedStep, ms: list[int], loss: torch.Tensor, grads: list[torch.Tensor],
                   grad_norm_w: Weights, grad_lm: torch.Tensor, sends: Sends, hold_grads: bool,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain.engine.grad_egress import GradsOut
+from megatrain.engine.token_loss import TokenLoss
 from megatrain.model.architecture import Batch
 
 
@@ -24,6 +25,7 @@ class PreparedStep:
     targets: torch.Tensor  # shifted labels (device)
     host_targets: torch.Tensor  # the same on the host
     n_tokens: int  # labelled tokens of the whole step: every micro-batch's loss is divided by it
+    token_loss: TokenLoss | None = None  # the loss on log-probs the step trains on instead (token_loss.py)
 
 
 @dataclass

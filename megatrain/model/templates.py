@@ -18,6 +18,7 @@ recompute. LoRA's adapters use both (megatrain/lora/adapters.py); the math here 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -315,24 +316,15 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
             continue  # nothing to learn here (prompt or padding): its gradient is zero
         xc = flat_x[chunk].detach().requires_grad_(True)
         if logits is not None:
-            chunk_loss, gx = _chunk_through(logits, final_norm, xc, norm_leaves, lm_head, flat_t[chunk],
-                                            1.0 / n_valid, grad_norm, grad_head)
-            loss += chunk_loss
-            grad_x[chunk] = gx
-            continue
-        with torch.enable_grad():
-            normed = final_norm(xc, norm_leaves)
-        hidden = normed.detach()
-        chunk_loss, grad_logits = cross_entropy(hidden, lm_head, flat_t[chunk], scale, softcap)
-        if grad_head is not None:
-            grad_head.addmm_(grad_logits.t(), hidden.float())
-        grad_hidden = grad_logits.to(lm_head.dtype) @ lm_head
-        del grad_logits
-        gx, *gn = torch.autograd.grad(normed, [xc, *(norm_leaves.values() if weight_grads else ())], grad_hidden)
+            chunk_loss, gx = chunk_through(logits, final_norm, xc, norm_leaves, lm_head, flat_t[chunk],
+                                           partial(_cross_entropy_objective, scale=1.0 / n_valid), grad_norm,
+                                           grad_head)
+        else:
+            chunk_loss, gx = chunk_backward(xc, final_norm, norm_leaves, lm_head, flat_t[chunk],
+                                            partial(cross_entropy, scale=scale, softcap=softcap), grad_norm,
+                                            grad_head)
         loss += chunk_loss
         grad_x[chunk] = gx
-        for name, g in zip(norm_leaves if weight_grads else (), gn, strict=True):
-            grad_norm[name] += g
     return loss / n_valid, grad_x.view_as(x), (grad_norm, grad_head)
 
 
@@ -350,29 +342,70 @@ def next_token_logits(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weigh
     return z if softcap is None else torch.tanh(z / softcap) * softcap
 
 
+# (hidden [n, h], lm_head, targets [n]) -> (the chunk's value, its gradient wrt the fp32 logits [n, vocab])
+LogitsGradFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (logits [n, vocab] under autograd, targets [n]) -> (the chunk's value to report, the scalar to differentiate)
+ObjectiveFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunk_backward(xc: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], leaves: Weights,
+                   lm_head: torch.Tensor, targets: torch.Tensor, logits_grad: LogitsGradFn, grad_weights: Weights,
+                   grad_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the native head, backward from the logits' gradient in closed form (`logits_grad`): (its value,
+    the gradient wrt the chunk xc); the lm_head's share added into grad_head ([vocab, h], no second one made) and the
+    final norm's into grad_weights (leaves that require no grad, and grad_head None: frozen, not asked)."""
+    weight_grads = grad_head is not None
+    with torch.enable_grad():
+        normed = final_norm(xc, leaves)
+    hidden = normed.detach()
+    value, grad_logits = logits_grad(hidden, lm_head, targets)
+    if grad_head is not None:
+        grad_head.addmm_(grad_logits.t(), hidden.float())
+    grad_hidden = grad_logits.to(lm_head.dtype) @ lm_head
+    del grad_logits
+    gx, *gn = torch.autograd.grad(normed, [xc, *(leaves.values() if weight_grads else ())], grad_hidden)
+    for name, g in zip(leaves if weight_grads else (), gn, strict=True):
+        grad_weights[name] += g
+    return value, gx
+
+
 LogitsFn = Callable[[torch.Tensor, Weights], torch.Tensor]  # (normed hidden [n, h], head weights) -> logits [n, vocab]
 # (hidden [n, h], lm_head, targets [n], scale, softcap) -> (summed loss, scale x its gradient wrt the fp32 logits)
 CrossEntropyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float | None],
                           tuple[torch.Tensor, torch.Tensor]]
 
 
-def _chunk_through(logits: LogitsFn, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], xc: torch.Tensor,
-                   leaves: Weights, lm_head: torch.Tensor, targets: torch.Tensor, scale: float, grad_weights: Weights,
-                   grad_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed cross-entropy through the model's own logits, and scale x its gradient: with respect to
-    the chunk (returned) and the head's weights (added into grad_weights and grad_head; None: frozen, not asked)."""
-    frozen = grad_head is None
-    head = lm_head.detach().requires_grad_(not frozen)
+def chunk_logits(logits: LogitsFn, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], xc: torch.Tensor,
+                 leaves: Weights, lm_head: torch.Tensor) -> torch.Tensor:
+    """One chunk's fp32 logits [n, vocab] through the model's own head (the generic path), under whatever grad mode
+    the caller runs: the final norm (the head's weights named "norm.*"), then `logits` with the others."""
     norm = {name: w for name, w in leaves.items() if name.startswith("norm.")}
     others = {name: w for name, w in leaves.items() if not name.startswith("norm.")}
+    z = logits(final_norm(xc, norm), {"lm_head.weight": lm_head, **others}).float()
+    return z.reshape(-1, z.shape[-1])
+
+
+def chunk_through(logits: LogitsFn, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor], xc: torch.Tensor,
+                  leaves: Weights, lm_head: torch.Tensor, targets: torch.Tensor, objective: ObjectiveFn,
+                  grad_weights: Weights, grad_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the model's own logits, under autograd: (the objective's value, the gradient of what it
+    differentiates wrt the chunk); the head's weights' gradients added into grad_weights and grad_head (None:
+    frozen, not asked)."""
+    frozen = grad_head is None
+    head = lm_head.detach().requires_grad_(not frozen)
     with torch.enable_grad():
-        z = logits(final_norm(xc, norm), {"lm_head.weight": head, **others}).float()
-        loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets, ignore_index=ops.IGNORE_INDEX, reduction="sum")
+        value, differentiated = objective(chunk_logits(logits, final_norm, xc, leaves, head), targets)
     if frozen:
-        return loss.detach(), torch.autograd.grad(loss * scale, [xc])[0]
-    gx, gh, *gw = torch.autograd.grad(loss * scale, [xc, head, *leaves.values()], allow_unused=True,
+        return value.detach(), torch.autograd.grad(differentiated, [xc])[0]
+    gx, gh, *gw = torch.autograd.grad(differentiated, [xc, head, *leaves.values()], allow_unused=True,
                                       materialize_grads=True)
     grad_head += gh.float()
     for name, g in zip(leaves, gw, strict=True):
         grad_weights[name] += g
-    return loss.detach(), gx
+    return value.detach(), gx
+
+
+def _cross_entropy_objective(z: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of a chunk's logits, and scale x it to differentiate."""
+    loss = F.cross_entropy(z, targets, ignore_index=ops.IGNORE_INDEX, reduction="sum")
+    return loss, loss * scale

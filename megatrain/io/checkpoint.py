@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megatrain.config import ConfigError, MegatrainError, ModelConfig
+from megatrain.io import mxfp4
 from megatrain.model.layout import ModelLayout, NodeShard
 
 SHARD_BYTES = 4 * 2**30
@@ -201,10 +202,10 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
                                   "not a floating-point type; the file is not a model checkpoint.")
         if shard is None:
             start = unit.offset + slot.offset
-            flat[start : start + slot.numel].view(slot.shape).copy_(t)
+            mxfp4.copy_into(flat[start : start + slot.numel].view(slot.shape), t)
         elif (mine := shard.overlap(unit, slot.offset, slot.offset + slot.numel)) is not None:
             a, b = mine
-            shard.moments(unit, flat, a, b).copy_(t.reshape(-1)[a - slot.offset : b - slot.offset])
+            shard.moments(unit, flat, a, b).copy_(mxfp4.dense(t).reshape(-1)[a - slot.offset : b - slot.offset])
         seen.add(hf_name)
     missing = sorted(set(slots) - seen) + sorted(passthrough - set(kept or {}))
     if missing:
@@ -235,12 +236,10 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) 
     files = weight_files(directory, "model")
     tensors = None
     if layout.config.hf_config is not None:  # the generic path: names as the hub stores them, converted as
-        from megatrain.model.hf_config import check_not_quantized  # transformers does
-        from megatrain.model.hf_conversion import checkpoint_tensors
+        from megatrain.model.hf_conversion import checkpoint_tensors  # transformers does
 
-        check_not_quantized(layout.config.hf_config, directory)
-
-        tensors = checkpoint_tensors(layout.config.hf_config, iter_safetensors_lazy(files))
+        stored = mxfp4.decoded(directory, iter_safetensors_lazy(files))  # GPT-OSS as published: MXFP4 experts
+        tensors = checkpoint_tensors(layout.config.hf_config, stored)
     kept: dict[str, torch.Tensor] = {}
     load_into(layout, params, files, where=str(directory), tensors=tensors, kept=kept)
     return kept

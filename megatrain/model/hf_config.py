@@ -104,12 +104,30 @@ def check_generic(hf: dict[str, Any]) -> None:
                           "knows; megatrain cannot train it.")
 
 
-def check_not_quantized(hf: dict[str, Any], directory: Any) -> None:
-    """ConfigError for a checkpoint whose weights are stored quantized: megatrain trains fp32 master weights and
-    reads the stored tensors as they are, so they must be dequantized (and saved) first."""
+# Quantized storage megatrain decodes to fp32 as it loads (megatrain/io/mxfp4.py: GPT-OSS's experts as published);
+# the model's config then drops the quantization_config, so what it saves is dense and transformers loads it.
+DEQUANTIZED_ON_LOAD = ("mxfp4",)
+
+
+def quant_method(hf: dict[str, Any]) -> str | None:
+    """The quant_method of a config.json's quantization_config ("unknown" where it names none), None without one."""
     quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return method if isinstance(method, str) else "unknown"
+
+
+def dense_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of the model megatrain trains: without a quantization_config it dequantizes on loading."""
+    return {k: v for k, v in hf.items() if k != "quantization_config" or quant_method(hf) not in DEQUANTIZED_ON_LOAD}
+
+
+def check_not_quantized(hf: dict[str, Any], directory: Any) -> None:
+    """ConfigError for a checkpoint whose weights are stored quantized in a way megatrain does not decode: it trains
+    fp32 master weights and reads the stored tensors as they are, so they must be dequantized (and saved) first."""
+    method = quant_method(hf)
+    if method is not None and method not in DEQUANTIZED_ON_LOAD:
         raise ConfigError(f"{directory} holds {method}-quantized weights, which megatrain cannot train from; "
                           "dequantize them first (transformers: from_pretrained with the quantization config's "
                           "dequantize=True, then save_pretrained) and drop quantization_config from config.json.")

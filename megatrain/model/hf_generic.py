@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model.hf_config import causal_lm_class, check_generic, hf_config_object
+from megatrain.model.hf_config import causal_lm_class, check_generic, dense_config, hf_config_object
 from megatrain.model.registry import register_fallback
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ class GenericFamily:
         from megatrain.model.hf_model import check_layers, meta_model, model_parts, stack_of
 
         check_generic(hf)
+        hf = dense_config(hf)  # stored quantized, trained and saved dense
         config = hf_config_object(hf)
         model = meta_model(hf)
         parts = model_parts(hf)

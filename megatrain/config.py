@@ -465,5 +465,14 @@ def dataclass_from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {e}.") from None
 
 
+# A Hugging Face Hub repository as users name a model or a data set: owner/name, then @revision (a branch, tag or
+# commit) or not; a path that exists on this machine is read as that path (megatrain/io/hub.py, megatrain/data/)
+HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def is_hub_name(text: str) -> bool:
+    return HUB_NAME.match(text) is not None and not Path(text).exists()
+
+
 __all__ = ["ConfigError", "EngineConfig", "MegatrainError", "ModelConfig", "NotNative", "OptimConfig", "PRESETS",
            "Terminated", "cause_chain", "dataclass_from_dict"]

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from megatrain.config import PRESETS, ConfigError, ModelConfig
+from megatrain.config import PRESETS, ConfigError, ModelConfig, is_hub_name
 from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
-from megatrain.io.hub import hub_model, is_hub_name
+from megatrain.io.hub import hub_model
 from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
 from megatrain.lora.config import BASE_DTYPES, LoraConfig
 from megatrain.lora.layout import training_layout

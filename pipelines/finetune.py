@@ -31,10 +31,11 @@ from typing import Any
 
 import tomllib
 
-from megatrain.config import ConfigError, ModelConfig
-from megatrain.data import BatchLoader, ByteTokenizer, DataError
+from megatrain.config import ConfigError, ModelConfig, is_hub_name
+from megatrain.data import BatchLoader, ByteTokenizer, DataConfig, DataError
+from megatrain.data.hf_datasets import is_datasets_source
 from megatrain.io.checkpoint import weight_files
-from megatrain.io.hub import TOKENIZER_FILES, hub_model, is_hub_name
+from megatrain.io.hub import TOKENIZER_FILES, hub_model
 from pipelines.train import TrainConfig, run
 
 log = logging.getLogger("megatrain")
@@ -161,8 +162,9 @@ def _check_data(source: str, given: bool) -> None:
     if not given or source == "synthetic":
         raise DataError("finetune needs data: pass --data with chats (JSON or JSONL of messages, Alpaca or "
                         "ShareGPT records) or a text/jsonl/parquet/arrow file or folder.")
-    if not Path(source).exists():
-        raise DataError(f"data file {source} does not exist; pass --data an existing file or folder.")
+    if not Path(source).exists() and not is_datasets_source(DataConfig(source=source)):
+        raise DataError(f"data file {source} does not exist; pass --data an existing file or folder, or a Hugging "
+                        "Face Hub data set name.")
 
 
 def _check_loader(cfg: TrainConfig) -> None:

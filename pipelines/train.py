@@ -289,7 +289,7 @@ class Progress:
 def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, Any]:
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
-    find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
+    data_format, _ = find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
     cfg = with_size_defaults(cfg, resolve_model(cfg.model, verify=False)[0])
     if cfg.warmup_steps >= cfg.steps:
         log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
@@ -305,7 +305,8 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             # the loader hands a step's micro-batches, every executor's, as one batch
             per_executor = 1 if cfg.micro_batches == "auto" else cfg.micro_batches
             cfg.data.micro_batches = per_executor * engine.engine_config.executors * engine.engine_config.nodes
-            loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy).remote(cfg.data.to_dict())
+            loader = DataLoaderActor.options(scheduling_strategy=engine.scheduling_strategy,
+                                             runtime_env=hub_environment(data_format)).remote(cfg.data.to_dict())
             ray.get(loader.state_dict.remote())  # a bad data source fails here, in one sentence
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
@@ -316,6 +317,13 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
         if loader is not None:
             ray.kill(loader)
         engine.shutdown()
+
+
+def hub_environment(data_format: str) -> dict[str, Any] | None:
+    """The loader actor of a `datasets` source reads the Hub (and its cache) as this driver does: with its HF_*
+    settings (cache, offline, token), which a Ray worker started before they were set would not have."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "HUGGINGFACE_"))}
+    return {"env_vars": env} if data_format == "datasets" and env else None
 
 
 @contextmanager

@@ -15,8 +15,7 @@ from hub_cache import cache_directory, cache_repo, offline_hub  # noqa: F401 (a 
 from test_finetune import make_chats, save_model, save_tokenizer
 
 import megatrain
-from megatrain.config import ConfigError
-from megatrain.io.hub import is_hub_name
+from megatrain.config import ConfigError, is_hub_name
 from megatrain.lora.config import LoraConfig
 from megatrain.store import resolve_model
 
@@ -104,15 +103,24 @@ def test_from_pretrained_takes_a_hub_name_and_keeps_the_tokenizer(hub, model_dir
         assert (out / name).is_file(), name
 
 
-def test_train_and_finetune_with_lora_alone_take_a_hub_name(ray_session, hub, tmp_path):
-    """`megatrain train` and `megatrain finetune --lora` (no settings: r 16, alpha 32, all-linear) run on the cached
-    model by name; the adapter loads with peft beside the base from the same cache."""
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in make_chats(40)))
+def test_train_and_finetune_with_lora_alone_take_a_hub_name(ray_session, hub, offline_hub, tmp_path):  # noqa: F811
+    """`megatrain train` on a Hub data set by name and `megatrain finetune --lora` (no settings: r 16, alpha 32,
+    all-linear) on a save_to_disk directory run on the cached model by name; the adapter loads with peft beside the
+    base from the same cache. (tests/test_datasets.py: the data sets' rows as the loader reads them.)"""
+    import datasets
+
+    texts = tmp_path / "texts"
+    (texts / "data").mkdir(parents=True)
+    datasets.Dataset.from_list([{"text": f"document {i}"} for i in range(20)]).to_parquet(
+        str(texts / "data" / "train-00000-of-00001.parquet"))
+    cache_directory(offline_hub, "org/texts", texts, kind="dataset")
+    chats = tmp_path / "chats"
+    datasets.Dataset.from_list([{"messages": c} for c in make_chats(40)]).save_to_disk(str(chats))
     common = ["--device", "cpu", "--precision", "fp32", "--batch-size", "2", "--seq-len", "32", "--steps", "2",
               "--optimizer-workers", "1", "--log-every", "1"]
-    out = run_cli("train", "--model", REPO, "--out", str(tmp_path / "train"), "--tokenizer", "byte", *common)
-    assert out.returncode == 0, out.output
+    out = run_cli("train", "--model", REPO, "--data", "org/texts", "--out", str(tmp_path / "train"), "--tokenizer",
+                  "byte", *common)
+    assert out.returncode == 0 and "trained 2 steps" in out.output, out.output
     assert (tmp_path / "train" / "final" / "tokenizer.json").is_file()  # the model's tokenizer kept beside it
 
     out = run_cli("finetune", "--model", REPO, "--data", str(chats), "--out", str(tmp_path / "sft"), "--lora",

@@ -24,7 +24,7 @@ class _Columns:
     chat: bool = False  # messages format: the column holds chats
 
 
-def _pick_columns(names: list[str], path: Path, column: str | None, text_field: str, messages_field: str,
+def pick_columns(names: list[str], path: Path | str, column: str | None, text_field: str, messages_field: str,
                   record_format: str | None, prefer_text: bool) -> _Columns:
     # a named column is one column of documents; else the columns say the format, as a first JSON record does
     fields = (text_field, messages_field) if prefer_text else (messages_field, text_field)
@@ -48,7 +48,7 @@ def _pick_columns(names: list[str], path: Path, column: str | None, text_field: 
                     "(instruction, output) or ShareGPT (conversations) columns.")
 
 
-def _batch_docs(batch: Any, path: Path, columns: _Columns, first_row: int) -> list[Doc]:
+def batch_docs(batch: Any, path: Path | str, columns: _Columns, first_row: int) -> list[Doc]:
     """The documents of a record batch holding (at least) the file's columns."""
     if columns.format == "messages":
         name = columns.names[0]
@@ -75,7 +75,7 @@ class _ColumnarSource(Source):
         self.columns: dict[Path, _Columns] = {}
         for f in files:
             names, part_rows = self._layout(f)
-            self.columns[f] = _pick_columns(names, f, column, text_field, messages_field, record_format, prefer_text)
+            self.columns[f] = pick_columns(names, f, column, text_field, messages_field, record_format, prefer_text)
             first = 0
             for part, n in enumerate(part_rows):
                 self.index.append((f, part, first))
@@ -104,7 +104,7 @@ class ParquetSource(_ColumnarSource):
         path, group, first_row = self.index[index]
         columns, docs, row = self.columns[path], [], first_row
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, row_groups=[group], columns=columns.names):
-            docs += _batch_docs(batch, path, columns, row)
+            docs += batch_docs(batch, path, columns, row)
             row += batch.num_rows
         return docs
 
@@ -140,7 +140,7 @@ class ArrowSource(_ColumnarSource):
             for i, batch in enumerate(reader):  # noqa: B007 (stop at the b-th batch)
                 if i == b:
                     break
-        return _batch_docs(batch, path, self.columns[path], first_row)
+        return batch_docs(batch, path, self.columns[path], first_row)
 
 
-__all__ = ["ArrowSource", "ParquetSource"]
+__all__ = ["ArrowSource", "ParquetSource", "batch_docs", "pick_columns"]

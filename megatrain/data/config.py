@@ -14,8 +14,13 @@ from megatrain.data.formats import RECORD_FORMATS
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", or a file or folder
-    format: str | None = None  # None: from the file extension; synthetic | text | jsonl | parquet | arrow
+    # "synthetic", a file or folder, a `datasets` save_to_disk directory, or a Hugging Face Hub data set (org/name)
+    source: str = "synthetic"
+    # None: from the file extension; synthetic | text | jsonl | parquet | arrow | datasets (load_dataset reads it)
+    format: str | None = None
+    split: str = "train"  # a `datasets` source: the split to read...
+    subset: str | None = None  # ...of this configuration of the data set (load_dataset's name)
+    streaming: bool | None = None  # ...streamed (None: a Hub data set streams, files on disk do not)
     # JSON / JSONL records (Parquet / Arrow rows): None = detected per file from its first record (its columns);
     # messages (messages_field or text_field) | alpaca (instruction, input, output) | sharegpt (conversations)
     record_format: str | None = None
@@ -58,7 +63,10 @@ class DataConfig:
                 setattr(self, name, os.fspath(getattr(self, name)))
         for name in ("source", "tokenizer", "text_field", "messages_field"):
             check(isinstance(getattr(self, name), str), f"{name} must be a string", getattr(self, name))
-        for name in ("column", "chat_template"):
+        check(isinstance(self.split, str) and bool(self.split), "split must be a split's name", self.split)
+        check(self.streaming is None or isinstance(self.streaming, bool), "streaming must be true, false or None",
+              self.streaming)
+        for name in ("column", "chat_template", "subset"):
             value = getattr(self, name)
             check(value is None or isinstance(value, str), f"{name} must be a string or None", value)
         # flags are read by truthiness later: a TOML `shuffle = "no"` or `pack = 0` would silently mean the

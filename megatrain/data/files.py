@@ -12,7 +12,7 @@ EXTENSIONS = {
     "parquet": (".parquet", ".pq"),
     "arrow": (".arrow", ".feather", ".ipc", ".arrows"),
 }
-FORMATS = ("synthetic", *EXTENSIONS)
+FORMATS = ("synthetic", *EXTENSIONS, "datasets")  # datasets: read with the datasets library (hf_datasets.py)
 
 
 def data_files(path: Path, fmt: str | None) -> tuple[str, list[Path]]:

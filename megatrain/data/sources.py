@@ -14,6 +14,9 @@ Sources (each a `documents.Source` of documents: text, chats or token ids):
   detected from the column names as a first JSON record is (or set with `record_format`), each row an Alpaca
   or ShareGPT record.
 A folder is read as all its files of one format, in sorted path order.
+- datasets (hf_datasets.py): a Hugging Face Hub data set by name (org/name[@revision], streamed), a directory
+  written by `save_to_disk`, or (format="datasets") files and folders as `load_dataset` reads them; its `split` (of
+  configuration `subset`), rows read as Parquet rows are.
 
 Every source is cut into shards that can be read on their own, so nothing is ever read whole: a Parquet row
 group, an Arrow record batch, about `shard_bytes` of a text/JSONL file cut at a line (text: a blank line) or
@@ -30,6 +33,7 @@ from megatrain.data.columnar import ArrowSource, ParquetSource
 from megatrain.data.config import DataConfig
 from megatrain.data.documents import Source
 from megatrain.data.files import data_files
+from megatrain.data.hf_datasets import DatasetsSource, is_datasets_source
 from megatrain.data.jsonl import JsonlSource
 from megatrain.data.synthetic import SyntheticSource
 from megatrain.data.text import TextSource
@@ -42,6 +46,8 @@ def find_data_files(cfg: DataConfig) -> tuple[str, list[Path]]:
     anything."""
     if cfg.source == "synthetic" or cfg.format == "synthetic":
         return "synthetic", []
+    if is_datasets_source(cfg):  # opened by the datasets library, where it is read
+        return "datasets", []
     path = Path(cfg.source)
     if not path.exists():
         raise DataError(f"data source {path} does not exist; pass an existing file or folder, or "
@@ -54,6 +60,8 @@ def open_source(cfg: DataConfig) -> tuple[str, Source]:
     fmt, files = find_data_files(cfg)
     if fmt == "synthetic":
         return fmt, SyntheticSource(cfg.synthetic_docs, cfg.seed)
+    if fmt == "datasets":
+        return fmt, DatasetsSource(cfg)
     if fmt == "text":
         if cfg.record_format is not None:  # plain text has no records: a forced format is a mistaken config
             raise DataError(f"record_format applies to JSON, JSON Lines, Parquet and Arrow files but {cfg.source} "

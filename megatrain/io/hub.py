@@ -9,22 +9,14 @@ sentence.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from megatrain.config import ConfigError
+from megatrain.config import HUB_NAME, ConfigError
 
-# owner/name[@revision], as the hub spells repository ids (letters, digits, '-', '_', '.')
-HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 # The files besides config.json and the weights that make a model directory usable for inference: the tokenizer's.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]  # weights as safetensors only
-
-
-def is_hub_name(model: str) -> bool:
-    """`org/name` or `org/name@revision` that is not a path on this machine."""
-    return HUB_NAME.match(model) is not None and not Path(model).exists()
 
 
 def hub_model(name: str, config_only: bool = False) -> Path:

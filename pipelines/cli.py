@@ -75,7 +75,10 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--document-positions", dest="data.document_positions", action="store_true", default=None,
                    help="packed rows carry per-document position_ids: each document attends within itself only")
     p.add_argument("--tokenizer", dest="data.tokenizer", help="byte, or a directory/tokenizer.json")
-    _add_datasets_flags(p)
+    for flag, what in (("split", "its split (default train)"), ("subset", "the configuration"),
+                       ("column", "the documents' column (default: detected)"), ("streaming", "stream it")):
+        p.add_argument(f"--{flag}", dest=f"data.{flag}", help=f"a datasets source (Hub name, save_to_disk): {what}",
+                       **({"action": argparse.BooleanOptionalAction, "default": None} if flag == "streaming" else {}))
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: none)")
     p.add_argument("--no-save-final", dest="save_final", action="store_false", default=None,
                    help="do not write the final HF model (final/)")
@@ -87,13 +90,6 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
                                       "another, 'local' a private Ray for this run (default: the `ray start` "
                                       "cluster if it answers, else a private one)")
     p.add_argument("--trace", action="store_true", default=None, help="write a Chrome/Perfetto trace of the run")
-
-
-def _add_datasets_flags(p: argparse.ArgumentParser) -> None:
-    for flag, what in (("split", "its split (default train)"), ("subset", "the configuration"),
-                       ("column", "the documents' column (default: detected)"), ("streaming", "stream it")):
-        p.add_argument(f"--{flag}", dest=f"data.{flag}", help=f"a datasets source (Hub name, save_to_disk): {what}",
-                       **({"action": argparse.BooleanOptionalAction, "default": None} if flag == "streaming" else {}))
 
 
 def _add_lora_flags(p: argparse.ArgumentParser) -> None:
@@ -405,8 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="pretrain (default: tiny model on synthetic data)")
     _add_train_flags(p)
-    p.add_argument("--data", dest="data_path", help="text/jsonl/parquet/arrow file or folder, a datasets save_to_disk "
-                                                     "directory or a Hugging Face Hub data set (default synthetic)")
+    p.add_argument("--data", dest="data_path", help="data file or folder, save_to_disk directory or Hub data set")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("finetune", help="supervised fine-tuning of an HF checkpoint on chat/text data")

@@ -117,6 +117,28 @@ def test_engine_saves_what_it_trained_for_transformers(published: tuple[Path, to
     assert not torch.equal(trained[name], dict(published[1].named_parameters())[name])  # trained, not as loaded
 
 
+def test_pairs_split_across_shards_load(published: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+    """The published checkpoints come in shards: a tensor's blocks in one file and its scales in another still make
+    one weight, and every tensor loads as transformers loads it."""
+    directory, hf = published
+    tensors = load_file(directory / "model.safetensors")
+    first = {n: t for n, t in tensors.items() if not n.endswith("_scales")}
+    shards = {"model-00001-of-00002.safetensors": first,
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n not in first}}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((directory / "config.json").read_text())
+    for fname, part in shards.items():
+        save_file(part, sharded / fname, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: fname for fname, part in shards.items() for n in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with megatrain.from_pretrained(sharded) as model:
+        ours = model.parameters()
+    theirs = dict(hf.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], t) for name, t in theirs.items())
+
+
 def rewrite(directory: Path, target: Path, change) -> Path:
     target.mkdir()
     (target / "config.json").write_text((directory / "config.json").read_text())

@@ -4,7 +4,9 @@ checkpoint, saved dense so that transformers loads the trained model; and the re
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,15 @@ def test_refuses_torn_or_corrupt_mxfp4(published: tuple[Path, torch.nn.Module], 
         megatrain.from_pretrained(broken)
     assert words in str(e.value)
     assert_one_sentence(str(e.value))
+
+
+def test_decode_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/mxfp4_load.py at a 32nd of the widths: its table and the whole models' decode times (no rate is
+    asserted: on a CI machine it means nothing)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:  # benchmarks/ is no installed package
+        sys.path.insert(0, repo)
+    assert importlib.import_module("benchmarks.mxfp4_load").main(["--experts", "2", "--repeats", "1",
+                                                                   "--scale", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "gate_up_proj" in out and "down_proj" in out and "gpt-oss-120b: 4608 experts" in out

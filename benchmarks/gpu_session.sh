@@ -7,7 +7,7 @@
 #                                           # FSDP2 alike (the H200, 2026-11-26, ran K=16 and K=1 calibrated; K=4,
 #                                           # 16 workers, no-clip, FSDP2, the resident weights cast: unrun)
 #   bash benchmarks/gpu_session.sh tests   # megatrain doctor, pytest tests/test_gpu.py -m gpu
-#   bash benchmarks/gpu_session.sh host    # grad_fold.py, pcie.py, optimizer.py (the pool of AdamW workers)
+#   bash benchmarks/gpu_session.sh host    # grad_fold.py, pcie.py, mxfp4_load.py, optimizer.py (the pool of AdamW workers)
 #   bash benchmarks/gpu_session.sh peers   # throughput.py at 2.8b tf32: megatrain and its three peers
 #   bash benchmarks/gpu_session.sh big     # megatrain alone: 7b bf16; a traced 1b run and its report; 9b tf32; 7b tf32
 #   bash benchmarks/gpu_session.sh long    # long_context.py, bf16: megatrain 7b at 128k; FSDP2 offload 1b at 32k/64k/128k
@@ -274,6 +274,8 @@ PY
     # a later micro-batch's weight gradient: GEMM + add against the GEMM into the fp32 buffer (issue 25 item 6)
     step grad-fold 60 python3 benchmarks/grad_fold.py --tokens 2048 --repeats 20
     step pcie 60 python3 benchmarks/pcie.py --size-mb 1024 --repeats 10
+    # GPT-OSS's MXFP4 experts decoded as they load: the published shapes, the whole 120B's decode at that rate
+    step mxfp4-load 60 python3 benchmarks/mxfp4_load.py --experts 8 --repeats 3
     # each pool size's rate is printed as it is measured: on the H100 (2026-11-25) the reference and pools of 1,
     # 2, 4 and 8 took ~170 s at 3 repeats, and 16 workers did not finish before the step's end
     step optimizer 400 python3 benchmarks/optimizer.py --params 1e9 --workers 8,16,4,2,1 --repeats 2 \

@@ -26,7 +26,8 @@ from megatrain.config import (
     cause_chain,
 )
 from pipelines.generate_command import add_generate_parser
-from pipelines.plan_prediction import add_prediction_flags, calibration_json
+from pipelines.plan_cli import _plan_json  # noqa: F401 - where tests and callers have found it
+from pipelines.plan_prediction import add_prediction_flags
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -185,124 +186,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The plan of the run `megatrain train` would make with the same config file and flags."""
-    from megatrain.config import ConfigError, EngineConfig, OptimConfig
-    from megatrain.memory.plan import gpu_free_here, longest_seq, pick_micro_batches, plan_run
-    from megatrain.perf.predict import choose
-    from megatrain.store import resolve_model
-    from pipelines.lora import as_lora_config
-    from pipelines.plan_prediction import plan_calibration, plan_prediction, plan_step_time, prediction_flags
-    from pipelines.train import TrainConfig
+    """The plan of the run `megatrain train` would make with the same config file and flags (pipelines/plan_cli.py)."""
+    from pipelines.plan_cli import cmd_plan as plan
 
-    workers = None if args.optimizer_workers == "auto" else args.optimizer_workers
-    cfg = TrainConfig.load(args.config, {"model": args.model, "data.batch_size": args.batch, "data.seq_len": args.seq,
-                                         "precision": args.precision, "optimizer_workers": workers,
-                                         "device": args.device, "grads": args.grads,
-                                         "max_grad_norm": args.max_grad_norm, "tile_tokens": args.tile_tokens,
-                                         "checkpoint_budget_gib": args.checkpoint_budget_gib,
-                                         "micro_batches": args.micro_batches, "schedule": args.schedule,
-                                         "nodes": args.nodes, "executors": args.executors,
-                                         "resident": args.resident, "lora": args.lora,
-                                         "keep_activations": args.keep_activations,
-                                         "resident_weights": args.resident_weights,
-                                         "lora_base_dtype": args.lora_base_dtype, "speculate": args.speculate,
-                                         "compile": args.compile})
-    lora = dict(lora=as_lora_config(cfg.lora), lora_base_dtype=cfg.lora_base_dtype)  # adapters on a frozen base
-    # in what the GPU has left
-    on_device = dict(resident=cfg.resident, keep_activations=cfg.keep_activations,
-                     resident_weights=cfg.resident_weights)
-    # the checks the Engine would make at its start
-    EngineConfig(device=cfg.device, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, grads=cfg.grads,
-                 tile_tokens=cfg.tile_tokens, checkpoint_budget_gib=cfg.checkpoint_budget_gib, resident=cfg.resident,
-                 keep_activations=cfg.keep_activations, resident_weights=cfg.resident_weights)
-    optim = OptimConfig(max_grad_norm=cfg.max_grad_norm)
-    for flag, value, unit in (("--gpu-gib", args.gpu_gib, "GiB"), ("--host-gib", args.host_gib, "GiB"),
-                              ("--link-gbps", args.link_gbps, "GB/s")):
-        if value is not None and not value > 0:
-            raise ConfigError(f"{flag} must be a positive number of {unit}, got {value}.")
-    executors = 1 if cfg.executors == "auto" else cfg.executors
-    if not executors >= 1 or not cfg.nodes >= 1:
-        raise ConfigError(f"--executors and --nodes must be at least 1, got {executors} and {cfg.nodes}.")
-    config, _, name = resolve_model(cfg.model, verify=False)  # a plan runs nothing: no self-check
-    on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and _cuda())
-    gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
-    budget = cfg.checkpoint_budget_gib
-    common = dict(name=name, precision=cfg.precision, optimizer_workers=cfg.optimizer_workers, on_gpu=on_gpu,
-                  gpu_free=gpu_free, micro_batches=cfg.micro_batches, nodes=cfg.nodes, executors=executors,
-                  host_free=None if args.host_gib is None else int(args.host_gib * 2**30))
-    long_context = dict(tile_tokens=cfg.tile_tokens,
-                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30))
-    picked = None
-    if cfg.micro_batches == "auto":  # --batch is the step's rows: the fewest micro-batches that fit
-        picked = pick_micro_batches(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads,
-                                    clipping=optim.clipping, schedule=cfg.schedule, **on_device,
-                                    **long_context, **lora,
-                                    **{k: v for k, v in common.items() if k != "micro_batches"})
-        cfg.data.batch_size, common["micro_batches"] = picked.batch, picked.micro_batches
-    cal = plan_calibration(args, on_gpu, config, cfg)
-    choice = None
-    if args.optimizer_workers == "auto":  # the fastest predicted settings among those left auto
-        if lora["lora"] is not None:
-            raise ConfigError("--optimizer-workers auto picks settings by the predicted step time of a whole model's "
-                              "update, which a LoRA run does not have; give --optimizer-workers a number with --lora.")
-        if cal is None:
-            raise ConfigError("--optimizer-workers auto picks the fastest predicted settings, which needs a "
-                              "calibration of this machine: run `megatrain calibrate` first.")
-        choice = choose(config, cfg.data.batch_size, cfg.data.seq_len, cal, optimizer_workers="auto",
-                        grads=cfg.grads, tile_tokens=cfg.tile_tokens, clipping=optim.clipping,
-                        precision=cfg.precision, schedule=cfg.schedule,
-                        checkpoint_budget=long_context["checkpoint_budget"],
-                        flags=prediction_flags(args, config, cal, cfg, on_gpu), **on_device,
-                        **{k: v for k, v in common.items() if k not in ("precision", "optimizer_workers")})
-        if choice is not None:
-            common["optimizer_workers"] = choice.optimizer_workers
-            cfg.grads, long_context["tile_tokens"] = choice.plan.grads, choice.plan.tile_tokens
-    # resident units and kept layers both auto: the split of the GPU's spare memory predicted shortest
-    on_device["step_time"] = plan_step_time(args, config, cal, cfg, optim.clipping, common["optimizer_workers"],
-                                            executors, on_gpu)
-    plan = plan_run(config, cfg.data.batch_size, cfg.data.seq_len, grads=cfg.grads, clipping=optim.clipping,
-                    schedule=cfg.schedule, **on_device, **long_context, **common, **lora)
-    longest = plan.longest_seq
-    if longest is None:  # it fits: how far it would
-        longest = longest_seq(config, cfg.data.batch_size, grads=plan.grads, **long_context,
-                              **{**common, "schedule": plan.schedule}, **lora)
-    prediction = plan_prediction(args, plan, config, cal, cfg, optim.clipping, common["optimizer_workers"], executors)
-    fits = (plan.host_problem() or plan.gpu_problem()) is None
-    if args.json:
-        out = _plan_json(plan, prediction, cal, longest, fits, common["optimizer_workers"])
-        print(json.dumps({**out, "calibration": calibration_json(cal, args)}, indent=2))
-        return 0 if fits else 1
-    print(plan.report())
-    if picked is not None:
-        print(f"micro-batches auto: {picked.micro_batches} of {picked.batch} rows")
-    where = "the GPU and host given" if args.gpu_gib or args.host_gib else "this machine"
-    if on_gpu and gpu_free is None:
-        where += " (GPU memory unknown: give --gpu-gib)"
-    print(f"longest sequence at batch {cfg.data.batch_size} on {where}: {longest} tokens"
-          + (f" (the model has {config.max_position_embeddings} positions)"
-             if longest > config.max_position_embeddings else ""))
-    if choice is not None:
-        tiles = "none" if plan.tile_tokens is None else plan.tile_tokens
-        print(f"fastest of {choice.tried} settings that fit: --optimizer-workers {choice.optimizer_workers} "
-              f"--grads {plan.grads} --tile-tokens {tiles}")
-    if prediction is not None:
-        print(prediction.report())
-    return 0 if fits else 1
-
-
-def _plan_json(plan: Any, prediction: Any, cal: Any, longest: int, fits: bool, workers: int) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    out: dict[str, Any] = {"predicted_step_s": None, "predicted_tokens_per_s": None, "bound": None}
-    if prediction is not None:
-        out.update(prediction.to_dict())
-    out["plan"] = {**asdict(plan), "kept_note": plan.kept.describe(), "step_tokens": plan.step_tokens,
-                   "host_total": plan.host_total,
-                   "gpu_total": plan.gpu_total, "optimizer_workers": workers, "longest_seq": longest}
-    out["fits"] = fits
-    out["problem"] = plan.host_problem() or plan.gpu_problem()
-    out["calibration"] = None if cal is None else {"device": cal.device, "created": cal.created}
-    return out
+    return plan(args)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

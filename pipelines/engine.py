@@ -33,31 +33,33 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.executor import GPU_HOST_THREADS
-from megatrain.config import ConfigError, EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from actors.executor import gpu_free_memory
+from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
 from megatrain.memory.arena import remove_stale_segments
-from megatrain.perf.calibrate import Calibration
-from megatrain.perf.predict import auto_optimizer_workers
+from megatrain.perf.calibrate import device_name
+from megatrain.run_plan import Machine, Request
 from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
 from pipelines.generate import Generating
 from pipelines.logprobs import LogprobQueries, batch_of
-from pipelines.lora import lora_settings, record_lora_arena
+from pipelines.lora import record_lora_arena
+from pipelines.plan_prediction import run_calibration
 from pipelines.recovery import Recovery, is_actor_death, is_fault
 from pipelines.run_actors import RunActors, absolute, get, save_target
-from pipelines.run_plan import run_plan
+from pipelines.run_plan import resolve, uses_gpu
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +132,16 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         where its calibration measured it faster or measured nothing (megatrain/perf/compile_choice.py)."""
         self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
                                  warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
-        self.engine_config = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
-                                          loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads,
-                                          compile=compile, tile_tokens=tile_tokens,
-                                          checkpoint_budget_gib=checkpoint_budget_gib, micro_batches=micro_batches,
-                                          schedule=schedule, executors=executors, nodes=nodes,
-                                          speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
-                                          keep_activations=keep_activations, resident_weights=resident_weights,
-                                          nvme=nvme and str(nvme), nvme_states=nvme_states)  # the NVMe tier
+        # what was asked; resolve (pipelines/run_plan.py) decides its "auto"s at the start: self.run_plan
+        self.request = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
+                                    loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads, compile=compile,
+                                    tile_tokens=tile_tokens, checkpoint_budget_gib=checkpoint_budget_gib,
+                                    micro_batches=micro_batches, schedule=schedule, executors=executors, nodes=nodes,
+                                    speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
+                                    keep_activations=keep_activations, resident_weights=resident_weights,
+                                    nvme=nvme and str(nvme), nvme_states=nvme_states)  # the NVMe tier
         self.config, hf_dir, self.model_name = resolve_model(model)
-        lora = lora_settings(lora, adapter, self.config, self.engine_config)  # one sentence on a bad setting, now
-        self.engine_config, self.adapter = replace(self.engine_config, lora=lora), adapter and absolute(adapter)
+        self.adapter = adapter and absolute(adapter)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
@@ -164,10 +165,11 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             self.metrics = EngineMetrics(run=self.run_id)
             self.metrics.start_repeating()  # Ray drops gauges not set again for two report intervals: long steps
             write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
-        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics, lora)
+        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
         self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
         try:
-            self._start(model_arg, seed, batch_size, seq_len)
+            self._start(model_arg, Request(self.config, self.model_name, self.request, self.optim, batch_size, seq_len,
+                                           lora, self.adapter))
         except BaseException:
             self.shutdown()
             raise
@@ -176,85 +178,61 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             record_lora_arena(self.metrics, self.handle)  # a LoRA run's frozen base and adapters, by kind
 
     # ---- start ----
-    def _start(self, model_arg: str | ModelConfig, seed: int, batch: int, seq: int) -> None:
+    def _start(self, model_arg: str | ModelConfig, request: Request) -> None:
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
-        on_gpu = self.on_gpu = self._on_gpu(node)
-        nodes = run_nodes(node, self.engine_config.nodes)
-        executors = self.engine_config.executors
-        if executors == "auto":
-            executors = max(1, int(node_resources(node)[0].get("GPU", 0))) if on_gpu else 1
-        self.engine_config = replace(self.engine_config, executors=executors)
-        world = executors * len(nodes)  # executors of the whole run
-        if world > 1 and self.engine_config.grads not in ("auto", "arena"):
-            raise ConfigError(f"{world} executors sum each unit's gradient into slices of the arena: grads must be "
-                              f"'arena' (or 'auto'), not {self.engine_config.grads!r}.")
-        if world > 1:
-            self.engine_config = replace(self.engine_config, grads="arena")
-        n = self.engine_config.optimizer_workers
-        if n == "auto":
-            n = auto_optimizer_workers(node_resources(node)[1].get("CPU", 0.0),
-                                       executors * GPU_HOST_THREADS if on_gpu else 0,
-                                       None if on_gpu else Calibration.load("cpu"))
-            log.info("optimizer_workers auto: %d per node", n)
-            self.engine_config = replace(self.engine_config, optimizer_workers=n)
+        nodes = run_nodes(node, self.request.nodes)
+        run = self.run_plan = resolve(request, self._machine(node, len(nodes)))
+        # the memory plan (the progress line's prediction is of it), and the run's settings as an EngineConfig
+        self.plan, self.on_gpu, self.engine_config = run.memory, run.on_gpu, run.engine_config()
+        for note in run.notes:
+            log.info("%s", note)
+        for warning in run.warnings:
+            log.warning("%s", warning)
         for m, node_id in enumerate(nodes):  # one at a time into the list: a failed one's are released by shutdown
-            placement = NodePlacement.reserve(node_id, n, on_gpu, self.resource_timeout,
-                                              f"megatrain/{self.run_id}/node{m}", executors=executors)
+            placement = NodePlacement.reserve(node_id, run.optimizer_workers, run.on_gpu, self.resource_timeout,
+                                              f"megatrain/{self.run_id}/node{m}", executors=run.executors)
             self.actors.placements.append(placement)
-        # the run's memory plan, its auto settings resolved (the progress line's prediction is of this plan)
-        plan = self.plan = run_plan(self.config, self.model_name, self.engine_config, self.optim, self.placements,
-                                    batch, seq, on_gpu)
-        plan.check()  # before the arena is made: one sentence on what does not fit and what would
-        if self.engine_config.micro_batches == "auto":
-            log.info("micro_batches auto: %d micro-batch(es) of %d rows a step", plan.micro_batches, plan.batch)
-        budget = plan.checkpoint_budget
-        self.engine_config = replace(self.engine_config, grads=plan.grads, tile_tokens=plan.tile_tokens,
-                                     checkpoint_budget_gib=None if budget is None else budget / 2**30,
-                                     schedule=plan.schedule, micro_batches=plan.micro_batches,
-                                     resident=plan.resident_units, keep_activations=len(plan.kept.indices),
-                                     resident_weights=plan.resident_weights)
-        if plan.micro_batches > 1 and plan.schedule == "per-micro-batch" and self.engine_config.schedule == "auto":
-            log.warning("%d micro-batches layer-major do not fit memory: the weights stream once per micro-batch "
-                        "(%d times a step) and the gradients add up in the arena", plan.micro_batches,
-                        plan.micro_batches)
-        if plan.tile_tokens or budget is not None:
-            log.info("long sequences: %s, %s", f"{plan.tile_tokens}-token tiles" if plan.tile_tokens else "untiled",
-                     "every layer checkpoint on the device" if budget is None else
-                     f"{budget / 2**30:.2f} GiB of layer checkpoints on the device, "
-                     f"{plan.host_checkpoints / 2**30:.2f} GiB in host memory")
+        self.plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if len(nodes) > 1:
             log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",
-                     len(nodes), ", ".join(n[:8] for n in nodes), n, executors)
-        store_args = (model_arg, n, seed, plan.batch, seq, self.run_id, self.grads, plan.shadow_bytes > 0, on_gpu,
-                      plan.tile_tokens, plan.checkpoint_budget, plan.micro_batches, self.engine_config.lora,
-                      self.engine_config.lora_base_dtype, self.adapter)
-        self.actors.start(self.engine_config, on_gpu, store_args)
+                     len(nodes), ", ".join(n[:8] for n in nodes), run.optimizer_workers, run.executors)
+        store_args = (model_arg, run.optimizer_workers, run.seed, run.batch, run.seq, self.run_id, run.grads,
+                      run.shadow, run.on_gpu, run.tile_tokens, run.checkpoint_budget, run.micro_batches, run.lora,
+                      run.lora_base_dtype, self.adapter)
+        self.actors.start(self.engine_config, run.on_gpu, store_args, run.tier)
         self.device = get(self.executor.device.remote())
-        log.info("%s", get(self.executor.compiled.remote()))  # compile auto: decided on the executor's device
+        log.info("%s", run.compile_why)
+
+    def _machine(self, node: str, nodes: int) -> Machine:
+        """What the driver's Ray node offers the run: its GPUs and free CPUs, the free memory of a GPU the run would
+        compute on (measured in a throwaway process: the driver holds no CUDA context) and its cached calibration."""
+        total, free = node_resources(node)
+        has_gpu = total.get("GPU", 0) >= 1
+        on_gpu = uses_gpu(self.request.device, has_gpu)
+        gpu_free = None
+        if on_gpu:
+            ref = gpu_free_memory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            try:
+                gpu_free = get(ref, timeout=self.resource_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise MegatrainError(f"no GPU of the driver's Ray node came free within {self.resource_timeout:g} s "
+                                     "to measure its memory; free one, or raise resource_timeout.") from None
+        cal = run_calibration(on_gpu)
+        gpu_name = cal.device if cal is not None else "the GPU"
+        if on_gpu and cal is None and torch.cuda.is_available():
+            gpu_name = device_name("cuda")
+        return Machine(has_gpu=has_gpu, gpus=int(total.get("GPU", 0)), free_cpus=free.get("CPU", 0.0), nodes=nodes,
+                       gpu_free=gpu_free, calibration=cal, gpu_name=gpu_name)
 
     @property
     def grads(self) -> str:
         """Where gradients wait for the optimizer: "arena", "stream" or "device" (see GRAD_PLACEMENTS)."""
-        return self.engine_config.grads
+        return self.run_plan.grads
 
     @property
     def updates_after_step(self) -> bool:
-        """The driver starts (or, after updates beside the backward, validates) a step's update once the step is done
-        (it needs the global norm, or the gradients wait on the GPU, or the other executors' slices); otherwise the
-        executor handed each unit to the workers as its gradients landed, final."""
-        return self.optim.clipping or self.grads == "device" or len(self.executors) > 1
-
-    def _on_gpu(self, node: str) -> bool:
-        """Whether the run computes on a GPU of its node (Ray's view: a GPU Ray does not know of is not used)."""
-        device = self.engine_config.device
-        has_gpu = node_resources(node)[0].get("GPU", 0) >= 1
-        if device.startswith("cuda") and not has_gpu:
-            raise ConfigError(f"device {device!r} was asked for but the driver's Ray node has no GPU; use "
-                              "device='cpu' or 'auto', or start Ray (and the driver) on a machine with one.")
-        if device.startswith("cuda:") and has_gpu:
-            log.info("device %s: the executor computes on the GPU Ray grants it (choose which with "
-                     "CUDA_VISIBLE_DEVICES when starting Ray)", device)
-        return (device == "auto" or device.startswith("cuda")) and has_gpu
+        """The driver starts (or validates) a step's update once the step is done (RunPlan.updates_after_step)."""
+        return self.run_plan.updates_after_step
 
     @property
     def scheduling_strategy(self) -> Any:
@@ -352,8 +330,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
 
     def _speculation(self) -> Speculation | None:
         """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""
-        mode = self.engine_config.speculate
-        if not self.updates_after_step or mode == "off" or (mode == "auto" and not self.speculating):
+        update = self.run_plan.update
+        if update in ("final", "serial") or (update == "unless-clipped" and not self.speculating):
             return None
         self.attempts += 1
         return Speculation(self.attempts, self.optim.max_grad_norm)
@@ -379,7 +357,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         return "rolled back" if out["speculated_any"] else "serial"
 
     def _write_back_resident(self) -> None:  # before something reads the arena (after wait_for_updates)
-        if self.engine_config.resident:
+        if self.run_plan.resident_units:
             get(self.executor.write_back.remote())
 
     def _record(self, out: dict[str, Any], seconds: float, finite: bool) -> None:

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.config import COMPILE, LINK_GBPS, SPECULATE, ConfigError, EngineConfig, ModelConfig, compile_setting
-from megatrain.memory.on_device import StepTime
 from megatrain.memory.plan import MemoryPlan
 from megatrain.perf.calibrate import Calibration, calibrate, device_name, layer_key
 from megatrain.perf.compile_choice import auto_on_gpu
-from megatrain.perf.predict import Prediction, predict, step_time
+from megatrain.perf.predict import Prediction, predict
 
 QUICK_CALIBRATION_S = 20.0
 
@@ -63,15 +62,6 @@ def plan_prediction(args: argparse.Namespace, plan: MemoryPlan, config: ModelCon
                                                        plan.on_gpu))
 
 
-def plan_step_time(args: argparse.Namespace, config: ModelConfig, cal: Calibration | None, cfg: Any, clipping: bool,
-                   workers: int, executors: int, on_gpu: bool) -> StepTime | None:
-    """What `megatrain plan` splits the GPU's spare memory by (plan_run's step_time): the step plan_prediction would
-    predict; None where it predicts none (the plan then follows on_device.py's rule, and says so)."""
-    if cal is None or cfg.lora:
-        return None
-    return step_time(config, cal, **_plan_settings(args, config, cal, cfg, clipping, workers, executors, on_gpu))
-
-
 def _plan_settings(args: argparse.Namespace, config: ModelConfig, cal: Calibration, cfg: Any, clipping: bool,
                    workers: int, executors: int, on_gpu: bool) -> dict[str, Any]:
     return dict(precision=cfg.precision, optimizer_workers=workers, clipping=clipping, executors=executors,
@@ -104,14 +94,6 @@ def run_calibration(on_gpu: bool) -> Calibration | None:
     if on_gpu and not torch.cuda.is_available():
         return None
     return Calibration.load(device_name("cuda" if on_gpu else "cpu"))
-
-
-def run_step_time(config: ModelConfig, e: EngineConfig, clipping: bool, on_gpu: bool) -> StepTime | None:
-    """What an Engine's plan splits the GPU's spare memory by (plan_run's step_time) where resident units and kept
-    layers are both "auto" on a GPU: its step predicted on run_calibration's calibration (run_settings); None where
-    none is cached (the plan then follows on_device.py's rule, and says so)."""
-    cal = run_calibration(on_gpu) if on_gpu and e.resident == e.keep_activations == "auto" else None
-    return None if cal is None else step_time(config, cal, **run_settings(config, cal, e, clipping, on_gpu))
 
 
 def run_settings(config: ModelConfig, cal: Calibration, e: EngineConfig, clipping: bool, on_gpu: bool

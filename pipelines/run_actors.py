@@ -23,10 +23,9 @@ from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimCon
 from megatrain.distributed.process_group import free_port
 from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
-from megatrain.lora.config import LoraConfig
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
-from megatrain.memory.nvme import TierSpec, resolve_tier
+from megatrain.memory.nvme import TierSpec
 from megatrain.memory.versions import VersionTable
 from pipelines.cluster import NodePlacement, executor_device
 
@@ -60,11 +59,10 @@ class RunActors:
     """The actors of one run, node by node: node m's parameter store, optimizer workers and executors live in
     placement m (the driver's node first)."""
 
-    def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any,
-                 lora: LoraConfig | None = None) -> None:
+    def __init__(self, run_id: str, config: ModelConfig, optim: OptimConfig, trace: bool, metrics: Any) -> None:
         self.run_id, self.config, self.optim, self.trace, self.metrics = run_id, config, optim, trace, metrics
-        # what trains (a LoRA run's adapters): the workers take it as it is, no model of theirs to build
-        self.layout = training_layout(config, lora)
+        # what trains (a LoRA run's adapters; set by start): the workers take it as it is, no model of theirs to build
+        self.layout: Any = None
         self.placements: list[NodePlacement] = []  # one per node, the driver's first
         self.stores: list[Any] = []  # one per node, the driver's first
         self.handles: list[ArenaHandle] = []  # their arenas
@@ -80,13 +78,14 @@ class RunActors:
         self.store_args: tuple[Any, ...] = ()
         self.tier: TierSpec | None = None  # the states on NVMe (megatrain/memory/nvme.py)
 
-    def start(self, engine_config: EngineConfig, on_gpu: bool, store_args: tuple[Any, ...]) -> None:
-        """Every node's actors, in the placements reserved. engine_config: as the memory plan resolved it; store_args:
-        what the parameter stores are made from (again, by a recovery that replaces every actor)."""
+    def start(self, engine_config: EngineConfig, on_gpu: bool, store_args: tuple[Any, ...], tier: TierSpec | None = None
+              ) -> None:
+        """Every node's actors, in the placements reserved. engine_config: as the run's plan resolved it; store_args:
+        what the parameter stores are made from (again, by a recovery that replaces every actor); tier: the states on
+        NVMe (RunPlan.tier)."""
         self.engine_config, self.on_gpu, self.store_args = engine_config, on_gpu, store_args
-        assert isinstance(engine_config.resident, int)
-        self.tier = resolve_tier(engine_config.nvme, engine_config.nvme_states, engine_config.resident,
-                                 len(self.placements), engine_config.lora is not None)
+        self.layout = training_layout(self.config, engine_config.lora)
+        self.tier = tier
         self._start()
 
     def replace_all(self) -> None:

@@ -46,6 +46,7 @@ from megatrain.io.checkpoint import CheckpointError
 from megatrain.io.hub import tokenizer_files
 from megatrain.memory.kept_activations import check_keep_activations
 from megatrain.presets import default_lr, default_warmup
+from megatrain.run_plan import PLAN_FILE
 from megatrain.store import resolve_model
 from megatrain.telemetry import write_chrome_trace
 from pipelines.engine import Engine, StepResult
@@ -311,6 +312,7 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
             out_dir.mkdir(parents=True, exist_ok=True)  # only now: a run that cannot start leaves no directory
             start = resume_latest(engine, loader, out_dir) if cfg.resume else 0
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+            (out_dir / PLAN_FILE).write_text(json.dumps(engine.run_plan.to_dict(), indent=2))  # = plan --json's
             prediction = record_prediction(engine, out_dir)
             return _loop(cfg, engine, loader, out_dir, start, extra_files or [], prediction)
     finally:

@@ -4,7 +4,6 @@ longest first). Plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -137,11 +136,28 @@ def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torc
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest test files first (seconds in tests/durations.json; a file not there counts as the longest): with
-    -n 2 each file runs whole in one process, handed out in this order (pyproject.toml's --dist loadfile
-    --no-loadscope-reorder), and a long file handed out last leaves the other process's core idle while it runs."""
-    durations = json.loads((Path(__file__).parent / "durations.json").read_text())
-    items.sort(key=lambda item: -durations.get(item.path.name, float("inf")))  # stable: each file's order kept
+    """The longest test files first (seconds in tests/durations.json; a file not there first of all, see
+    tests/durations.py): with -n 2 each file runs whole in one process, handed out in this order (pyproject.toml's
+    --dist loadfile --no-loadscope-reorder), and a long file handed out last leaves the other process's core idle
+    while it runs."""
+    from durations import file_order, read
+
+    order = file_order({item.path.name for item in items}, read())
+    items.sort(key=lambda item: -order[item.path.name])  # stable: each file's order kept
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+                            ) -> None:
+    """Names the test files that ran and that tests/durations.json does not list (they ran first), and how to add
+    them: from the tests' reports, which pytest-xdist's controller (which collects nothing itself) receives too."""
+    from durations import read, unlisted
+
+    reports = (r for outcome in terminalreporter.stats.values() for r in outcome if hasattr(r, "nodeid"))
+    names = unlisted((Path(r.nodeid.split("::")[0]).name for r in reports if r.nodeid), read())
+    if names:
+        terminalreporter.write_line(f"not in tests/durations.json, so run first: {', '.join(names)} (add them: "
+                                    "pytest FILES --junitxml=/tmp/j.xml && python3 tests/durations.py --merge "
+                                    "/tmp/j.xml)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -2,7 +2,14 @@
 
     python3 -m pytest -n 2 --junitxml=/tmp/junit.xml && python3 tests/durations.py /tmp/junit.xml
 
-writes tests/durations.json from the run's JUnit XML (a test's time there is its setup, call and teardown)."""
+writes tests/durations.json from the run's JUnit XML (a test's time there is its setup, call and teardown). After a
+run of only some files (a new test file: `python3 -m pytest tests/test_new.py --junitxml=/tmp/junit.xml`),
+
+    python3 tests/durations.py --merge /tmp/junit.xml
+
+updates just their entries. A file with no entry runs first (file_order): its time is unknown, and a long file
+handed out last would leave the other test process's core idle while it runs, where a short one run first costs
+nothing; the run's summary names such files (conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 DURATIONS = Path(__file__).with_name("durations.json")
@@ -20,8 +28,36 @@ def file_seconds(junit_xml: Path) -> dict[str, float]:
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")[-1]  # classname "tests.test_engine": test_engine.py's tests
         seconds[f"{module}.py"] += float(case.get("time") or 0.0)
-    return {name: round(s, 1) for name, s in sorted(seconds.items(), key=lambda item: -item[1])}
+    return {name: round(s, 1) for name, s in seconds.items()}
+
+
+def by_length(seconds: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(seconds.items(), key=lambda item: -item[1]))
+
+
+def read() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text())
+
+
+def file_order(files: Iterable[str], durations: dict[str, float]) -> dict[str, float]:
+    """Each file's sort key for the longest-first order: its recorded seconds, and for a file with none, infinity
+    (first: see the module's docstring). Entries of files that are gone are ignored."""
+    return {name: durations.get(name, float("inf")) for name in files}
+
+
+def unlisted(files: Iterable[str], durations: dict[str, float]) -> list[str]:
+    return sorted({name for name in files if name not in durations})
+
+
+def main(argv: list[str]) -> int:
+    merge = argv[:1] == ["--merge"]
+    if len(argv) != 1 + merge:
+        print(__doc__)
+        return 2
+    seconds = file_seconds(Path(argv[-1]))
+    DURATIONS.write_text(json.dumps(by_length({**read(), **seconds} if merge else seconds), indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    DURATIONS.write_text(json.dumps(file_seconds(Path(sys.argv[1])), indent=1) + "\n")
+    sys.exit(main(sys.argv[1:]))

@@ -1,88 +1,135 @@
-"""Generation by the streamed model with a KV cache (megatrain/engine/generation.py): greedy tokens equal to
-transformers' `generate` on a left-padded batch, for Llama, Qwen2 and Qwen3, on the CPU path and under simulated
-streams, with and without resident units; a row stops at its end-of-sequence token; sampling repeats with its seed and
-filters as transformers' warpers do; Engine.generate and `megatrain generate` with text prompts."""
+"""Generation by the streamed model with a KV cache (megatrain/engine/generation.py): greedy tokens (and the logits of
+every step) equal to transformers' `generate` on a left-padded batch, for Llama, Qwen2, Qwen3, Gemma 2 and 3 and, on
+the generic path, GPT-2 and GPT-OSS, on the CPU path and under simulated streams, with and without resident units; a
+row stops at its end-of-sequence token; sampling repeats with its seed and filters as transformers' warpers do; a layer
+with state beyond keys and values is refused; Engine.generate and `megatrain generate` with text prompts."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_one_sentence, build_hf_model
+from helpers import (
+    FAMILIES,
+    REL_TOL,
+    SHAPE,
+    VOCAB,
+    assert_one_sentence,
+    build_hf_model,
+    gemma2_config,
+    gemma3_config,
+    rel_err,
+)
+from transformers import GPT2Config, GptOssConfig, PretrainedConfig, Qwen3NextConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 import megatrain
 from megatrain import MegatrainError
 from megatrain.config import ConfigError
+from megatrain.engine import generation
 from megatrain.engine.executor import Executor
-from megatrain.engine.generation import Generator, Sampling, sampling_scores
+from megatrain.engine.generation import Generator, Sampling, pick_next, sampling_scores
 from megatrain.store import ParameterStore
 from pipelines.cli import main
+from pipelines.generate import read_prompts
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 100, 101, 17, 18, 19]]  # left-padded to 7 tokens
 NEW = 10
 
 
-def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int | None = None) -> list[list[int]]:
+def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int | None = None,
+              logits: list[torch.Tensor] | None = None) -> list[list[int]]:
     """transformers' greedy generate on the prompts left-padded (with its attention mask): each row's new tokens, up
-    to and including its end-of-sequence token."""
+    to and including its end-of-sequence token; the logits of every step appended to `logits`, where given."""
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos)
-    rows = [r[longest:].tolist() for r in out]
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                      output_logits=True, return_dict_in_generate=True)
+    if logits is not None:
+        logits.extend(out.logits)
+    rows = [r[longest:].tolist() for r in out.sequences]
     return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
 
-@pytest.fixture(scope="module", params=["llama-gqa", "qwen2-tied", "qwen3-head-dim"])
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[torch.nn.Module, ParameterStore]]:
-    hf = build_hf_model(FAMILIES[request.param]())
+# native families (templates.DecoderLayer.cached; Gemma 2's soft-caps and Gemma 3's local and global layers:
+# gemma_layers.py), and two on the generic path (transformers' own layers, hf_cached.py): GPT-2 (learned positions
+# before its first layer, the cache handed to its layers by position) and GPT-OSS (a sliding window of 4 shorter than
+# prompt and completion, attention sinks, MoE)
+MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    **{name: FAMILIES[name] for name in ("llama-gqa", "qwen2-tied", "qwen3-head-dim")},
+    "gemma2": gemma2_config, "gemma3": gemma3_config,
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                               eos_token_id=1),
+    "gpt_oss": lambda: GptOssConfig(**SHAPE, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4),
+}
+
+
+@dataclass
+class Family:
+    hf: torch.nn.Module
+    store: ParameterStore  # the same weights in megatrain's arena
+    greedy: list[list[int]]  # transformers' greedy tokens of PROMPTS, NEW a row
+    logits: list[torch.Tensor]  # and the logits of each step
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
+    hf = build_hf_model(MODELS[request.param]())
     directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory)
     store = ParameterStore(directory, check_memory=False)
-    yield hf, store
+    logits: list[torch.Tensor] = []
+    yield Family(hf, store, hf_greedy(hf, PROMPTS, NEW, logits=logits), logits)
     store.close()
 
 
 def generated(store: ParameterStore, sampling: Sampling, device: str = "cpu", resident: int = 0,
-              prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+              prompts: list[list[int]] = PROMPTS, logits: list[torch.Tensor] | None = None) -> list[list[int]]:
+    """The executor's generation (the logits each step picks from appended to `logits`, where given)."""
     executor = Executor(store.config, store.layout, store.arena.params, store.arena.grads, device, "fp32",
                         resident_units=resident)
     try:
         if resident:
             executor.resident.load(store.arena.tensors, 0)
-        return Generator(executor).generate(prompts, sampling).token_ids
+        with pytest.MonkeyPatch.context() as patch:
+            if logits is not None:
+                patch.setattr(generation, "pick_next", lambda z, *args: logits.append(z) or pick_next(z, *args))
+            return Generator(executor).generate(prompts, sampling).token_ids
     finally:
         executor.close()
 
 
 @pytest.mark.parametrize(("device", "resident"), [("cpu", 0), ("cpu-async:2", 2), ("cpu", "all")])
-def test_greedy_generation_is_transformers_generate(family: tuple[torch.nn.Module, ParameterStore], device: str,
+def test_greedy_generation_is_transformers_generate(family: Family, device: str,
                                                     resident: int | str) -> None:
     """Every unit streamed, the embedding and layer 0 resident (simulated streams), and every unit resident."""
-    hf, store = family
-    count = len(store.layout.units) if resident == "all" else int(resident)
-    assert generated(store, Sampling(max_new_tokens=NEW), device, count) == hf_greedy(hf, PROMPTS, NEW)
+    count = len(family.store.layout.units) if resident == "all" else int(resident)
+    logits: list[torch.Tensor] = []
+    assert generated(family.store, Sampling(max_new_tokens=NEW), device, count, logits=logits) == family.greedy
+    assert len(logits) == len(family.logits) == NEW
+    assert max(rel_err(z, want) for z, want in zip(logits, family.logits, strict=True)) <= REL_TOL
 
 
-def test_a_row_stops_at_its_end_of_sequence_token(family: tuple[torch.nn.Module, ParameterStore]) -> None:
-    """A token some row picks first after a few others is made the end of sequence: that row stops there, the others
-    run on (or stop where they pick it too), as in transformers' generate."""
-    hf, store = family
-    free = hf_greedy(hf, PROMPTS, NEW)
-    row, at = next((r, j) for r, tokens in enumerate(free) for j in range(1, NEW) if tokens[j] not in tokens[:j])
+def test_a_row_stops_at_its_end_of_sequence_token(family: Family) -> None:
+    """A token some row picks first after a few others (else its first) is made the end of sequence: that row stops
+    there, the others run on (or stop where they pick it too), as in transformers' generate."""
+    free = family.greedy
+    row, at = next(((r, j) for r, tokens in enumerate(free) for j in range(1, NEW) if tokens[j] not in tokens[:j]),
+                   (0, 0))
     eos = free[row][at]
-    want = hf_greedy(hf, PROMPTS, NEW, eos)
+    want = hf_greedy(family.hf, PROMPTS, NEW, eos)
     assert want[row][-1] == eos and len(want[row]) == at + 1
-    assert generated(store, Sampling(max_new_tokens=NEW, eos_token_ids=(eos,))) == want
+    assert generated(family.store, Sampling(max_new_tokens=NEW, eos_token_ids=(eos,))) == want
 
 
-def test_sampling_repeats_with_its_seed(family: tuple[torch.nn.Module, ParameterStore]) -> None:
-    _, store = family
+def test_sampling_repeats_with_its_seed(family: Family) -> None:
+    store = family.store
     sampling = Sampling(max_new_tokens=NEW, temperature=1.5, top_p=0.9, seed=3)
     first = generated(store, sampling)
     assert generated(store, sampling, "cpu-async:1", 2) == first
@@ -108,13 +155,30 @@ def test_bad_sampling_settings_are_refused_in_one_sentence(settings: dict, words
     assert_one_sentence(str(e.value))
 
 
-def test_bad_prompts_are_refused_in_one_sentence(family: tuple[torch.nn.Module, ParameterStore]) -> None:
-    _, store = family
+def test_bad_prompts_are_refused_in_one_sentence(family: Family) -> None:
+    store = family.store
     for prompts, words in (([], "at least one prompt"), ([[1, 2], []], "non-empty"), ([[1, 999]], "vocabulary")):
         with pytest.raises(MegatrainError) as e:
             generated(store, Sampling(), prompts=prompts)
         assert words in str(e.value)
         assert_one_sentence(str(e.value))
+
+
+def test_a_layer_with_state_beyond_keys_and_values_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    """Qwen3-Next's linear-attention layers keep a convolution's and a recurrence's state between tokens."""
+    hf = build_hf_model(Qwen3NextConfig(**SHAPE, intermediate_size=32, moe_intermediate_size=16, num_experts=2,
+                                        num_experts_per_tok=1, shared_expert_intermediate_size=16, num_hidden_layers=2,
+                                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                                        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]))
+    hf.save_pretrained(tmp_path)
+    store = ParameterStore(tmp_path, check_memory=False)
+    try:
+        with pytest.raises(MegatrainError) as e:
+            generated(store, Sampling(max_new_tokens=2))
+    finally:
+        store.close()
+    assert "state other than attention keys and values" in str(e.value)
+    assert_one_sentence(str(e.value))
 
 
 # ---- Engine.generate and `megatrain generate` ----
@@ -156,6 +220,20 @@ def test_engine_generates_from_text_and_ids_as_transformers(ray_session: None, w
     assert sampled[0] == sampled[1]
 
 
+def test_the_generate_commands_prompts_are_its_texts_then_its_files_lines(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [3, 4]}) + "\n\n" + json.dumps({"prompt": "w5 w6"}) + "\n")
+    assert read_prompts(["w1"], str(prompts)) == ["w1", [3, 4], "w5 w6"]
+    prompts.write_text(json.dumps({"text": "w5"}) + "\n")
+    for texts, file, words in (([], None, "needs a prompt"), ([], str(prompts), "line 1"),
+                               ([], str(tmp_path / "none.jsonl"), "is no file")):
+        with pytest.raises(ConfigError) as e:
+            read_prompts(texts, file)
+        assert words in str(e.value)
+        assert_one_sentence(str(e.value))
+
+
+@pytest.mark.slow  # an Engine of its own; test_engine_generates_from_text_and_ids_as_transformers runs the same path
 def test_the_generate_command_prints_a_json_line_per_prompt(ray_session: None, worded: tuple[torch.nn.Module, Path],
                                                             tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     hf, directory = worded

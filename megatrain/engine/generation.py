@@ -82,8 +82,7 @@ class KVCache:
     def append(self, layer: int, new: KV) -> None:
         """Layer `layer`'s keys and values of the tokens running now (kept at length.. until `advance`)."""
         if self.keys[layer] is None:
-            b, heads, _, d = new[0].shape
-            self.keys[layer] = tuple(t.new_empty(b, heads, self.capacity, d) for t in new)  # type: ignore[assignment]
+            self.keys[layer] = tuple(t.new_empty(*t.shape[:2], self.capacity, t.shape[3]) for t in new)  # type: ignore
         end = self.length + new[0].shape[2]
         for cached, t in zip(self.keys[layer], new, strict=True):  # type: ignore[arg-type]
             cached[:, :, self.length : end] = t

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatrain.config import ModelConfig
 from megatrain.model import ops
 from megatrain.model.templates import (
+    KV,
     Bind,
     Documents,
     Trainable,
@@ -92,17 +93,33 @@ class GemmaLayer:
     def attention(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor],
                   documents: Documents = None) -> torch.Tensor:
         """x + post_norm(attn(norm(x)))."""
-        c = self.config
-        b, t, _ = x.shape
-        eps = c.rms_norm_eps
+        q, k, v = self._qkv(x, w, rope)
+        attn = ops.windowed_attention(q, k, v, documents, window=self.window, scale=self.scale, softcap=self.softcap)
+        return self._output(x, attn, w)
+
+    def cached(self, x: torch.Tensor, w: Weights, past: KV | None, rope: tuple[torch.Tensor, torch.Tensor],
+               sees: torch.Tensor) -> tuple[torch.Tensor, KV]:
+        """One step of cached generation, as templates.DecoderLayer.cached: (the layer's output on new tokens x, their
+        (k, v)), attending to the earlier keys and values `past` and their own where `sees` says (the window in it)."""
+        q, k, v = self._qkv(x, w, rope)
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+        attn = ops.masked_attention(q, keys, values, sees, scale=self.scale, softcap=self.softcap)
+        return self.mlp(self._output(x, attn, w), w), (k, v)
+
+    def _qkv(self, x: torch.Tensor, w: Weights, rope: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        eps = self.config.rms_norm_eps
         h = ops.gemma_rms_norm(x, w["input_layernorm.weight"], eps)
         # Gemma 3: over head_dim, one weight shared by the heads, before RoPE
         qk_norm = (lambda heads, g: ops.gemma_rms_norm(heads, g, eps)) if self.qk_norm else None
-        q, k, v = project_qkv(h, w, c, rope, qk_norm)
-        attn = ops.windowed_attention(q, k, v, documents, window=self.window, scale=self.scale, softcap=self.softcap)
-        out = F.linear(attn.transpose(1, 2).reshape(b, t, c.q_size), w["self_attn.o_proj.weight"],
+        return project_qkv(h, w, self.config, rope, qk_norm)
+
+    def _output(self, x: torch.Tensor, attn: torch.Tensor, w: Weights) -> torch.Tensor:
+        """x + post_norm(o_proj(attn)), attn [b, heads, t, d]."""
+        b, t, _ = x.shape
+        out = F.linear(attn.transpose(1, 2).reshape(b, t, self.config.q_size), w["self_attn.o_proj.weight"],
                        w.get("self_attn.o_proj.bias"))
-        return x + ops.gemma_rms_norm(out, w["post_attention_layernorm.weight"], c.rms_norm_eps)
+        return x + ops.gemma_rms_norm(out, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
 
 
 class GemmaBatch:
@@ -116,6 +133,19 @@ class GemmaBatch:
 
     def forward_done(self) -> torch.Tensor | None:
         return None
+
+
+class GemmaCachedBatch:
+    """A cached generation step's: each layer gets its kind's rotary tables at the new tokens' positions and the keys
+    they see within its kind's window."""
+
+    def __init__(self, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], types: list[str],
+                 sees: dict[str, torch.Tensor]):
+        self.ropes, self.types, self.sees = ropes, types, sees
+
+    def layer_args(self, index: int) -> tuple[Any, ...]:
+        kind = self.types[index]
+        return (self.ropes[kind], self.sees[kind])
 
 
 class GemmaArchitecture:
@@ -148,6 +178,20 @@ class GemmaArchitecture:
                 self._rope[key] = ops.rope_cos_sin(rope_config, seq, device, dtype)
             ropes[kind] = self._rope[key]
         return GemmaBatch(ropes, self.types, documents)
+
+    def cached_batch(self, positions: torch.Tensor, key_positions: torch.Tensor, device: torch.device,
+                     dtype: torch.dtype) -> GemmaCachedBatch:
+        """Generation's (architecture.py)."""
+        positions, key_positions = positions.to(device), key_positions.to(device)
+        ropes, sees = {}, {}
+        for kind in set(self.types):
+            ropes[kind] = ops.rope_cos_sin(self.rope_configs[kind], positions.shape[1], device, dtype,
+                                           positions.clamp_min(0))
+            sees[kind] = ops.cached_sees(positions, key_positions, self.templates[kind].window)
+        return GemmaCachedBatch(ropes, self.types, sees)
+
+    def cached_layer(self, index: int) -> Any:
+        return self.templates[self.types[index]].cached
 
     def tile(self, tile_tokens: int) -> None:
         for template in self.templates.values():

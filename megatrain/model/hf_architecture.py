@@ -187,10 +187,14 @@ class FirstLayer:
         return self.layer.module
 
     def __call__(self, x: torch.Tensor, w: Weights, call: LayerCall) -> torch.Tensor:
+        with replayed_rng(call, x.device):  # the forward's draws in its order: the embedding dropout, then the layer's
+            return self.layer.run(*self.before(x, w, call.batch), call)
+
+    def before(self, x: torch.Tensor, w: Weights, batch: Any) -> tuple[torch.Tensor, Weights]:
+        """(what the model's forward gives the first layer from embeddings x, the layer's own weights of w)."""
         pre = {name[len(PRE):]: t for name, t in w.items() if name.startswith(PRE)}
         own = {name: t for name, t in w.items() if not name.startswith(PRE)}
-        with replayed_rng(call, x.device):  # the forward's draws in its order: the embedding dropout, then the layer's
-            return self.layer.run(self.arch.pre(x, pre, call.batch), own, call)
+        return self.arch.pre(x, pre, batch), own
 
 
 @contextlib.contextmanager
@@ -339,7 +343,10 @@ class GenericArchitecture:
         return torch.func.functional_call(embedding, {**own, "weight": x.reshape(b * t, h)}, (ids,), strict=False)
 
     def _run_skeleton(self, batch_size: int, seq: int, device: torch.device, dtype: torch.dtype,
-                      fill: float = 0.0, position_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:
+                      fill: float = 0.0, position_ids: torch.Tensor | None = None, **forward: Any
+                      ) -> list[dict[str, Any]]:
+        """The layers' calls in the model's forward on [batch_size, seq] embeddings; forward: its other arguments (a
+        cached step's attention mask and cache: hf_cached.py)."""
         base = self._skeleton_for(device)
         x = torch.full((batch_size, seq, self.model_config.hidden_size), fill, device=device, dtype=dtype)
         layers = list(stack_of(self.model, self.parts))
@@ -352,7 +359,7 @@ class GenericArchitecture:
                                                           for i, layer in enumerate(layers)))
             try:  # an embedding dropout runs here too: on a forked RNG, so that the layers draw what transformers' do
                 with contextlib.suppress(_Recorded), torch.no_grad(), _forked_rng(device):
-                    base(inputs_embeds=x, position_ids=position_ids, use_cache=False)
+                    base(**{"inputs_embeds": x, "position_ids": position_ids, "use_cache": False, **forward})
             except Exception:
                 if arity == arities[-1]:
                     raise
@@ -383,6 +390,32 @@ class GenericArchitecture:
 
     def layer(self, index: int) -> GenericLayer | FirstLayer:
         return self.layers[index]
+
+    def cached_batch(self, positions: torch.Tensor, key_positions: torch.Tensor, device: torch.device,
+                     dtype: torch.dtype) -> Any:
+        """Generation's (architecture.py; hf_cached.py): positions [b, n] of the new tokens, key_positions [b, m] of
+        every token so far (theirs last; -1: padding, which the forward reads from the attention mask it is given, as
+        transformers' generate gives it); the forward sees the m - n tokens before as a cache would show them."""
+        from megatrain.model.hf_cached import CachedBatch, SeenTokens, evaluating
+
+        b, n = positions.shape
+        seen = SeenTokens(key_positions.shape[1] - n)
+        position_ids = positions.clamp_min(0).to(device)
+        mask = (key_positions >= 0).long().to(device)
+        with evaluating(self._skeleton_for(device)):
+            calls = self._run_skeleton(b, n, device, dtype, position_ids=position_ids, attention_mask=mask, cache=seen,
+                                       use_cache=True)
+        batch = CachedBatch([], position_ids, seen)
+        batch.calls = [LayerCall(i, _layer_kwargs(call), batch) for i, call in enumerate(calls)]  # type: ignore
+        return batch
+
+    def cached_layer(self, index: int) -> Callable[..., Any]:
+        from megatrain.model.hf_cached import cached_layer
+
+        layer = self.layers[index]
+        if isinstance(layer, FirstLayer):
+            return cached_layer(self, layer.layer, layer.before)
+        return cached_layer(self, layer)
 
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
         if self.norm is None:

@@ -116,13 +116,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     return _fused_sdpa(q, k, v)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, *,
+                     scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of queries q [b, heads, n, d] over keys and values [b, kv_heads, m, d] (grouped-query when kv_heads <
-    heads) where sees [b, 1, n, m] is True: a cached generation step's, whose new tokens attend to earlier ones."""
+    heads) where sees [b, 1, n, m] is True: a cached generation step's, whose new tokens attend to earlier ones. scale
+    and softcap as windowed_attention's (Gemma's)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, scale=scale)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~sees, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def cached_sees(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None

@@ -198,7 +198,9 @@ class GPUExecutor:
         self._speculated = {step: set(speculated)}
         out.held = []
         stats = rec.end_step()
+        token_loss = batch.get("token_loss")  # what its loss reported of the batch (TokenLoss.reported)
         return {"loss": out.loss, "tokens": out.tokens, "seq": int(input_ids.shape[1]),
+                "loss_metrics": token_loss.reported if token_loss is not None else {},
                 "unit_norms_sq": out.unit_grad_norms_sq,
                 "updates": issued, "skipped_units": skipped_units, "speculated": speculated,
                 "resident": [u.index for u in self.resident.units],

@@ -1,4 +1,4 @@
-"""`megatrain train | finetune | plan | calibrate | generate | cleanup | report | doctor | dashboard`.
+"""`megatrain train | finetune | plan | calibrate | generate | dpo | grpo | cleanup | report | doctor | dashboard`.
 
 Errors a user can fix (MegatrainError, also when raised inside an actor) print one line and exit 2;
 Ctrl-C stops the run, removes its shared memory and exits 130.
@@ -28,6 +28,7 @@ from megatrain.config import (
 from pipelines.generate_command import add_generate_parser
 from pipelines.plan_cli import _plan_json  # noqa: F401 - where tests and callers have found it
 from pipelines.plan_prediction import add_prediction_flags
+from pipelines.post_commands import add_post_parsers
 
 GRADS_HELP = ("where gradients wait for the optimizer: auto (least host memory that works), arena (16 B/param on "
               "the host), stream (12 B/param, clipping off), device (12 B/param, on the GPU until the step ends)")
@@ -341,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     add_generate_parser(sub)
+    add_post_parsers(sub)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
     p.add_argument("--all", action="store_true", help="also remove segments of live runs")

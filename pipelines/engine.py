@@ -82,6 +82,7 @@ class StepResult:
     # how its update ran, as the prediction's cases name them (megatrain/perf/predict.py CASES): "speculated" beside
     # the backward (or final as each gradient landed), "rolled back", "serial" (after the step, its norm known first)
     update: str = "speculated"
+    loss_metrics: dict[str, float] = field(default_factory=dict)  # what a loss on log-probs reported (token_loss.py)
 
 
 class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: pipelines/generate.py, logprobs.py
@@ -326,7 +327,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self._record(out, time.monotonic() - t0, finite)
         self._count_nonfinite(finite, out["loss"], grad_norm)
         return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
-                          out["spans"] + (update_spans if self.trace else []), update == "rolled back", update)
+                          out["spans"] + (update_spans if self.trace else []), update == "rolled back", update,
+                          out.get("loss_metrics", {}))
 
     def _speculation(self) -> Speculation | None:
         """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""

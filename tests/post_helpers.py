@@ -1,6 +1,12 @@
 """What the post-training tests share (test_token_loss, test_dpo, test_grpo): transformers' per-token log-probs under
-autograd, and its training on a loss of them with torch.optim.AdamW, in fp32 and in fp64 (the exact run both fp32
-runs are judged against), as tests/helpers.py's hf_reference does for cross-entropy."""
+autograd (TRL's own fused LM head in fp32, trl.trainer.utils.add_fused_lm_head; the plain log-softmax in fp64, where
+TRL's head computes in fp32), TRL's DPO and GRPO losses on them, and transformers' training on such a loss with
+torch.optim.AdamW, in fp32 and in fp64 (the exact run the fp32 runs are judged against), as tests/helpers.py's
+hf_reference does for cross-entropy.
+
+TRL's loss code is not separable from its trainers (DPOTrainer._compute_loss, GRPOTrainer._compute_loss read the
+trainer's state and an accelerator), so trl_dpo_loss and trl_grpo_loss replicate it operation for operation, with
+the lines of trl 1.16.0 they follow."""
 
 from __future__ import annotations
 
@@ -10,37 +16,106 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import max_rel
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from trl.trainer.utils import add_fused_lm_head
 
 # (ids, labels, fields) of one step
 Step = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, total_steps=4)
+# (TRL-aligned log-probs [b, t - 1], entropies [b, t - 1], fields) -> the loss
+LossOf = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def trl_logprobs(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [b, t - 1] as TRL's trainers get them (position t: the label t + 1; 0 where
+    it is -100), under autograd: TRL's fused LM head on an fp32 model, the plain log-softmax of logits / temperature
+    on an fp64 one (TRL's head returns fp32 whatever the model's dtype)."""
+    if model.dtype == torch.float32:
+        if getattr(model, "_trl_temperature", None) != temperature:
+            add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
+            model._trl_temperature = temperature
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False)
+        return out.log_probs, out.entropy
+    logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits / temperature, dim=-1)[:, :-1]
+    target = labels[:, 1:]
+    valid = target != -100
+    picked = logp.gather(2, target.clamp_min(0).unsqueeze(2)).squeeze(2) * valid
+    return picked, -(logp.exp() * logp).sum(-1) * valid
+
+
+def label_aligned(trl: torch.Tensor) -> torch.Tensor:
+    """TRL's [b, t - 1] as megatrain aligns it, [b, t] with the labels (0 at position 0)."""
+    return torch.cat([trl.new_zeros(trl.shape[0], 1), trl], 1)
 
 
 def hf_logprobs(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' log-softmax of logits / temperature gathered at the labels, and each position's entropy, aligned
-    with the labels (0 at position 0 and where the label is -100), in the model's dtype; under autograd."""
+    with the labels as megatrain gives them; under autograd."""
     logp = torch.log_softmax(hf(input_ids=ids, use_cache=False).logits / temperature, dim=-1)[:, :-1]
     target = labels[:, 1:]
     valid = target != -100
     picked = logp.gather(2, target.clamp_min(0).unsqueeze(2)).squeeze(2) * valid
-    entropy = -(logp.exp() * logp).sum(-1) * valid
-    zero = torch.zeros(ids.shape[0], 1, dtype=logp.dtype)
-    return torch.cat([zero, picked], 1), torch.cat([zero, entropy], 1)
+    return label_aligned(picked), label_aligned(-(logp.exp() * logp).sum(-1) * valid)
 
 
-LossOf = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+def trl_dpo_loss(per_token_logps: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """dpo_trainer.py DPOTrainer._compute_loss, the sigmoid loss with reverse KL (ld_alpha None): L1304 the sum over
+    the sequence, L1316 chunk into [chosen, rejected], L1350-1351 the log-ratios to the reference's (ref: TRL's
+    ref_chosen_logps then ref_rejected_logps), L1354 the scores, L1383 delta_score, L1388 -logsigmoid(beta * delta),
+    L1528 `loss += per_sequence_loss.mean() * loss_weight` (weight 1)."""
+    logps = per_token_logps.sum(dim=1)
+    chosen_logps, rejected_logps = logps.chunk(2, dim=0)
+    ref_chosen_logps, ref_rejected_logps = ref.chunk(2, dim=0)
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    delta_score = chosen_logratios - rejected_logratios
+    per_sequence_loss = -F.logsigmoid(beta * delta_score)
+    return 0.0 + per_sequence_loss.mean() * 1.0
+
+
+def trl_grpo_loss(per_token_logps: torch.Tensor, inputs: dict[str, torch.Tensor], loss_type: str,
+                  epsilon_low: float, epsilon_high: float, beta: float, max_completion_length: int) -> torch.Tensor:
+    """grpo_trainer.py GRPOTrainer._compute_loss with importance sampling per token, no delta, no masks beyond the
+    completion's, one process, no gradient accumulation, steps_per_generation 1 (the normalizers' factors 1): on the
+    completion's [b, c] tensors as TRL holds them. L3059 advantages unsqueezed, L3066 old log-probs (detached current
+    where absent), L3083 log_ratio, L3095 coef_1, L3100 the k3 KL, L3113 coef_2, L3118-3120 the clipped surrogate,
+    L3150 + beta * KL, L3154 grpo, L3159 bnpo, L3164 dr_grpo, L3170-3173 dapo (num_items_in_batch)."""
+    mask = inputs["completion_mask"]
+    advantages = inputs["advantages"].unsqueeze(1)
+    old_per_token_logps = inputs.get("old_per_token_logps")
+    old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    log_ratio = per_token_logps - old_per_token_logps
+    coef_1 = torch.exp(log_ratio)
+    if beta != 0.0:
+        ref_per_token_logps = inputs["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / 1.0
+    if loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / 1.0
+    if loss_type == "dr_grpo":
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length) / 1.0
+    assert loss_type == "dapo"
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / 1
+    normalizer = normalizer * 1 / 1
+    return (per_token_loss * mask).sum() / normalizer
 
 
 def hf_train(hf_dir: Path, steps: list[Step], loss: LossOf, dtype: torch.dtype = torch.float32,
              max_grad_norm: float | None = 1.0, temperature: float = 1.0, optim: dict[str, Any] = OPTIM,
              scale: float = 1.0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' model trained on `loss` of its log-probs by torch.optim.AdamW (norms and biases not decayed) on
-    HF's cosine schedule, as the Engine's defaults; fields cast to `dtype`. Parameters returned in fp32. scale: the
-    loss differentiated is scaled by it (1 +- 2^-20: the same training, rounded differently; AdamW and clipping
-    take the scale out), the losses returned are not."""
+    """transformers' model trained on `loss` of its TRL-aligned log-probs (trl_logprobs) by torch.optim.AdamW (norms
+    and biases not decayed) on HF's cosine schedule, as the Engine's defaults; floating fields cast to `dtype`.
+    Parameters returned in fp32. scale: the loss differentiated is scaled by it (1 +- 2^-20: the same training,
+    rounded differently; AdamW and clipping take the scale out), the losses returned are not."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
     named = list(model.named_parameters())
     no_decay = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
@@ -51,7 +126,7 @@ def hf_train(hf_dir: Path, steps: list[Step], loss: LossOf, dtype: torch.dtype =
     sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     losses = []
     for ids, labels, fields in steps:
-        logp, entropy = hf_logprobs(model, ids, labels, temperature)
+        logp, entropy = trl_logprobs(model, ids, labels, temperature)
         value = loss(logp, entropy, {k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
         (value * scale).backward()
         losses.append(value.item())
@@ -77,3 +152,23 @@ def assert_trains_as_transformers(ours: tuple[list[float], dict[str, torch.Tenso
     theirs = {n: max(max_rel(run, exact)[n] for run in runs) for n in exact}
     too_far = {n: (e, theirs[n]) for n, e in mine.items() if e > max(1e-5, 2 * theirs[n])}
     assert not too_far, f"(megatrain, transformers fp32) relative errors against fp64: {too_far}"
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example_main(script: Path, *args: str) -> None:
+    """An example script's main(argv), in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(list(args))
+
+
+def tiny_chat_model(corpus: Path, out: Path) -> Path:
+    """examples/finetune/make_model.py's tiny Qwen2 with a BPE tokenizer trained on `corpus` (chat records)."""
+    example_main(EXAMPLES / "finetune" / "make_model.py", "--data", str(corpus), "--out", str(out))
+    return out

@@ -41,6 +41,9 @@ class TokenLoss:
     fields: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0
     entropy: bool = False
+    # what fn.metrics(logprobs, entropy, fields) -> {name: number} said of the step's batch, where fn has it: set
+    # where the loss is evaluated (in the executor's process), returned with the step's result
+    reported: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
@@ -82,6 +85,8 @@ def loss_coefficients(loss: TokenLoss, logp: torch.Tensor, entropy: torch.Tensor
         raise MegatrainError("the loss function must return one number computed from the log-probabilities (a "
                              f"0-d tensor with a gradient), got {type(value).__name__} "
                              f"{getattr(value, 'shape', '')}.".replace(" .", "."))
+    if hasattr(loss.fn, "metrics"):
+        loss.reported = loss.fn.metrics(lp.detach(), None if ent is None else ent.detach(), fields)
     inputs = [lp] if ent is None else [lp, ent]
     grads = torch.autograd.grad(value.reshape(()), inputs, allow_unused=True, materialize_grads=True)
     return value.detach().reshape(()).float(), head_aligned(grads[0]), None if ent is None else head_aligned(grads[1])

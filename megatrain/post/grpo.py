@@ -1,0 +1,126 @@
+"""GRPO (Shao et al. 2024) as TRL's GRPOTrainer computes it (trl 1.16.0, trl/trainer/grpo_trainer.py): rewards
+weighted and summed per completion, advantages normalised within each prompt's group (_generate_and_score_completions:
+(r - group mean) / (group std + 1e-4), the std Bessel-corrected as trl's nanstd; or by the batch's std, or not
+scaled), and the clipped surrogate of _compute_loss with importance sampling per token:
+
+    ratio = exp(logp - old_logp)
+    per token: -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * KL
+    KL (k3, to the reference): exp(ref - logp) - (ref - logp) - 1
+
+aggregated by loss type: "grpo" the mean over sequences of each one's mean over its tokens; "bnpo" the mean over
+the batch's tokens; "dr_grpo" the sum over tokens / (sequences x max_completion_length); "dapo" the sum over tokens /
+the tokens of the whole generation batch (`num_items`, default this batch's: one optimisation step over it).
+
+Rows are prompt then completion; the fields of a step, aligned with the labels as Engine.step gives log-probs:
+"mask" [B, seq] 1 on completion tokens, "advantages" [B], "old_logps" [B, seq] (the policy that sampled; absent:
+the current one, detached, as TRL with one iteration), "ref_logps" [B, seq] where beta > 0, "num_items" [] for dapo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.config import ConfigError
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """Per completion [B] (B = prompts x group_size, each prompt's completions together): its reward less its
+    group's mean, over the group's std (scale "group") or the batch's ("batch") plus 1e-4, or not scaled ("none")."""
+    if scale not in SCALE_REWARDS:
+        raise ConfigError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}.")
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(dim=1).repeat_interleave(group_size, dim=0)
+    advantages = rewards - mean
+    if scale == "none":
+        return advantages
+    if scale == "group":
+        std = _std(grouped, dim=1).repeat_interleave(group_size, dim=0) if group_size > 1 else torch.zeros_like(rewards)
+    else:
+        std = _std(rewards, dim=None).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    return advantages / (std + 1e-4)
+
+
+def _std(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Bessel-corrected standard deviation, in trl's nanstd's operations (mean of squares times n / (n - 1))."""
+    mean = x.mean(dim=dim, keepdim=True) if dim is not None else x.mean()
+    variance = ((x - mean) ** 2).mean(dim=dim) if dim is not None else ((x - mean) ** 2).mean()
+    count = x.shape[dim] if dim is not None else x.numel()
+    return (variance * (count / (count - 1))).sqrt()
+
+
+@dataclass(frozen=True)
+class GRPOLoss:
+    """The clipped surrogate (module doc) on a step's log-probs: Engine.step(loss=GRPOLoss(...), mask=...,
+    advantages=..., old_logps=..., ref_logps=...)."""
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    max_completion_length: int | None = None  # dr_grpo's constant
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}.")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ConfigError("the dr_grpo loss divides by max_completion_length; give it (max_new_tokens).")
+        if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0 and self.beta >= 0):
+            raise ConfigError("GRPO needs 0 <= epsilon_low < 1, epsilon_high >= 0 and beta >= 0, got "
+                              f"{self.epsilon_low}, {self.epsilon_high} and {self.beta}.")
+
+    def __call__(self, logp: torch.Tensor, entropy: torch.Tensor | None, fields: dict[str, torch.Tensor]
+                 ) -> torch.Tensor:
+        per_token, mask, _ = self.per_token(logp, fields)
+        if self.loss_type == "grpo":
+            return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        if self.loss_type == "bnpo":
+            return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        if self.loss_type == "dr_grpo":
+            assert self.max_completion_length is not None
+            return (per_token * mask).sum() / (per_token.size(0) * self.max_completion_length)
+        num_items = fields.get("num_items", mask.sum())
+        return (per_token * mask).sum() / num_items.clamp(min=1.0)
+
+    def per_token(self, logp: torch.Tensor, fields: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the per-token loss, the completion mask, the ratio) as _compute_loss makes them."""
+        mask, advantages = fields["mask"], fields["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = fields.get("old_logps", logp.detach())
+        coef_1 = torch.exp(logp - old)
+        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        if self.beta != 0.0:
+            per_token = per_token + self.beta * k3(logp, fields["ref_logps"])
+        return per_token, mask, coef_1
+
+    def metrics(self, logp: torch.Tensor, entropy: torch.Tensor | None, fields: dict[str, torch.Tensor]
+                ) -> dict[str, float]:
+        """TRL's logged GRPO metrics of a batch's log-probs: kl (with reference log-probs), entropy (where given)
+        and the clip fractions, each a mean over the completion tokens."""
+        with torch.no_grad():
+            _, mask, ratio = self.per_token(logp, fields)
+            advantages = fields["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+            high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+            tokens = mask.sum().clamp(min=1.0)
+            out = {"clip_ratio/low_mean": ((low * mask).sum() / tokens).item(),
+                   "clip_ratio/high_mean": ((high * mask).sum() / tokens).item(),
+                   "clip_ratio/region_mean": (((low | high) * mask).sum() / tokens).item()}
+            if "ref_logps" in fields:
+                out["kl"] = ((k3(logp, fields["ref_logps"]) * mask).sum() / tokens).item()
+            if entropy is not None:
+                out["entropy"] = ((entropy * mask).sum() / tokens).item()
+            return out
+
+
+def k3(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1."""
+    return torch.exp(ref - logp) - (ref - logp) - 1

@@ -49,6 +49,7 @@ class Machine:
     calibration: Calibration | None = None  # the cached calibration of the device the run computes on
     gpu_name: str = "the GPU"
     link_gbps: float | None = None  # between nodes (None: megatrain.config.LINK_GBPS)
+    nvme_gbps: tuple[float, float] | None = None  # the NVMe tier's disk (read, write; None: its cached calibration)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from megatrain.memory.nvme import TierSpec
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.staging import StoreTier
+from megatrain.memory.tier_plan import with_tier
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
 from megatrain.self_check import verify as self_check
@@ -122,10 +123,11 @@ class ParameterStore:
         self.config, self.source_dir, self.name = resolve_model(model, verify)
         self.num_workers = num_workers
         if check_memory:  # before the layout: its size is the config's claim, which may be absurd
-            plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
-                        grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
-                        checkpoint_budget=checkpoint_budget, micro_batches=micro_batches,
-                        nodes=nodes, lora=lora, lora_base_dtype=lora_base_dtype).check_host()
+            plan = plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
+                               grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
+                               checkpoint_budget=checkpoint_budget, micro_batches=micro_batches,
+                               nodes=nodes, lora=lora, lora_base_dtype=lora_base_dtype)
+            with_tier(plan, self.config, tier and tier.root, tier.names if tier else ()).check_host()
         self.layout = training_layout(self.config, lora)  # a LoRA run's: the adapters, its `frozen` the base
         self.grad_layout = GradLayout.build(self.layout, grads)
         self.node = NodeShard.build(self.layout, node, nodes)
@@ -297,6 +299,8 @@ class ParameterStore:
             for name, flat in moments.items():
                 ckpt.load_into(self.layout, flat, opt_files, prefix=f"{name}.", where=str(directory),
                                shard=self.node)
+        if self.tier is not None:  # the moments to disk and out of RAM
+            self.tier.written()
         self.arena.grads.zero_()
         self.set_version(int(state.get("updates_applied", 0)))
         return state

@@ -26,6 +26,7 @@ from megatrain.config import (
     cause_chain,
 )
 from pipelines.generate_command import add_generate_parser
+from pipelines.nvme_cli import add_nvme_flags
 from pipelines.plan_cli import _plan_json  # noqa: F401 - where tests and callers have found it
 from pipelines.plan_prediction import add_prediction_flags
 from pipelines.post_commands import add_post_parsers
@@ -240,10 +241,6 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     logging.disable(logging.INFO)  # what the cleanup functions log, this command prints itself
     try:
         removed = remove_stale_segments(everything=args.all)
-        if args.nvme:  # state directories of the NVMe tier whose run is gone
-            from megatrain.memory.nvme import remove_stale_state_dirs
-
-            removed += remove_stale_state_dirs(args.nvme, everything=args.all)
         reaped = reap_orphaned_ray_agents()
     finally:
         logging.disable(logging.NOTSET)
@@ -266,7 +263,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from pipelines.doctor import main as main_doctor
 
-    return main_doctor(args.address, args.json)
+    return main_doctor(args.address, args.json, args.nvme)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -346,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments of runs whose process is gone")
     p.add_argument("--all", action="store_true", help="also remove segments of live runs")
-    p.add_argument("--nvme", metavar="PATH", help="also remove the NVMe tier's state directories under PATH")
     p.set_defaults(func=cmd_cleanup)
 
     p = sub.add_parser("report", help="stall table per step and a PNG timeline of a run")
@@ -363,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "optimizer, transfers); runs on a `ray start` cluster leave it beside Ray's")
     p.add_argument("--out", help="file to write (default: print it)")
     p.set_defaults(func=cmd_dashboard)
+    add_nvme_flags(sub)  # the NVMe tier's, on train, finetune, plan, calibrate, doctor and cleanup
     return parser
 
 

@@ -169,6 +169,28 @@ def check_shm(directory: Path | str | None = None) -> Check:
     return Check("shm", OK, value)
 
 
+def check_nvme(directory: str | None, nbytes: int = 256 << 20) -> Check:
+    """The NVMe tier's directory: a filesystem on disk that takes direct I/O, its alignment, free space and the tier's
+    own sequential read and write rates on a small file (`megatrain calibrate --nvme` measures a multi-GB one)."""
+    from megatrain import MegatrainError
+    from megatrain.memory.nvme import check_directory, measure_rates
+
+    if not directory:
+        return Check("nvme", SKIPPED, "no --nvme directory given", "megatrain doctor --nvme PATH checks one.")
+    try:
+        disk = check_directory(directory, nbytes)
+    except MegatrainError as e:
+        return Check("nvme", FAIL, str(directory), str(e))
+    write, read = measure_rates(directory, nbytes)
+    value = (f"{directory}: {disk.fs_type}, direct I/O aligned to {disk.offset_align} B (memory {disk.mem_align} B), "
+             f"{size_text(disk.free_bytes)} free; direct I/O read {read:.2f} GB/s, write {write:.2f} GB/s "
+             f"({size_text(nbytes)})")
+    if min(read, write) < 0.5:
+        return Check("nvme", WARN, value, "below 0.5 GB/s the states' traffic may bound the step: `megatrain plan "
+                                          "--nvme PATH` predicts it; a local NVMe drive reads and writes 2-7 GB/s.")
+    return Check("nvme", OK, value)
+
+
 def check_memlock() -> Check:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     value = f"ulimit -l: {limit_text(soft)} (hard limit {limit_text(hard)})"
@@ -286,13 +308,15 @@ def check_ray(address: str | None = None) -> Check:
 
 # ---- running and printing ----
 
-def run_checks(address: str | None = None) -> Iterator[Check]:
+def run_checks(address: str | None = None, nvme: str | None = None) -> Iterator[Check]:
     """Every check in order, each as it finishes; Ray last, so that its processes disturb no timing."""
     checks: list[tuple[str, Callable[[], Check]]] = [
         ("versions", check_versions), ("gpu", check_gpu), ("host", check_host), ("shm", check_shm),
         ("memlock", check_memlock), ("host_register", check_host_register), ("optimizer", check_optimizer),
         ("cpu_step", check_cpu_step), ("gpu_step", check_gpu_step), ("ray", lambda: check_ray(address)),
     ]
+    if nvme:  # asked for: the NVMe tier's directory, after shared memory
+        checks.insert(4, ("nvme", lambda: check_nvme(nvme)))
     for name, check in checks:
         try:
             result = check()
@@ -315,7 +339,7 @@ def render(check: Check, width: int = 110) -> str:
     return "\n".join(lines)
 
 
-def main(address: str | None = None, as_json: bool = False) -> int:
+def main(address: str | None = None, as_json: bool = False, nvme: str | None = None) -> int:
     """Prints the checks (as JSON with as_json); 1 if any failed."""
     from megatrain import __version__
 
@@ -323,7 +347,7 @@ def main(address: str | None = None, as_json: bool = False) -> int:
     if not as_json:
         print(f"megatrain doctor (megatrain {__version__})", flush=True)
     checks = []
-    for check in run_checks(address):
+    for check in run_checks(address, nvme):
         checks.append(check)
         if not as_json:
             print(render(check), flush=True)

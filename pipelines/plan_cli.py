@@ -20,7 +20,8 @@ PLAN_FLAGS = {"model": "model", "data.batch_size": "batch", "data.seq_len": "seq
               "checkpoint_budget_gib": "checkpoint_budget_gib", "micro_batches": "micro_batches",
               "schedule": "schedule", "nodes": "nodes", "executors": "executors", "resident": "resident",
               "lora": "lora", "keep_activations": "keep_activations", "resident_weights": "resident_weights",
-              "lora_base_dtype": "lora_base_dtype", "speculate": "speculate", "compile": "compile"}
+              "lora_base_dtype": "lora_base_dtype", "speculate": "speculate", "compile": "compile", "nvme": "nvme",
+              "nvme_states": "nvme_states"}
 
 
 def plan_request(args: argparse.Namespace) -> tuple[Any, Request]:
@@ -49,6 +50,7 @@ def plan_machine(args: argparse.Namespace, request: Request, cfg: Any) -> Machin
 
     from megatrain.memory.plan import gpu_free_here
     from megatrain.perf.calibrate import device_name
+    from pipelines.nvme_cli import nvme_rates
     from pipelines.plan_prediction import plan_calibration
 
     cuda = torch.cuda.is_available()
@@ -60,7 +62,7 @@ def plan_machine(args: argparse.Namespace, request: Request, cfg: Any) -> Machin
     return Machine(has_gpu=device.startswith("cuda") or cuda, gpus=torch.cuda.device_count() if cuda else 1,
                    free_cpus=float(os.cpu_count() or 1), nodes=request.engine.nodes, gpu_free=gpu_free,
                    host_free=None if args.host_gib is None else int(args.host_gib * 2**30), calibration=cal,
-                   gpu_name=gpu_name, link_gbps=args.link_gbps)
+                   gpu_name=gpu_name, link_gbps=args.link_gbps, nvme_gbps=nvme_rates(args))
 
 
 def fastest(args: argparse.Namespace, request: Request, machine: Machine, run: RunPlan, cfg: Any) -> Any:
@@ -141,6 +143,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"--grads {plan.grads} --tile-tokens {tiles}")
     if prediction is not None:
         print(prediction.report())
+    if plan.tier is not None:  # its bytes, the disk's traffic per step and the step with the disk as a bound
+        print("\n".join(plan.tier.report(prediction.step_s if prediction is not None else None)))
     return 0 if fits else 1
 
 

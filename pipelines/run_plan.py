@@ -14,7 +14,9 @@ from megatrain.config import LINK_GBPS, ConfigError, EngineConfig
 from megatrain.memory.nvme import resolve_tier
 from megatrain.memory.on_device import StepTime
 from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
+from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.compile_choice import CompileChoice, auto_on_gpu
+from megatrain.perf.disk_rates import disk_rates
 from megatrain.perf.predict import auto_optimizer_workers, step_time
 from megatrain.run_plan import Machine, Request, RunPlan
 from pipelines.cluster import executor_device
@@ -70,7 +72,8 @@ def resolve(request: Request, machine: Machine) -> RunPlan:
         shadow=memory.shadow_bytes > 0, compile=compiled.on, compile_why=compiled.why, update=update,
         clipping=clipping, loss_chunk_tokens=e.loss_chunk_tokens, seed=e.seed, lora=lora,
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
-        tier=resolve_tier(e.nvme, e.nvme_states, memory.resident_units, machine.nodes, lora is not None),
+        tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units, machine.nodes,
+                          lora is not None),
         arena_bytes=memory.arena_bytes,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,
         memory=memory)
@@ -101,8 +104,11 @@ def memory_plan(request: Request, machine: Machine, e: EngineConfig, on_gpu: boo
                     keep_activations=e.keep_activations, step_time=split_by(request, machine, e, on_gpu, compiled),
                     resident_weights=e.resident_weights)
     if e.micro_batches == "auto":
-        return pick_micro_batches(request.config, request.batch, request.seq, **settings)
-    return plan_run(request.config, request.batch, request.seq, micro_batches=e.micro_batches, **settings)
+        plan = pick_micro_batches(request.config, request.batch, request.seq, **settings)
+    else:
+        plan = plan_run(request.config, request.batch, request.seq, micro_batches=e.micro_batches, **settings)
+    # the NVMe tier's states out of the host's arena (nvme_states auto: the fewest kinds that make the host fit)
+    return with_tier(plan, request.config, e.nvme, e.nvme_states, machine.nvme_gbps or disk_rates(e.nvme))
 
 
 def split_by(request: Request, machine: Machine, e: EngineConfig, on_gpu: bool, compiled: bool) -> StepTime | None:

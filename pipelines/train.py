@@ -36,6 +36,7 @@ from megatrain.config import (
     Terminated,
     check_auto_or_positive,
     check_choice,
+    check_nvme_states,
     check_resident,
     check_tiling,
     compile_setting,
@@ -82,6 +83,8 @@ class TrainConfig:
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
     resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
     resident_weights: str = "auto"  # bf16: their compute weights a copy or cast at each use (EngineConfig)
+    nvme: str | None = None  # a directory on a local disk for the NVMe tier (EngineConfig.nvme)
+    nvme_states: str | list[str] = "auto"  # what lives there: auto | all | a list of master, moments, grads
     keep_activations: int | str = "auto"  # top layers not recomputed: auto | none | all | N (EngineConfig)
     compile: str | bool = "auto"  # auto | on | off: torch.compile the layers and the head (EngineConfig.compile)
     loss_chunk_tokens: int = 4096
@@ -183,6 +186,9 @@ class TrainConfig:
                               "adapter), or leave merge off.")
         check_resident(self.resident)
         check_choice("train config: resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
+        if self.nvme is not None and not isinstance(self.nvme, str):
+            raise ConfigError(f"train config: nvme must be a directory (a string), got {self.nvme!r}.")
+        check_nvme_states(self.nvme_states)
         check_keep_activations(self.keep_activations)
         self.compile = compile_setting(self.compile)
         for name in ("optimizer_workers", "micro_batches", "executors"):
@@ -221,7 +227,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
              "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations",
-             "resident_weights")
+             "resident_weights", "nvme", "nvme_states")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

@@ -7,6 +7,7 @@ The state files go under pytest's tmp_path (ext4 here, which takes O_DIRECT); th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterator
@@ -145,20 +146,30 @@ def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, **settings: object
-          ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Steps on `batches` (after loading `resume_from`), then the checkpoint's tensors."""
+def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, save_after: int | None = None,
+          kill_worker_at: int | None = None, **settings: object) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Steps on `batches` (after loading `resume_from`; a checkpoint `tmp/after-N` after step `save_after`; a worker
+    SIGKILLed as step `kill_worker_at` hands out its update), then the final checkpoint's tensors."""
+    from helpers import kill_once_updates_are_handed_out, worker_pids
+
     import megatrain
 
     out = tmp / f"ckpt-{uuid.uuid4().hex[:6]}"
     with megatrain.Engine(directory, **{**ENGINE, **settings}) as engine:
         if resume_from is not None:
             engine.load_checkpoint(resume_from)
-        losses = [engine.step(ids, labels) for ids, labels in batches]
+        losses = []
+        for i, (ids, labels) in enumerate(batches):
+            if i == kill_worker_at:
+                kill_once_updates_are_handed_out(engine, worker_pids(engine)[-1])
+            losses.append(engine.step(ids, labels))
+            if i == save_after:
+                engine.save_checkpoint(tmp / f"after-{i + 1}")
         if settings.get("nvme"):  # the moments of the streamed units are on disk, none in /dev/shm
             engine.wait_for_updates()
             resident = sum(u.numel * 4 for u in engine.actors.layout.units[:engine.plan.resident_units])
             assert allocated(engine.handle.path("exp_avg")) <= resident
+            assert kill_worker_at is None or engine.restarts == 1
         engine.save_checkpoint(out)
     return losses, checkpoint_state(out)
 
@@ -171,18 +182,117 @@ def assert_same(got: tuple[list[float], dict[str, torch.Tensor]], want: tuple[li
         assert torch.equal(got[1][k], v), k
 
 
+@pytest.fixture
+def nvme_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "nvme"
+    path.mkdir()
+    yield path
+    assert list_state_dirs(path) == []  # removed with the run
+
+
 @pytest.mark.parametrize("settings", [
     dict(max_grad_norm=CLIPS, speculate="on", micro_batches=2, batch_size=4, resident=1, device="cpu-async:3"),
     pytest.param(dict(max_grad_norm=1e3, speculate="on"), marks=pytest.mark.slow),
-], ids=["clips-rollback-micro-batches-resident-simulated-streams", "no-clip-beside-the-backward"])
-def test_moments_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, settings: dict) -> None:
+    pytest.param(dict(max_grad_norm=CLIPS, speculate="off", executors=2), marks=pytest.mark.slow),
+    pytest.param(dict(max_grad_norm=None), marks=pytest.mark.slow),
+], ids=["clips-rollback-micro-batches-resident-simulated-streams", "no-clip-beside-the-backward",
+        "clips-serial-two-executors", "clipping-off"])
+def test_moments_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, nvme_dir: Path,
+                                           settings: dict) -> None:
+    """The host-memory run saves a checkpoint after its first step and goes on; the NVMe run resumes from that
+    checkpoint (host memory into NVMe) and its own checkpoint at the end holds the same bytes: an ordinary checkpoint
+    a host-memory run resumes from (the slow test below does)."""
     from helpers import rows
 
     _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
-    nvme_dir = tmp_path / "nvme"
-    nvme_dir.mkdir()
+    want = train(directory, tmp_path, batches, save_after=0, **settings)
+    got = train(directory, tmp_path, batches[1:], resume_from=tmp_path / "after-1", nvme=nvme_dir,
+                nvme_states="moments", **settings)
+    assert_same(got, (want[0][1:], want[1]))
+
+
+@pytest.mark.slow
+def test_nvme_run_resumes_into_host_memory_and_back(ray_session: None, micro_llama, tmp_path: Path,
+                                                    nvme_dir: Path) -> None:
+    from helpers import rows
+
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    settings = dict(max_grad_norm=CLIPS, speculate="on")
+    runs = [tmp_path / name for name in ("first", "second", "third")]
+    for run in runs:
+        run.mkdir()
     want = train(directory, tmp_path, batches, **settings)
-    got = train(directory, tmp_path, batches, nvme=nvme_dir, nvme_states="moments", **settings)
+    first = train(directory, runs[0], batches[:1], save_after=0, nvme=nvme_dir, nvme_states="moments", **settings)
+    second = train(directory, runs[1], batches[1:2], resume_from=runs[0] / "after-1", save_after=0, **settings)
+    third = train(directory, runs[2], batches[2:], resume_from=runs[1] / "after-1", nvme=nvme_dir,
+                  nvme_states="moments", **settings)
+    assert first[0] + second[0] + third[0] == want[0]
+    assert_same(third, (third[0], want[1]))
+
+
+@pytest.mark.slow
+def test_a_killed_optimizer_worker_recovers_exactly_with_moments_on_nvme(ray_session: None, micro_llama,
+                                                                         tmp_path: Path, nvme_dir: Path) -> None:
+    from helpers import rows
+
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    settings = dict(max_grad_norm=CLIPS, speculate="on")
+    want = train(directory, tmp_path, batches, save_after=0, **settings)
+    got = train(directory, tmp_path, batches, save_after=0, kill_worker_at=1, nvme=nvme_dir,
+                nvme_states="moments", **settings)
     assert_same(got, want)
-    assert list_state_dirs(nvme_dir) == []  # removed with the run
+
+
+# ---- the plan, the refusals, the commands ----
+
+def test_the_plan_moves_each_kind_off_the_host_and_names_the_tier_where_it_would_fit(tmp_path: Path) -> None:
+    from megatrain.config import ModelConfig
+    from megatrain.memory.plan import plan_memory
+    from megatrain.memory.tier_plan import with_tier
+
+    config = ModelConfig.from_name("7b")
+    plan = plan_memory(config, 1, 512, name="7b", host_free=40 * 2**30, shm_dir="/dev/shm")
+    plan = dataclasses.replace(plan, shm_free=40 * 2**30)
+    problem = plan.host_problem()
+    assert problem is not None and "--nvme PATH --nvme-states moments" in problem
+    moments = with_tier(plan, config, str(tmp_path), "moments", rates=(2.0, 1.0))
+    every = with_tier(plan, config, str(tmp_path), "all", rates=(2.0, 1.0))
+    assert dict(moments.tier.on_disk) == {"exp_avg": plan.arena_numel * 4, "exp_avg_sq": plan.arena_numel * 4}
+    assert plan.host_total - moments.host_total == moments.tier.saved_bytes > 0
+    assert every.host_total < moments.host_total and every.tier.names == ("master", "moments", "grads")
+    assert with_tier(plan, config, str(tmp_path), "auto").host_problem() is None  # auto: the fewest that fit
+    assert moments.tier.seconds() == pytest.approx(moments.tier.read_bytes / 2e9 + moments.tier.write_bytes / 1e9)
+    assert "step predicted with the disk as a bound: " in "\n".join(moments.tier.report(step_s=1.0))
+
+
+def test_a_run_refuses_what_it_cannot_place_on_nvme_yet(tmp_path: Path) -> None:
+    from megatrain.config import ConfigError, EngineConfig
+    from megatrain.memory.nvme import resolve_tier
+
+    from megatrain.memory.tier_plan import plan_tier
+
+    tier = plan_tier(str(tmp_path), ("moments", "master"), 4096, 0, 1024)
+    assert "master cannot be placed on NVMe by a run yet" in tier.problem()
+    assert plan_tier(str(tmp_path), ("moments",), 4096, 0, 1024).problem() is None
+    with pytest.raises(MegatrainError, match="tmpfs"):
+        resolve_tier("/dev/shm", ("moments",))
+    with pytest.raises(ConfigError, match="nvme_states must be"):
+        EngineConfig(nvme=str(tmp_path), nvme_states="weights")
+    assert EngineConfig(nvme_states="moments,grads").nvme_states == ("moments", "grads")
+    assert resolve_tier(str(tmp_path), ()) is None
+
+
+def test_doctor_and_calibrate_check_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatrain.perf import disk_rates
+    from pipelines.doctor import FAIL, OK, WARN, check_nvme
+
+    assert check_nvme("/dev/shm").status == FAIL
+    ok = check_nvme(str(tmp_path), nbytes=8 << 20)
+    assert ok.status in (OK, WARN) and "direct I/O read" in ok.value
+    monkeypatch.setenv(disk_rates.RATES_ENV, str(tmp_path / "rates.json"))
+    entry = disk_rates.calibrate_disk(tmp_path, 8 << 20, threads=2)
+    assert disk_rates.disk_rates(tmp_path) == (entry["read_gbps"], entry["write_gbps"])
+    assert list_state_dirs(tmp_path) == []

@@ -386,8 +386,8 @@ def wait_all(futures: Iterable[Future]) -> None:
 
 
 # ---- what a run puts on NVMe ----
-# nvme_states names (EngineConfig) -> the arena segments they are; the plan places those in SUPPORTED today
-STATE_NAMES = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
+# nvme_states names (megatrain/memory/tier_plan.py KINDS) this build places on NVMe: the GPU streams the fp32 masters
+# from the arena, and the held gradients wait there
 SUPPORTED = ("moments",)
 
 
@@ -397,24 +397,21 @@ class TierSpec:
     they do for (the units before it are resident on the executor's device, their states loaded from the arena)."""
 
     root: str
+    names: tuple[str, ...]  # the nvme_states (megatrain/memory/tier_plan.py KINDS)
     kinds: tuple[str, ...]
     from_unit: int = 0
     threads: int = 4
 
 
-def resolve_tier(nvme: str | None, states: str | tuple[str, ...], resident_units: int = 0, nodes: int = 1,
+def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int = 0, nodes: int = 1,
                  lora: bool = False) -> TierSpec | None:
-    """The run's tier from its settings, or one sentence on what this build cannot place on NVMe."""
-    if not nvme:
+    """The run's tier of the nvme_states the plan placed (`names`; what this build cannot place, the memory plan's
+    check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here."""
+    if not nvme or not names:
         return None
-    names = SUPPORTED if states == "auto" else tuple(STATE_NAMES) if states == "all" else tuple(states)
-    refused = [n for n in names if n not in SUPPORTED]
-    if refused:
-        raise MegatrainError(f"nvme_states {', '.join(refused)} cannot be placed on NVMe yet (only "
-                             f"{', '.join(SUPPORTED)}): the GPU streams the fp32 masters and the held gradients from "
-                             "the arena; use nvme_states = \"moments\" (or \"auto\").")
     if nodes > 1 or lora:
         raise MegatrainError("the NVMe tier holds a whole model's Adam moments on one node; run on one node without "
                              "LoRA (whose moments are small) or drop --nvme.")
     check_directory(nvme)
-    return TierSpec(str(Path(nvme).resolve()), tuple(k for n in names for k in STATE_NAMES[n]), resident_units)
+    kinds = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
+    return TierSpec(str(Path(nvme).resolve()), names, tuple(k for n in names for k in kinds[n]), resident_units)

@@ -22,6 +22,7 @@ from megatrain.lora.config import LoraConfig
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
 from megatrain.memory.on_device import StepTime, place_on_device
+from megatrain.memory.tier_plan import TierPlan, nvme_hint
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
 GiB = 2**30
@@ -99,6 +100,12 @@ class MemoryPlan:
     frozen_dtype: str = ""
     adapter_params: int = 0
     adapter_numels: tuple[int, ...] = ()
+    tier: TierPlan | None = None  # the states kept on NVMe (megatrain/memory/tier_plan.py), out of the arena
+
+    @property
+    def arena_host_bytes(self) -> int:
+        """What the arena holds in host memory: less what the NVMe tier keeps on disk, plus its staging."""
+        return self.arena_bytes - (self.tier.saved_bytes if self.tier is not None else 0)
 
     @property
     def step_tokens(self) -> int:
@@ -112,7 +119,7 @@ class MemoryPlan:
 
     @property
     def host_total(self) -> int:
-        return self.arena_bytes + self.process_bytes + self.host_checkpoints
+        return self.arena_host_bytes + self.process_bytes + self.host_checkpoints
 
     @property
     def gpu_activations(self) -> int:
@@ -131,19 +138,20 @@ class MemoryPlan:
         return f"; the longest sequence that fits is {self.longest_seq} tokens (batch {self.batch})"
 
     def host_problem(self) -> str | None:
-        if self.arena_bytes > self.shm_free:
-            per_param = self.arena_bytes / max(self.params, 1)
-            return (f"the {self.model} model needs a {self.arena_bytes / GiB:.1f} GiB arena ({per_param:.1f} B per "
-                    f"parameter for {self.params / 1e9:.2f} G parameters) but /dev/shm has "
+        if self.arena_host_bytes > self.shm_free:
+            per_param = self.arena_host_bytes / max(self.params, 1)
+            return (f"the {self.model} model needs a {self.arena_host_bytes / GiB:.1f} GiB arena ({per_param:.1f} B "
+                    f"per parameter for {self.params / 1e9:.2f} G parameters) but /dev/shm has "
                     f"{self.shm_free / GiB:.1f} GiB free; "
-                    "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup), "
-                    "or pick a smaller model.")
+                    "enlarge /dev/shm (mount -o remount,size=...), free it (megatrain cleanup)"
+                    f"{nvme_hint(self) if self.tier is None else ''}, or pick a smaller model.")
         if self.host_total > self.host_free:
             parts = f"{self.arena_bytes / GiB:.1f} GiB arena + "
             if self.host_checkpoints:
                 parts += f"{self.host_checkpoints / GiB:.1f} GiB of offloaded layer checkpoints + "
             fix = (f"a host with {self.host_total / GiB:.0f} GiB available would fit it{self._shorter()}"
-                   if self.host_checkpoints else "pick a smaller model or a machine with more memory")
+                   if self.host_checkpoints else "pick a smaller model or a machine with more memory"
+                   + (nvme_hint(self) if self.tier is None else ""))
             return (f"the {self.model} model needs {self.host_total / GiB:.1f} GiB of host memory "
                     f"({parts}{self.process_bytes / GiB:.1f} GiB for processes) but "
                     f"only {self.host_free / GiB:.1f} GiB is available; {fix}.")
@@ -164,7 +172,7 @@ class MemoryPlan:
             raise MegatrainError(problem)
 
     def check(self) -> None:
-        problem = self.host_problem() or self.gpu_problem()
+        problem = self.host_problem() or self.gpu_problem() or (self.tier.problem() if self.tier else None)
         if problem:
             raise MegatrainError(problem)
 
@@ -185,6 +193,9 @@ class MemoryPlan:
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
         lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
+        if self.tier is not None:  # the arena's rows above are its whole size; these states are on disk instead
+            lines += [row(f"arena: on NVMe ({', '.join(k for k, _ in self.tier.on_disk)}), less staging",
+                          -self.tier.saved_bytes)]
         lines += [row("layer checkpoints offloaded (pinned)", self.host_checkpoints)] if self.host_checkpoints else []
         lines += [row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]

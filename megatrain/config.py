@@ -336,9 +336,11 @@ RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer 
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
-def check_nvme_states(states: str | tuple[str, ...] | list[str]) -> None:
-    """nvme_states: "auto", "all", or a list of master, moments, grads (a comma-separated string from a command line
-    becomes the list)."""
+def check_nvme(nvme: Any, states: str | tuple[str, ...] | list[str]) -> None:
+    """nvme: a directory or None; nvme_states: "auto", "all", or a list of master, moments, grads (a comma-separated
+    string from a command line becomes the list)."""
+    if nvme is not None and not isinstance(nvme, str):
+        raise ConfigError(f"nvme must be a directory (a string), got {nvme!r}.")
     names = ("master", "moments", "grads")
     if states in ("auto", "all"):
         return
@@ -388,7 +390,7 @@ class EngineConfig:
     nvme_states: str | tuple[str, ...] = "auto"
 
     def __post_init__(self) -> None:
-        check_nvme_states(self.nvme_states)
+        check_nvme(self.nvme, self.nvme_states)
         if isinstance(self.nvme_states, str) and self.nvme_states not in ("auto", "all"):
             self.nvme_states = tuple(self.nvme_states.split(","))
         check_tiling(self.tile_tokens, self.checkpoint_budget_gib)

@@ -36,7 +36,7 @@ from megatrain.config import (
     Terminated,
     check_auto_or_positive,
     check_choice,
-    check_nvme_states,
+    check_nvme,
     check_resident,
     check_tiling,
     compile_setting,
@@ -186,9 +186,7 @@ class TrainConfig:
                               "adapter), or leave merge off.")
         check_resident(self.resident)
         check_choice("train config: resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
-        if self.nvme is not None and not isinstance(self.nvme, str):
-            raise ConfigError(f"train config: nvme must be a directory (a string), got {self.nvme!r}.")
-        check_nvme_states(self.nvme_states)
+        check_nvme(self.nvme, self.nvme_states)
         check_keep_activations(self.keep_activations)
         self.compile = compile_setting(self.compile)
         for name in ("optimizer_workers", "micro_batches", "executors"):

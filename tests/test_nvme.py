@@ -271,7 +271,6 @@ def test_the_plan_moves_each_kind_off_the_host_and_names_the_tier_where_it_would
 def test_a_run_refuses_what_it_cannot_place_on_nvme_yet(tmp_path: Path) -> None:
     from megatrain.config import ConfigError, EngineConfig
     from megatrain.memory.nvme import resolve_tier
-
     from megatrain.memory.tier_plan import plan_tier
 
     tier = plan_tier(str(tmp_path), ("moments", "master"), 4096, 0, 1024)

@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_session.sh predict # issue #17: calibrate, then 7b tf32 at K = 16, 1, 4 micro-batches, predicted vs measured
 #   bash benchmarks/gpu_session.sh multi   # several GPUs (the lent machines have one): NCCL test, 7b at 1/2/4/8 executors
 #   bash benchmarks/gpu_session.sh lora    # issue #27: LoRA on a streamed bf16 base, 32b (Qwen2.5-32B's shape) at 1 x 4096
+#   bash benchmarks/gpu_session.sh defaults # issue #46: 7b bf16 at the default lr and warm-up (no --lr, --warmup-steps)
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -35,8 +36,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  headline | tests | host | peers | big | long | long-1b | predict | multi | lora) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora" >&2
+  headline | tests | host | peers | big | long | long-1b | predict | multi | lora | defaults) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora|defaults" >&2
      exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
@@ -379,6 +380,19 @@ PY
       --warmup-steps 1 --log-every 1 --checkpoint-every 0 --no-save-final --out "$WORK/run-32b-lora"
     peaks_stop train-32b-lora plan-32b-lora
     save "$WORK/logs/steps-32b-lora.jsonl" "$WORK/run-32b-lora/steps.jsonl"
+    ;;
+  defaults)
+    prelude
+    # Issue #46: the learning rate and warm-up a run gets where it sets neither (3e-4 at 7B, warm-up 3% of the steps,
+    # at least 20, at most half: 10 of 20 here; the log line says which). The old default, 3e-3 with one warm-up step,
+    # went 11.2 -> 31.2. Then the losses of steps.jsonl: the last must be below the first, none above it by 10%.
+    step train-7b-defaults 300 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 \
+      --micro-batches 4 --steps 20 --log-every 1 --optimizer-workers 8 --checkpoint-every 0 --no-save-final \
+      --out "$WORK/run-7b-defaults"
+    step losses-7b-defaults 30 python3 -c 'import json, sys; l = [json.loads(x)["loss"] for x in open(sys.argv[1])]
+print("losses", " ".join(f"{v:.3f}" for v in l)); sys.exit(not (l[-1] < l[0] and max(l) < 1.1 * l[0]))' \
+      "$WORK/run-7b-defaults/steps.jsonl"
+    save "$WORK/logs/steps-7b-defaults.jsonl" "$WORK/run-7b-defaults/steps.jsonl"
     ;;
   multi)
     prelude

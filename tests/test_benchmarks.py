@@ -241,6 +241,8 @@ GPU_SESSION_COMMANDS = {
     "predict": [WHEELS, "python3 -m pipelines.cli calibrate --model 7b --batch 1 --seq 2048 --precision tf32 ",
                 *(f"--model 7b --precision tf32 --batch-size 1 --seq-len 2048 --micro-batches {k} "
                   for k in (16, 1, 4))],
+    "defaults": [WHEELS, "python3 -m pipelines.cli train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 "
+                 "--micro-batches 4 --steps 20 --log-every 1 ", "python3 -c "],
     "multi": [WHEELS, "python3 -m pytest tests/test_gpu.py -m gpu -q -s -k two_gpu_executors",
               *(f"--peers megatrain --executors {n} --optimizer-workers 8 " for n in (1, 2, 4, 8))],
 }

@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the plan and its predicted step time as JSON (calibrates "
                                                        "this machine first where no calibration is cached)")
     add_prediction_flags(p)
+    p.add_argument("--post", choices=("dpo", "grpo"), help="also what post-training adds: the policy step, the "
+                   "reference log-probs, GRPO's rollout KV cache (--batch rows of --seq tokens)")
+    p.add_argument("--pairs", type=int, default=0, help="--post dpo: the data's pairs (their reference log-probs)")
+    p.add_argument("--kl", action="store_true", help="--post grpo: the KL term's checkpoint swaps")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine (copies, matmul, AdamW, a model's layers) for "

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatrain.config import ConfigError, EngineConfig, OptimConfig
+from megatrain.memory.post_plan import post_plan
 from megatrain.run_plan import Machine, Request, RunPlan
 
 PLAN_FLAGS = {"model": "model", "data.batch_size": "batch", "data.seq_len": "seq", "precision": "precision",
@@ -145,6 +146,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(prediction.report())
     if plan.tier is not None:  # its bytes, the disk's traffic per step and the step with the disk as a bound
         print("\n".join(plan.tier.report(prediction.step_s if prediction is not None else None)))
+    if args.post:  # what DPO's or GRPO's modes add (megatrain/memory/post_plan.py)
+        print(post_plan(request.config, args.post, plan.batch, plan.seq, request.engine.precision, args.pairs,
+                        args.kl).report())
     return 0 if fits else 1
 
 

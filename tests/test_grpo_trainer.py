@@ -15,7 +15,8 @@ from helpers import run_cli
 from post_helpers import EXAMPLES, example_main, tiny_chat_model
 from transformers import AutoModelForCausalLM
 
-from megatrain.config import ConfigError
+from megatrain.config import ConfigError, ModelConfig
+from megatrain.memory.post_plan import post_plan
 from pipelines.grpo import load_rewards
 
 REWARDS = str(EXAMPLES / "post" / "rewards.py")
@@ -68,3 +69,18 @@ def test_bad_rewards_are_one_sentence(tmp_path: Path) -> None:
         load_rewards([f"{REWARDS}:nope"], None)
     with pytest.raises(ConfigError, match="2 reward weights for 1 reward functions"):
         load_rewards([f"{REWARDS}:digits"], [1.0, 2.0])
+
+
+def test_plan_says_what_each_mode_adds() -> None:
+    """megatrain plan --post: the policy step's per-token tensors, the reference log-probs, the rollout KV cache
+    (every layer's keys and values of the rollout batch), the KL term's checkpoint traffic."""
+    config = ModelConfig.from_name("tiny")
+    plan = post_plan(config, "grpo", rows=32, seq=80, precision="bf16", kl=True)
+    assert plan.kv_cache_bytes == 2 * config.num_layers * 32 * config.num_kv_heads * 80 * config.head_dim * 2
+    assert plan.swap_bytes == 3 * 12 * config.num_params() and plan.per_token_bytes == 8 * 32 * 80 * 4
+    assert post_plan(config, "dpo", rows=8, seq=80, pairs=1000).reference_host_bytes == 16 * 1000
+    run = run_cli("plan", "--model", "tiny", "--batch", "32", "--seq", "80", "--device", "cpu", "--post", "grpo",
+                  "--kl")
+    assert "rollout KV cache" in run.output and "KL to the initial policy" in run.output, run.output
+    with pytest.raises(ConfigError, match="--post must be one of dpo, grpo"):
+        post_plan(config, "ppo", 1, 1)

@@ -147,10 +147,10 @@ def _logits_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Ten
     a = a.unsqueeze(1) * valid
     if c is None:
         grad = logp.exp_().mul_(-a)
-    else:
+    else:  # in place, three [n, vocab] at the peak as the cross-entropy head (megatrain/memory/plan.py budgets)
         p = logp.exp()
         entropy = -(p * logp).sum(-1, keepdim=True)
-        grad = p * -a - (c.unsqueeze(1) * valid) * p * (logp + entropy)
+        grad = logp.add_(entropy).mul_(p).mul_(-(c.unsqueeze(1) * valid)).add_(p.mul_(-a))
         del p
     del logp
     grad.scatter_add_(1, picked, a)

@@ -34,7 +34,7 @@ from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaH
 from megatrain.memory.nvme import TierSpec
 from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
-from megatrain.memory.staging import StoreTier
+from megatrain.memory.staging import StoreTier, stage_segments
 from megatrain.memory.tier_plan import with_tier
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
@@ -141,6 +141,8 @@ class ParameterStore:
         extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
         if shadow:
             extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
+        if tier is not None:  # each optimizer worker's slots the NVMe tier's states are staged in
+            extra += stage_segments(self.layout, tier.kinds, tier.from_unit, num_workers)
         if self.layout.frozen is not None:
             extra.append((FROZEN_SEGMENT, BASE_DTYPES[lora_base_dtype], self.layout.frozen.numel))
         self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),

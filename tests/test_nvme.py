@@ -94,6 +94,35 @@ def test_stager_reads_ahead_writes_behind_and_frees_pages(tmp_path: Path,
         files.unlink()
 
 
+def test_slotted_stager_keeps_each_unit_in_its_slot_whatever_the_order(tmp_path: Path,
+                                                                      shm_segment: tuple[Path, torch.Tensor]) -> None:
+    """An optimizer worker's stager: its units staged in SLOTS slots (kept allocated), read ahead where the order is
+    foreseen, and correct where it is not (jumps, repeats, a slot's next unit arriving before its write is done)."""
+    from megatrain.memory.staging import SLOTS, STAGE_PREFIX
+
+    _, seg = shm_segment
+    files = StateFiles.create(tmp_path, {"exp_avg": NUMEL * 4})
+    units = {u: (u * 1024, (u + 1) * 1024) for u in range(8)}
+    stager = UnitStager(files, {STAGE_PREFIX + "exp_avg": seg[: SLOTS * 1024]}, None,
+                        unit_extents(units, ("exp_avg",)), slot_numel=1024)
+    want = torch.zeros(8)
+    try:
+        for order in (range(7, -1, -1), range(8), [0, 3, 6, 1, 4, 7, 7, 2, 5], [5, 2, 6, 3]):
+            for u in order:
+                stager.take(u)
+                view = stager.view("exp_avg", u)
+                assert torch.equal(view, torch.full((1024,), float(want[u]))), (order, u)
+                view.add_(u + 1)
+                want[u] += u + 1
+                stager.give(u)
+        stager.flush()
+        check = torch.from_file(str(files.handle.path("exp_avg")), size=NUMEL, dtype=torch.float32)
+        assert torch.equal(check.view(8, 1024)[:, 0], want)
+    finally:
+        stager.close()
+        files.unlink()
+
+
 def test_faults_are_one_sentence(tmp_path: Path, shm_segment: tuple[Path, torch.Tensor]) -> None:
     path, seg = shm_segment
     files = StateFiles.create(tmp_path, {"exp_avg": NUMEL * 4, "exp_avg_sq": NUMEL * 4})

@@ -40,7 +40,7 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena
-from megatrain.memory.staging import UnitStager, open_stager
+from megatrain.memory.staging import SLOTS, UnitStager, open_stager, slot_numel
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 # Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
@@ -65,14 +65,17 @@ class Speculation:
 
 
 def shard_stager(layout: ModelLayout, arena: Arena, worker: int, num_workers: int) -> UnitStager | None:
-    """The worker's stager of the run's NVMe-resident states (None without a tier): its shard of every unit."""
-    if arena.handle.tier is None:
+    """The worker's stager of the run's NVMe-resident states (None without a tier): its shard of every unit, through
+    its slots of the arena's staging segments."""
+    tier = arena.handle.tier
+    if tier is None:
         return None
     bounds = {}
     for unit in layout.units:
         lo, hi = shard_bounds(unit, worker, num_workers)
         bounds[unit.index] = (unit.offset + lo, unit.offset + hi)
-    return open_stager(arena.handle.tier, arena, bounds)
+    numel = slot_numel(layout, tier.from_unit, num_workers)
+    return open_stager(tier, arena, bounds, numel, worker * SLOTS * numel)
 
 
 def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:
@@ -144,11 +147,19 @@ class AdamWShard:
                 piece, at = group[-1], unit.offset + start
                 piece.params.append(tensors["params"][at : unit.offset + end])
                 piece.grads.append(grads[start:end])
-                piece.exp_avg.append(self.node.moments(unit, tensors["exp_avg"], start, end))
-                piece.exp_avg_sq.append(self.node.moments(unit, tensors["exp_avg_sq"], start, end))
+                piece.exp_avg.append(self._moments(unit, tensors, "exp_avg", lo, start, end))
+                piece.exp_avg_sq.append(self._moments(unit, tensors, "exp_avg_sq", lo, start, end))
                 if shadow is not None:
                     piece.shadow.append(shadow[at : unit.offset + end])
         return pieces
+
+    def _moments(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int
+                 ) -> torch.Tensor:
+        """[start, end) of the unit's moment `kind`: in the arena, or in the unit's staging slot where on NVMe (the
+        shard from `lo` on)."""
+        if self.stager is not None and self.stager.holds(unit.index):
+            return self.stager.view(kind, unit.index)[start - lo : end - lo]
+        return self.node.moments(unit, tensors[kind], start, end)
 
     # ---- the pass ----
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:

@@ -21,8 +21,13 @@ import torch
 
 from megatrain.memory.arena import Arena
 from megatrain.memory.nvme import StateFiles, TierHandle, TierSpec, all_of, punch_out
+from megatrain.model.layout import ALIGN, ModelLayout
 
 AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM while it waits
+# a worker's staging slots: the unit updated, the next read ahead, the one before written behind; consecutive units
+# (the backward's order and the update's) never share one
+SLOTS = 3
+STAGE_PREFIX = "stage_"  # the arena's staging segment of a kind on NVMe: stage_exp_avg, ...
 
 
 @dataclass(frozen=True)
@@ -41,23 +46,40 @@ def unit_extents(bounds: dict[int, tuple[int, int]], kinds: tuple[str, ...], ele
 
 
 class UnitStager:
-    """Moves `extents` (per unit) between `files` and the arena segments `tensors` (kind -> flat tensor) at `paths`."""
+    """Moves `extents` (per unit) between `files` and memory: each extent's own range of the arena segment of its kind
+    (`tensors`, punched out at `paths` once written), or where `slots` is given, the unit's slot of the staging segments
+    `tensors` hold (stage_<kind>: SLOTS ranges of `slot_numel` elements from element `slot_base`), kept allocated."""
 
-    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], paths: dict[str, Path],
-                 extents: dict[int, list[Extent]], ahead: int = AHEAD):
-        self.files, self.extents, self.ahead = files, extents, ahead
-        self.bytes = {kind: tensors[kind].view(torch.uint8) for kind in {e.kind for x in extents.values() for e in x}}
-        self.paths = paths
+    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], paths: dict[str, Path] | None,
+                 extents: dict[int, list[Extent]], ahead: int = AHEAD, slot_numel: int = 0, slot_base: int = 0):
+        self.files, self.extents, self.ahead, self.paths = files, extents, ahead, paths
+        self.slotted = slot_numel > 0
+        self.memory: dict[int, list[torch.Tensor]] = {}  # unit -> the byte view each of its extents moves through
+        for unit, parts in extents.items():
+            views = []
+            for e in parts:
+                if self.slotted:
+                    at = (slot_base + (unit % SLOTS) * slot_numel) * 4
+                    views.append(tensors[STAGE_PREFIX + e.kind].view(torch.uint8)[at : at + e.end - e.start])
+                else:
+                    views.append(tensors[e.kind].view(torch.uint8)[e.start : e.end])
+            self.memory[unit] = views
         self.io: dict[int, Future] = {}  # unit -> its last read or write
-        self.staged: set[int] = set()  # units whose states are in the arena (read, or being read)
+        self.staged: set[int] = set()  # units whose states are in memory (read, or being read)
+        self.occupant: dict[int, int] = {}  # slot -> the unit whose states it holds or is writing
         self.taken: int | None = None
         self.last: int | None = None
 
     def holds(self, unit: int) -> bool:
         return unit in self.extents
 
+    def view(self, kind: str, unit: int) -> torch.Tensor:
+        """The fp32 memory the unit's extent of `kind` is staged in (what the optimizer's pieces are views of)."""
+        e = next(i for i, x in enumerate(self.extents[unit]) if x.kind == kind)
+        return self.memory[unit][e].view(torch.float32)
+
     def take(self, unit: int) -> None:
-        """Returns once the unit's states are in its arena range; reads the foreseen next one ahead."""
+        """Returns once the unit's states are in memory; reads the foreseen next one ahead."""
         if unit not in self.extents:
             return
         if unit not in self.staged:
@@ -66,17 +88,18 @@ class UnitStager:
         self.taken = unit
         guess = None if self.last is None else unit + (unit - self.last)
         self.last = unit
-        if self.ahead and guess is not None and guess in self.extents and guess not in self.staged:
+        if (self.ahead and guess is not None and guess in self.extents and guess not in self.staged
+                and not (self.slotted and guess % SLOTS == unit % SLOTS)):
             self._drop_unused(keep=unit)
             self._read(guess)
 
     def give(self, unit: int, changed: bool = True) -> None:
-        """The pass over the unit is done: its states are written behind (`changed`) and leave the arena."""
+        """The pass over the unit is done: its states are written behind (`changed`) and leave memory."""
         if unit not in self.extents:
             return
         self.taken = None
         self.staged.discard(unit)
-        self.io[unit] = self._write(unit) if changed else self._punch_now(unit)
+        self.io[unit] = self._write(unit) if changed else self._release(unit)
 
     def flush(self) -> None:
         """Every write on disk and nothing left staged: what another process reads of the files is current."""
@@ -88,6 +111,7 @@ class UnitStager:
             except Exception as e:  # noqa: BLE001 - all writes are waited for before the first error is raised
                 errors.append(e)
         self.last = None
+        self.occupant.clear()
         if errors:
             raise errors[0]
 
@@ -104,40 +128,52 @@ class UnitStager:
         """Every extent to disk (`changed`) and out of the arena."""
         for unit in self.extents:
             self.staged.discard(unit)
-            self.io[unit] = self._write(unit) if changed else self._punch_now(unit)
+            self.io[unit] = self._write(unit) if changed else self._release(unit)
         self.flush()
 
     # ---- I/O ----
-    def _read(self, unit: int) -> None:
+    def _wait(self, unit: int) -> None:
+        """What was under way for the unit, and in its slot for the unit there before it, is done."""
         before = self.io.get(unit)
         if before is not None:
             before.result()  # its write: a read must not overtake it
+        if self.slotted:
+            slot = unit % SLOTS
+            other = self.occupant.get(slot)
+            if other is not None and other != unit:
+                if other in self.staged:  # read ahead and never taken: nothing to write
+                    self.staged.discard(other)
+                if other in self.io:
+                    self.io.pop(other).result()
+            self.occupant[slot] = unit
+
+    def _read(self, unit: int) -> None:
+        self._wait(unit)
         self.staged.add(unit)
-        self.io[unit] = all_of([self.files.read(e.kind, e.start, self.bytes[e.kind][e.start:e.end])
-                                for e in self.extents[unit]])
+        self.io[unit] = all_of([self.files.read(e.kind, e.start, view)
+                                for e, view in zip(self.extents[unit], self.memory[unit], strict=True)])
 
     def _write(self, unit: int) -> Future:
-        before = self.io.get(unit)
-        if before is not None:
-            before.result()
-        parts = [self.files.write(e.kind, e.start, self.bytes[e.kind][e.start:e.end]) for e in self.extents[unit]]
+        self._wait(unit)
+        parts = [self.files.write(e.kind, e.start, view)
+                 for e, view in zip(self.extents[unit], self.memory[unit], strict=True)]
         return all_of(parts, then=lambda: self._punch(unit))
 
-    def _punch_now(self, unit: int) -> Future:
-        before = self.io.get(unit)
-        if before is not None:
-            before.result()
+    def _release(self, unit: int) -> Future:
+        self._wait(unit)
         return all_of([], then=lambda: self._punch(unit))
 
     def _punch(self, unit: int) -> None:
+        if self.slotted or self.paths is None:  # a slot keeps its pages for the next unit
+            return
         for e in self.extents[unit]:
             punch_out(self.paths[e.kind], e.start, e.end - e.start)
 
     def _drop_unused(self, keep: int | None) -> None:
-        """Read-ahead units never taken leave the arena (unchanged: nothing to write)."""
+        """Read-ahead units never taken leave memory (unchanged: nothing to write)."""
         for unit in [u for u in self.staged if u != keep and u != self.taken]:
             self.staged.discard(unit)
-            self.io[unit] = self._punch_now(unit)
+            self.io[unit] = self._release(unit)
 
     def close(self) -> None:
         try:
@@ -146,12 +182,25 @@ class UnitStager:
             self.files.close()
 
 
+def slot_numel(layout: ModelLayout, from_unit: int, workers: int) -> int:
+    """Elements of one worker's staging slot: the largest share a worker has of a unit on NVMe (ALIGN blocks)."""
+    blocks = max((u.numel // ALIGN for u in layout.units if u.index >= from_unit), default=0)
+    return -(-blocks // max(workers, 1)) * ALIGN
 
-def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int]]) -> UnitStager:
-    """A process's stager over `bounds` (unit -> [start, end) elements of its share) of the run's state files."""
-    paths = {kind: arena.handle.path(kind) for kind in tier.kinds()}
+
+def stage_segments(layout: ModelLayout, kinds: tuple[str, ...], from_unit: int, workers: int
+                   ) -> tuple[tuple[str, str, int], ...]:
+    """The arena's staging segments of a tier (name, dtype, numel): SLOTS slots per worker of each kind."""
+    numel = workers * SLOTS * slot_numel(layout, from_unit, workers)
+    return tuple((STAGE_PREFIX + kind, "float32", numel) for kind in kinds)
+
+
+def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int]], slot_numel: int,
+                slot_base: int) -> UnitStager:
+    """A worker's stager over `bounds` (unit -> [start, end) elements of its share) of the run's state files, through
+    its SLOTS slots of `slot_numel` elements from element `slot_base` of the arena's staging segments."""
     extents = unit_extents({u: b for u, b in bounds.items() if u >= tier.from_unit}, tier.kinds())
-    return UnitStager(StateFiles.open(tier), arena.tensors, paths, extents)
+    return UnitStager(StateFiles.open(tier), arena.tensors, None, extents, slot_numel=slot_numel, slot_base=slot_base)
 
 
 class StoreTier:

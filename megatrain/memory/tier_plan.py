@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 GiB = 2**30
 KINDS = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
 AUTO_ORDER = ("moments", "master", "grads")  # what "auto" moves first: the most bytes for the least traffic first
-STAGED_UNITS = 4  # units' shares in flight per worker: the one updated, one read ahead, up to two written behind
+STAGED_UNITS = 3  # each worker's staging slots of its share of a unit (megatrain/memory/staging.py SLOTS)
 
 
 def tier_names(states: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

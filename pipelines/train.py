@@ -212,9 +212,11 @@ def with_size_defaults(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
     chosen = {k: v for k, v in (("lr", default_lr(config.num_params())), ("warmup_steps", default_warmup(cfg.steps)))
               if getattr(cfg, k) is None}
     if chosen:
-        log.info("%s by default for a %.3g G-parameter model over %d steps (megatrain/presets.py: published recipes' "
+        n = config.num_params()
+        size = f"{n / 1e9:.3g} G" if n >= 1e9 else f"{n / 1e6:.3g} M"
+        log.info("%s by default for a %s-parameter model over %d steps (megatrain/presets.py: published recipes' "
                  "rate for the size, warm-up 3%% of the steps, at least 20, at most half)",
-                 ", ".join(f"{k} {v:g}" for k, v in chosen.items()), config.num_params() / 1e9, cfg.steps)
+                 ", ".join(f"{k} {v:g}" for k, v in chosen.items()), size, cfg.steps)
     for name, value in chosen.items():
         setattr(cfg, name, value)
     return cfg

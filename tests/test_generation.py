@@ -2,7 +2,8 @@
 every step) equal to transformers' `generate` on a left-padded batch, for Llama, Qwen2, Qwen3, Gemma 2 and 3 and, on
 the generic path, GPT-2 and GPT-OSS, on the CPU path and under simulated streams, with and without resident units; a
 row stops at its end-of-sequence token; sampling repeats with its seed and filters as transformers' warpers do; a layer
-with state beyond keys and values is refused; Engine.generate and `megatrain generate` with text prompts."""
+with state beyond keys and values is refused; a LoRA run's generation is PEFT's; Engine.generate and `megatrain
+generate` with text prompts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from helpers import (
     gemma3_config,
     rel_err,
 )
+from lora_helpers import lora_executor, peft_model, setup
 from transformers import GPT2Config, GptOssConfig, PretrainedConfig, Qwen3NextConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -179,6 +181,20 @@ def test_a_layer_with_state_beyond_keys_and_values_is_refused_in_one_sentence(tm
         store.close()
     assert "state other than attention keys and values" in str(e.value)
     assert_one_sentence(str(e.value))
+
+
+@pytest.mark.parametrize(("case", "device", "resident"), [("llama-all-linear", "cpu-async:3", 2),
+                                                        ("phi3-fused", "cpu", 0)])
+def test_a_lora_runs_generation_is_pefts(case: str, device: str, resident: int, tmp_path: Path) -> None:
+    """A LoRA run generates with its adapters beside the streamed base (resident adapters under simulated streams;
+    the generic path's hooked adapters): PEFT's model's greedy generate, which the base alone does not give."""
+    hf, _, adapters = setup(case)
+    with lora_executor(hf, adapters, tmp_path, device, resident_units=resident) as (store, executor):
+        if resident:
+            executor.resident.load(store.arena.tensors, 0)
+        got = Generator(executor).generate(PROMPTS, Sampling(max_new_tokens=NEW)).token_ids
+    want = hf_greedy(peft_model(hf, adapters).eval(), PROMPTS, NEW)
+    assert got == want and want != hf_greedy(hf, PROMPTS, NEW)
 
 
 # ---- Engine.generate and `megatrain generate` ----

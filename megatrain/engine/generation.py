@@ -135,14 +135,12 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
 
 
 class Generator:
-    """Generation on an Executor's pipeline: its weight buffers, embedding rows, resident units and head."""
+    """Generation on an Executor's pipeline: its weight buffers, embedding rows, resident units and head (a LoRA run's:
+    the frozen base streamed, its adapters beside it)."""
 
     def __init__(self, executor: Executor):
         self.ex = executor
-        arch = executor.arch
-        if executor.lora is not None:
-            raise MegatrainError("generation in a LoRA run is not implemented yet; save the adapter (or the merged "
-                                 "model) and generate from that.")
+        arch = executor.arch if executor.lora is None else executor.lora.architecture.arch  # a LoRA run's family's
         if not hasattr(arch, "cached_layer"):
             raise MegatrainError(f"generation is not implemented for {executor.config.model_type}'s layers in "
                                  "megatrain; generate with transformers instead.")
@@ -186,6 +184,7 @@ class Generator:
         x = ex.embedding.embedded(rows, row_of_token)
         for i, unit in enumerate(layers):
             slot, w = ex.slots.acquire(unit)
+            w = w if ex.lora is None else ex.lora.bind(unit, w, ex.resident, ex._to_device)  # the adapters beside
             x, new = ex.arch.cached_layer(i)(x, w, cache.past(i), *batch.layer_args(i))  # type: ignore[attr-defined]
             ex.slots.release(slot)
             cache.append(i, new)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +297,23 @@ class LoraArchitecture:
     def tile(self, tile_tokens: int) -> None:
         refuse_tiled_dropout(self.lora)
         self.arch.tile(tile_tokens)
+
+    def cached_batch(self, *args: Any) -> Any:
+        """Generation's (architecture.py): the family's; no dropout."""
+        return self.arch.cached_batch(*args)  # type: ignore[attr-defined]
+
+    def cached_layer(self, index: int) -> Callable[..., Any]:
+        """The family's cached step with the adapters in its layer, as LoraLayer runs it, without dropout."""
+        fn, lora = self.arch.cached_layer(index), self.lora  # type: ignore[attr-defined]
+        module = getattr(self.arch.layer(index), "module", None)  # transformers' own layer, on the generic path
+
+        def step(x: torch.Tensor, w: Weights, past: Any, *args: Any) -> Any:
+            if isinstance(module, nn.Module):
+                with hooked_adapters(module, w, lora, None) as base:
+                    return fn(x, base, past, *args)
+            return fn(x, with_adapters(w, lora, None), past, *args)
+
+        return step
 
     def final_norm(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
         return self.arch.final_norm(x, weights)

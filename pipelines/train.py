@@ -207,18 +207,16 @@ TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule",
 
 
 def with_size_defaults(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
-    """cfg, its learning rate and warm-up where it left them unset (None) chosen for the model's size and the run's
-    length, said in a log line."""
-    chosen = {k: v for k, v in (("lr", default_lr(config.num_params())), ("warmup_steps", default_warmup(cfg.steps)))
-              if getattr(cfg, k) is None}
-    if chosen:
-        n = config.num_params()
-        size = f"{n / 1e9:.3g} G" if n >= 1e9 else f"{n / 1e6:.3g} M"
-        log.info("%s by default for a %s-parameter model over %d steps (megatrain/presets.py: published recipes' "
-                 "rate for the size, warm-up 3%% of the steps, at least 20, at most half)",
-                 ", ".join(f"{k} {v:g}" for k, v in chosen.items()), size, cfg.steps)
+    """cfg with the lr and warm-up it left unset (None) chosen by the model's size and the run's length, logged."""
+    n = config.num_params()
+    defaults = {"lr": default_lr(n), "warmup_steps": default_warmup(cfg.steps)}  # megatrain/presets.py
+    chosen = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     for name, value in chosen.items():
         setattr(cfg, name, value)
+    if chosen:
+        log.info("%s by default for a %s-parameter model over %d steps (published recipes' rate for the size, warm-up "
+                 "3%% of the steps, at least 20, at most half)", ", ".join(f"{k} {v:g}" for k, v in chosen.items()),
+                 f"{n / 1e9:.3g} G" if n >= 1e9 else f"{n / 1e6:.3g} M", cfg.steps)
     return cfg
 
 

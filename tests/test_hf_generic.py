@@ -209,7 +209,8 @@ def test_engine_three_steps_match_transformers_adamw(case: str, tmp_path: Path, 
 # transformers builds none) and with an fp8 quantization_config; Falcon-40B ties lm_head to the embedding (its config
 # leaves tie_word_embeddings at True), though its checkpoint also stores lm_head (41.84 G there)
 REAL_PARAMS = {"qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "gpt-oss-120b": 116.8, "deepseek-v3": 671.03,
-               "glm-4.5-air": 106.85, "qwen3-235b-a22b": 235.09, "falcon-40b": 41.30, "starcoder2-15b": 15.96}
+               "glm-4.5-air": 106.85, "qwen3-235b-a22b": 235.09, "falcon-40b": 41.30, "starcoder2-15b": 15.96,
+               "opt-350m": 0.331}  # OPT-350m: 512-wide embeddings, project_in/out to its 1024-wide layers
 
 
 @pytest.mark.parametrize("name", REAL_PARAMS)

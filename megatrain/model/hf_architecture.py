@@ -262,6 +262,8 @@ class GenericArchitecture:
         self._head_skeleton: nn.Module | None = None
         self._arity: int | None = None  # how the model's forward reads its layers' outputs (hf_parts.layer_output)
         self._head_path = parts.head
+        # the embeddings' width, where the forward projects them to the layers' (OPT-350m's project_in: 512 -> 1024)
+        self.embed_width = self.model.get_input_embeddings().weight.shape[-1]
         self._embed_child = child = parts.embed_child
         # the embedding module itself runs with the first layer: a module after its lookup (Inkling's norm)
         self._lookup_in_pre = child in parts.pre and parts.embed_in_base == f"{child}.weight"
@@ -348,7 +350,7 @@ class GenericArchitecture:
         """The layers' calls in the model's forward on [batch_size, seq] embeddings; forward: its other arguments (a
         cached step's attention mask and cache: hf_cached.py)."""
         base = self._skeleton_for(device)
-        x = torch.full((batch_size, seq, self.model_config.hidden_size), fill, device=device, dtype=dtype)
+        x = torch.full((batch_size, seq, self.embed_width), fill, device=device, dtype=dtype)
         layers = list(stack_of(self.model, self.parts))
         n = len(layers)
         # the way the model's forward reads its layers' outputs, tried in turn until known

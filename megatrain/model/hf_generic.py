@@ -122,7 +122,8 @@ class GenericFamily:
         head: list[Tensor4] = []
         if parts.final is not None:
             final = parts.in_base(parts.final)
-            head += [(f"norm.{n}", f"{final}.{n}", tuple(t.shape), False)
+            # decayed as Trainer decays it: a norm not, OPT-350m's project_out (a projection after the last layer) so
+            head += [(f"norm.{n}", f"{final}.{n}", tuple(t.shape), decayed(model, f"{final}.{n}"))
                      for n, t in submodule(model, final).named_parameters()]
         head += [(f"lm_head.{n}", f"{parts.head}.{n}", shapes[f"{parts.head}.{n}"], n == "weight")
                  for n in parts.head_params]

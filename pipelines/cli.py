@@ -196,14 +196,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measures this machine for predicted step times and caches it (megatrain/perf/calibrate.py)."""
+    from dataclasses import replace
+
     from megatrain.perf.calibrate import Calibration, calibrate, device_name
     from megatrain.store import resolve_model
+    from pipelines.train import TrainConfig
 
     device = args.device or ("cuda" if _cuda() else "cpu")
-    config = resolve_model(args.model, verify=False)[0] if args.model else None  # timings only
+    # without --model: the layers of the run `megatrain train` makes by default, so its progress line predicts
+    default = TrainConfig()
+    config = resolve_model(args.model or default.model, verify=False)[0]  # timings only
+    batch = args.batch or (8 if args.model else default.data.batch_size)
+    seq = args.seq or (2048 if args.model else default.data.seq_len)
     base = Calibration.load(device_name(device))
-    cal = calibrate(device, config, batch=args.batch, seq=args.seq, precision=args.precision,
+    cal = calibrate(device, config, batch=batch, seq=seq, precision=args.precision,
                     max_seconds=args.max_seconds, base=base, time_compile=args.compiled)
+    if args.step_costs:
+        from pipelines.step_costs import measure_step_costs
+
+        costs = measure_step_costs(cal)
+        cal = replace(cal, step_fixed_s=costs.step_fixed_s, unit_message_s=costs.unit_message_s)
     path = cal.save()
     if args.json:
         from dataclasses import asdict
@@ -224,6 +236,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"compiled {key}: {1e3 * c.compiled_layer_s:.1f} ms a layer (eager {1e3 * c.eager_layer_s:.1f}), "
               f"{1e3 * c.compiled_rest_s:.1f} ms the rest (eager {1e3 * c.eager_rest_s:.1f}), {c.compile_s:.0f} s "
               "compiling")
+    if cal.step_fixed_s is not None:
+        print(f"a step's fixed costs through Ray: {1e3 * cal.step_fixed_s:.1f} ms a step, "
+              f"{1e3 * cal.unit_message_s:.2f} ms a unit message to an optimizer worker")
     print(f"cached in {path}")
     return 0
 
@@ -331,9 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine (copies, matmul, AdamW, a model's layers) for "
                                          "predicted step times; cached for `megatrain plan`")
     p.add_argument("--device", help="cpu or cuda (default: cuda where there is one)")
-    p.add_argument("--model", help=PRESETS_HELP + ": also time its layers at --batch x --seq tokens")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--model", help=PRESETS_HELP + ": also time its layers at --batch x --seq tokens (default: the "
+                   "tiny preset at 8 x 256, the layers of megatrain train's default run)")
+    p.add_argument("--batch", type=int, help="rows (default 8)")
+    p.add_argument("--seq", type=int, help="tokens a row (default 2048 with --model, else 256)")
+    p.add_argument("--step-costs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure a step's fixed costs through Ray (a private Ray, ~20 s; default on)")
     p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="tf32")
     p.add_argument("--max-seconds", type=float, default=60.0, help="about how long to measure (default 60)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,

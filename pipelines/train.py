@@ -404,7 +404,7 @@ def _loop(cfg: TrainConfig, engine: Engine, loader: Any, out_dir: Path, start: i
             if cfg.trace:
                 spans.extend(result.spans)
             # each step beside the prediction of its own case: a run whose steps all clip is predicted serial
-            predicted = None if prediction is None else prediction.cases[result.update]["step_s"]
+            predicted = None if prediction is None else prediction.shown_step_s(result.update)
             progress.update(step, _progress_fields(result, step_time, flops_per_token, engine.skipped_steps,
                                                    predicted, engine.rollbacks))
             step += 1

@@ -65,7 +65,7 @@ def test_calibrate_on_the_cpu_quickly(cache: Path, capsys: pytest.CaptureFixture
     earlier.layers["another shape"] = LayerTiming(0.01, 0.02)
     earlier.save()
     assert main(["calibrate", "--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "32", "--precision",
-                 "fp32", "--max-seconds", "1", "--json"]) == 0
+                 "fp32", "--max-seconds", "1", "--no-step-costs", "--json"]) == 0  # step costs: below
     written = json.loads(capsys.readouterr().out)
     cal = Calibration.load("cpu")
     assert written["path"] == str(cache) and cal is not None
@@ -477,3 +477,58 @@ def test_engine_takes_auto_optimizer_workers_and_micro_batches_and_predicts_its_
         assert result.update in prediction.cases  # the progress line predicts each step as its own case
     recorded = json.loads((tmp_path / PREDICTION_FILE).read_text())
     assert recorded["kept_layers"] == 1 and recorded["resident_update_s"] > 0 and recorded["speculate"] == "auto"
+
+
+# ---- a step's fixed costs (pipelines/step_costs.py), and the progress line's prediction only where calibrated ----
+
+def test_fixed_costs_count_each_streamed_units_message_to_each_worker() -> None:
+    """A step costs the driver's round trips once and a Ray message per streamed unit and optimizer worker, twice in
+    a rollback (the units are handed out again); resident units send none. Not measured: 0, and the prediction says
+    it is not of a calibrated regime, as it says of compute from the matmul rate."""
+    tiny = ModelConfig.from_name("tiny")
+    plan = plan_run(tiny, 2, 64, on_gpu=False, find_longest=False)
+    timed = cpu_calibration()
+    timed.layers[layer_key(tiny, 2, 64, "tf32")] = LayerTiming(0.01, 0.005)
+    cal = replace(timed, step_fixed_s=0.004, unit_message_s=0.0005)
+    messages = (tiny.num_layers + 2) * 2
+    pred = predict(plan, tiny, cal, optimizer_workers=2)
+    assert pred.overhead_s == pytest.approx(0.004 + messages * 0.0005) and pred.uncalibrated == ""
+    assert pred.step_s == pytest.approx(pred.compute_s + pred.optimizer_s + pred.overhead_s)
+    cases = pred.cases
+    assert cases["rolled back"]["step_s"] - cases["speculated"]["step_s"] == pytest.approx(
+        pred.rollback_s + messages * 0.0005)
+    resident = predict(replace(plan, resident_units=2), tiny, cal, optimizer_workers=2)
+    assert resident.overhead_s == pytest.approx(0.004 + (messages - 4) * 0.0005)
+    unmeasured = predict(plan, tiny, timed, optimizer_workers=2)
+    assert unmeasured.overhead_s == 0.0 and "not measured" in unmeasured.uncalibrated
+    untimed = predict(plan, tiny, replace(cpu_calibration(), step_fixed_s=0.004, unit_message_s=0.0005))
+    assert untimed.uncalibrated == "compute from the matmul rate"
+
+
+def test_the_progress_line_predicts_only_a_calibrated_regime() -> None:
+    """pipelines/train.py shows Prediction.shown_step_s beside each step: nothing where compute came from the matmul
+    rate (or the fixed costs were not measured), and the report says why and what measures it."""
+    tiny = ModelConfig.from_name("tiny")
+    plan = plan_run(tiny, 8, 256, on_gpu=False, find_longest=False)
+    cal = replace(cpu_calibration(), step_fixed_s=0.004, unit_message_s=0.0005)
+    untimed = predict(plan, tiny, cal)
+    assert untimed.shown_step_s("speculated") is None
+    assert "not shown beside each step: compute from the matmul rate; `megatrain calibrate" in untimed.report()
+    cal.layers[layer_key(tiny, 8, 256, "tf32")] = LayerTiming(0.01, 0.005)
+    timed = predict(plan, tiny, cal)
+    assert timed.shown_step_s("rolled back") == timed.cases["rolled back"]["step_s"]
+    assert "not shown" not in timed.report()
+
+
+def test_step_costs_are_measured_through_ray(ray_session: None, cache: Path) -> None:
+    """Two probe Engines (1 and 8 layers) against the same models in-process, step by step in turn; no value is
+    asserted (the cores are shared), only what was measured and that a calibration keeps it."""
+    from pipelines.step_costs import measure_step_costs
+
+    costs = measure_step_costs(cpu_calibration(), steps=2, warmup=1)
+    assert [(p.layers, p.messages) for p in costs.probes] == [(1, 6), (8, 20)]
+    assert all(p.measured_s > 0 and p.predicted_s > 0 for p in costs.probes)
+    assert costs.step_fixed_s >= 0 and costs.unit_message_s >= 0
+    cal = replace(cpu_calibration(), step_fixed_s=costs.step_fixed_s, unit_message_s=costs.unit_message_s)
+    cal.save()
+    assert Calibration.load("cpu").unit_message_s == costs.unit_message_s

@@ -12,14 +12,17 @@ full size and print tables.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +80,10 @@ class Calibration:
     copies_gbps: float | None = None
     copies_kind: str = ""
     device_adamw_gparams: float | None = None
+    # a step's fixed costs beyond compute, copies and the update, measured through Ray (pipelines/step_costs.py):
+    # the driver's round trips a step, and one Ray message of a unit handed to an optimizer worker
+    step_fixed_s: float | None = None
+    unit_message_s: float | None = None
     source: str = "measured by megatrain calibrate"  # a calibration recorded by hand says where its numbers came from
 
     # ---- cache ----
@@ -181,7 +188,9 @@ def calibrate(device: str = "cpu", config: ModelConfig | None = None, *, batch: 
                           compute_threads=threads, h2d_gbps=h2d, d2h_gbps=d2h, memcpy_gbps=memcpy,
                           matmul_tflops=matmul,
                           layers=dict(base.layers) if base is not None else {},
-                          compiled=dict(base.compiled) if base is not None else {})
+                          compiled=dict(base.compiled) if base is not None else {},
+                          step_fixed_s=base.step_fixed_s if base is not None else None,  # measured by the driver
+                          unit_message_s=base.unit_message_s if base is not None else None)
         if config is not None:
             left = max_seconds - (time.monotonic() - start)
             layer, head = forward_matmul_flops(config, batch, seq)
@@ -426,34 +435,44 @@ def _timed_steps(config: ModelConfig, layers: int, batch: int, seq: int, device:
     """(whether the executor's streams are asynchronous, `repeats` timed steps after an untimed one, the untimed
     one's wall seconds) of this model's shape with `layers` decoder layers; None where the untimed one takes more
     than a fifth of `budget_s` (compile: more than budget_s, its compiling included)."""
+    with executor_steps(replace(config, num_layers=layers), batch, seq, device, precision, compile) as (step, streams):
+        first = step()  # first touch, allocator warm-up, kernels' first launches
+        if first.wall_s > (budget_s if compile else budget_s / 5):
+            return None
+        return streams.asynchronous, [step() for _ in range(repeats)], first.wall_s
+
+
+@contextmanager
+def executor_steps(config: ModelConfig, batch: int, seq: int, device: str = "cpu", precision: str = "tf32",
+                   compile: bool = False) -> Iterator[tuple[Callable[[], _TimedStep], Any]]:
+    """(a function that runs and times one step of an in-process Executor of this model on random tokens, its
+    streams): the code a run executes, without Ray, the driver or the optimizer (pipelines/step_costs.py times
+    those against it)."""
     from megatrain.engine.executor import Executor
     from megatrain.telemetry import Recorder
 
-    shape = replace(config, num_layers=layers)
-    layout = ModelLayout.build(shape)
+    layout = ModelLayout.build(config)
     pinned = device.startswith("cuda")  # the host never waits on a pageable copy between two kernels' launches
     params, grads = torch.empty(layout.numel, pin_memory=pinned), torch.zeros(layout.numel, pin_memory=pinned)
     fill(params, grads)
     rec = Recorder()
-    executor = Executor(shape, layout, params, grads, device, precision, recorder=rec, compile=compile)
+    executor = Executor(config, layout, params, grads, device, precision, recorder=rec, compile=compile)
     layer_units = {unit.index for unit in layout.layers}
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    steps = []
+    count = itertools.count()
+
+    def step() -> _TimedStep:
+        n = next(count)
+        t0 = time.perf_counter()
+        rec.begin_step(n, executor.device)
+        executor.run(ids)
+        rec.end_step()
+        wall = time.perf_counter() - t0
+        compute = [s for s in rec.spans if s.step == n and s.lane == "compute"]
+        return _TimedStep(wall, sum(s.duration for s in compute if s.layer in layer_units),
+                          sum(s.duration for s in compute if s.layer not in layer_units))
+
     try:
-        for step in range(repeats + 1):  # the first: first touch, allocator warm-up, kernels' first launches
-            t0 = time.perf_counter()
-            rec.begin_step(step, executor.device)
-            executor.run(ids)
-            rec.end_step()
-            wall = time.perf_counter() - t0
-            if step == 0:
-                if wall > (budget_s if compile else budget_s / 5):
-                    return None
-                first_s = wall
-                continue
-            compute = [s for s in rec.spans if s.step == step and s.lane == "compute"]
-            steps.append(_TimedStep(wall, sum(s.duration for s in compute if s.layer in layer_units),
-                                    sum(s.duration for s in compute if s.layer not in layer_units)))
+        yield step, executor.streams
     finally:
         executor.close()
-    return executor.streams.asynchronous, steps, first_s

@@ -28,6 +28,9 @@ A step, one function per part below, each saying which engine behaviour it follo
   data       tokens x the calibrated per-token data time (0 where not measured: the loader prefetches).
   network    several nodes: plan.network_bytes at `link_gbps` (one machine cannot measure the link between two), whole,
              an upper bound. Each node's pool updates 1/nodes of the parameters; each executor computes its own rows.
+  fixed      fixed_costs: what a step costs beyond compute, copies and the update: the driver's round trips, and one
+             Ray message for each streamed unit to each optimizer worker, again in a rollback, at the costs measured
+             through Ray (pipelines/step_costs.py); 0 where the calibration did not measure them (fixed_source says).
 On the CPU path compute, the pool and the loader share the same cores: the parts add up.
 """
 
@@ -43,7 +46,6 @@ from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, SPECULATE, ModelConfig,
 from megatrain.memory.plan import AUTO, MIN_TILE_TOKENS, TILE_TOKENS, MemoryPlan, plan_run
 from megatrain.perf.calibrate import MAX_CALIBRATED_WORKERS, Calibration, forward_matmul_flops, layer_key
 
-STEP_OVERHEAD_S = 0.005  # the driver's per-step Ray calls and version checks (a tiny model's steps take ~5 ms)
 # a layer's FLOPs: forward 1, recompute 1 (the forward again), backward 2 (two matmuls per forward one)
 FORWARD_SHARE, RECOMPUTE_SHARE = 0.25, 0.25
 # the rollback pass against the update's where calibration did not time it: half the update's rate, as measured on
@@ -63,7 +65,7 @@ class Prediction:
     d2h_s: float
     optimizer_s: float  # the CPU pool's update of the streamed units (the resident ones: resident_update_s)
     data_s: float
-    overhead_s: float
+    overhead_s: float  # the step's fixed costs (fixed_costs), the mean case
     step_s: float  # mean over the cases, weighted by how often each runs
     tokens_per_s: float
     bound: str  # the part with the largest time: compute | h2d | d2h | optimizer | data | network
@@ -78,6 +80,19 @@ class Prediction:
     kept_layers: int = 0  # layers whose activations are kept (no recompute)
     cases: dict[str, dict[str, float]] = field(default_factory=dict)  # case -> {"share", "step_s", "exposed_update_s"}
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # forward/head/backward/update -> {"s", "bound"}
+    fixed_source: str = ""  # where the fixed costs came from (fixed_costs)
+
+    @property
+    def uncalibrated(self) -> str:
+        """Why this prediction is not of a regime the calibration measured ("" where it is): the compute of layers it
+        did not time (the matmul rate misses every elementwise op and launch), or fixed costs it did not measure."""
+        why = [] if self.compute_source.startswith("measured layers") else [f"compute from the {self.compute_source}"]
+        return "; ".join(why + ([] if self.fixed_source.startswith("measured") else [self.fixed_source]))
+
+    def shown_step_s(self, case: str) -> float | None:
+        """The predicted step of a step whose update ran as `case`, as a run's progress line shows it: None where
+        the prediction is not of a calibrated regime (report() says why)."""
+        return None if self.uncalibrated else self.cases[case]["step_s"]
 
     def to_dict(self) -> dict[str, Any]:
         return {"predicted_step_s": self.step_s, "predicted_tokens_per_s": self.tokens_per_s, **asdict(self)}
@@ -93,7 +108,10 @@ class Prediction:
                 f"  per step: {lanes} (compute from {self.compute_source}; update at {self.optimizer_rate})\n"
                 f"  phases: {phases}\n"
                 f"  update beside the backward (speculate {self.speculate}, clip rate {self.clip_rate:g} assumed): "
-                f"{cases}")
+                f"{cases}\n"
+                f"  fixed costs: {ms(self.overhead_s)} ({self.fixed_source})"
+                + (f"\n  not shown beside each step: {self.uncalibrated}; `megatrain calibrate --model M --batch B "
+                   "--seq S --precision P` at this run's shape measures them" if self.uncalibrated else ""))
 
 
 @dataclass
@@ -184,6 +202,20 @@ def update_times(plan: MemoryPlan, cal: Calibration, workers: int) -> Update:
     device = cal.device_adamw_gparams if plan.on_gpu else cal.adamw_rate(1, beside=False)
     resident = plan.resident_params / (device * 1e9) if plan.resident_params and device else 0.0
     return Update(pool, rollback, resident, f"{rate:.2f} G params/s ({which})")
+
+
+def fixed_costs(plan: MemoryPlan, config: ModelConfig, cal: Calibration, workers: int) -> tuple[dict[str, float], str]:
+    """(each case's fixed costs, where they came from): the driver's round trips a step (Engine.step_once: the
+    executor's run, the version table, the step's result) and one Ray message a streamed unit for each optimizer
+    worker (Executor: hand_out of update_unit or speculate), again in a rollback (put_back or update_unit), at the
+    costs the calibration measured through Ray (pipelines/step_costs.py). 0 where it measured none."""
+    if cal.step_fixed_s is None or cal.unit_message_s is None:
+        return {c: 0.0 for c in CASES}, "not measured: `megatrain calibrate` measures them"
+    messages = max(config.num_layers + 2 - plan.resident_units, 0) * workers
+    once = cal.step_fixed_s + messages * cal.unit_message_s
+    return ({c: once + (messages * cal.unit_message_s if c == "rolled back" else 0.0) for c in CASES},
+            f"measured: {1e3 * cal.step_fixed_s:.1f} ms a step + {1e3 * cal.unit_message_s:.2f} ms x {messages} "
+            "unit messages")
 
 
 # ---- how much of the update the GPU waits for (pipelines/engine.py, Engine.step_once) ----
@@ -320,14 +352,15 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
     clip_rate = clip_rate if clipping else 0.0
     updates_after_step = clipping or plan.grads == "device" or executors * plan.nodes > 1
     shares = mix_cases(speculate, clip_rate, updates_after_step)
+    fixed, fixed_source = fixed_costs(plan, config, cal, optimizer_workers)
     if not (plan.on_gpu and cal.h2d_gbps is not None):  # one set of cores for all of them
         costs = {"speculated": update.pool_s, "rolled back": update.pool_s + update.rollback_s,
                  "serial": update.pool_s}
-        steps = {c: compute.total_s + update.resident_s + costs[c] + data + network + STEP_OVERHEAD_S for c in CASES}
+        steps = {c: compute.total_s + update.resident_s + costs[c] + data + network + fixed[c] for c in CASES}
         phases: dict[str, dict[str, Any]] = {}
     else:
         costs, busy, phases = gpu_cases(plan, config, compute, h2d, d2h, update)
-        steps = {c: max(busy[c] + costs[c], data) + network + STEP_OVERHEAD_S for c in CASES}
+        steps = {c: max(busy[c] + costs[c], data) + network + fixed[c] for c in CASES}
     exposed_update = sum(shares[c] * costs[c] for c in CASES)
     step = sum(shares[c] * steps[c] for c in CASES)
     # the pool's update is hidden where the step waits for no more than the device's update of the resident units
@@ -340,9 +373,10 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
                "d2h": max(0.0, d2h - max(compute.backward_s, h2d / 2)), "optimizer": exposed_update,
                "data": max(0.0, data - compute.total_s), "network": network}
     cases = {c: {"share": shares[c], "step_s": steps[c], "exposed_update_s": costs[c]} for c in CASES}
-    return Prediction(compute.total_s, h2d, d2h, update.pool_s, data, STEP_OVERHEAD_S, step, tokens / step,
-                      max(lanes, key=lambda name: lanes[name]), times.source, exposed, network, update.resident_s,
-                      update.rollback_s, update.rate, speculate, clip_rate, kept, cases, phases)
+    return Prediction(compute.total_s, h2d, d2h, update.pool_s, data, sum(shares[c] * fixed[c] for c in CASES), step,
+                      tokens / step, max(lanes, key=lambda name: lanes[name]), times.source, exposed, network,
+                      update.resident_s, update.rollback_s, update.rate, speculate, clip_rate, kept, cases, phases,
+                      fixed_source)
 
 
 def step_time(config: ModelConfig, cal: Calibration, **settings: Any) -> Callable[[MemoryPlan], float]:

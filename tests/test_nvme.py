@@ -324,3 +324,18 @@ def test_doctor_and_calibrate_check_the_directory(tmp_path: Path, monkeypatch: p
     entry = disk_rates.calibrate_disk(tmp_path, 8 << 20, threads=2)
     assert disk_rates.disk_rates(tmp_path) == (entry["read_gbps"], entry["write_gbps"])
     assert list_state_dirs(tmp_path) == []
+
+
+def test_the_benchmark_measures_raw_and_tier_io(tmp_path: Path) -> None:
+    """benchmarks/nvme.py on a small file (its step part is the slow Engine runs above, not repeated here)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import nvme as bench
+
+    out = tmp_path / "nvme.json"
+    assert bench.main(["--nvme", str(tmp_path), "--gib", "0.125", "--repeats", "1", "--out", str(out)]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["raw_read_gbps"] > 0 and result["tier_write_gbps"] > 0 and list_state_dirs(tmp_path) == []

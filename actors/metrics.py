@@ -82,6 +82,7 @@ class EngineMetrics:
         self.update_seconds_hist = make_metric(specs.UPDATE_DURATION, base)
         self.queue_depth = make_metric(specs.QUEUE_DEPTH, base)
         self.arena_bytes = make_metric(specs.ARENA_BYTES, base)
+        self.post_training = make_metric(specs.POST_TRAINING, base)
         # every gauge's last value, by (gauge, tags): what the repeater sets again
         self._last: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Gauge, float, dict[str, str] | None]] = {}
         self._lock = threading.Lock()
@@ -123,6 +124,12 @@ class EngineMetrics:
         if math.isfinite(loss):  # a NaN would hide the last good value on every dashboard
             self._set(self.loss, float(loss))
         self.steps.inc()
+
+    def record_post(self, values: dict[str, float]) -> None:
+        """A post-training step's metrics (pipelines/post_run.py), one series a name; non-finite ones left out."""
+        for name, value in values.items():
+            if math.isfinite(value):
+                self._set(self.post_training, float(value), {"metric": name})
 
     def record_skipped_step(self) -> None:
         self.skipped_steps.inc()

@@ -53,9 +53,9 @@ def run_dpo(model: str | Path, data: str | Path, out: str | Path, cfg: DPOConfig
     pairs = [encode_pair(row, tokenizer, tokenizer.eos_id) for row in read_jsonl(data, "--data")]
     train, held_out = split(pairs, cfg.eval_fraction, cfg.engine.seed)
     steps = cfg.steps or max(1, cfg.epochs * math.ceil(len(train) / cfg.batch_pairs))
-    run_log = RunLog(out)
     with megatrain.Engine(model_dir, total_steps=steps, batch_size=2 * cfg.batch_pairs, seq_len=cfg.max_length,
                           **cfg.engine.engine_kwargs()) as engine:
+        run_log = RunLog(out, engine.metrics)
         key = file_digest(Path(data), str(model_dir), str(cfg.max_length))
         refs = reference_logps(engine, out / CACHE, key, {"train": train, "eval": held_out}, tokenizer.pad_id, cfg)
         evals = [evaluate(engine, loss, held_out, refs["eval"], tokenizer.pad_id, cfg)] if held_out else []

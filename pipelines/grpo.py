@@ -154,10 +154,11 @@ def run_grpo(model: str | Path, prompts: str | Path, rewards: list[str], out: st
     loss = GRPOLoss(cfg.loss_type, cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high,
                     cfg.beta, cfg.max_new_tokens)
     longest = max(len(prompt_ids(r["prompt"], tokenizer)) for r in records) + cfg.max_new_tokens
-    run_log, order = RunLog(out), random.Random(cfg.engine.seed)
+    order = random.Random(cfg.engine.seed)
     history: list[dict[str, float]] = []
     with megatrain.Engine(model_dir, total_steps=cfg.steps * cfg.iterations, seq_len=longest,
                           batch_size=cfg.prompts_per_step * cfg.group_size, **cfg.engine.engine_kwargs()) as engine:
+        run_log = RunLog(out, engine.metrics)
         initial = engine.save_checkpoint(out / "initial") if cfg.beta > 0 else None
         for step in range(1, cfg.steps + 1):
             chosen = [records[order.randrange(len(records))] for _ in range(cfg.prompts_per_step)]

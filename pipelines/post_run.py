@@ -75,10 +75,11 @@ def file_digest(*parts: str | Path) -> str:
 
 
 class RunLog:
-    """OUT/metrics.jsonl, one object a step or evaluation, and a progress line for each in the log."""
+    """OUT/metrics.jsonl, one object a step or evaluation, a progress line for each in the log, and the values in
+    the run's Ray metrics (megatrain_post_training, the dashboard's Post-training panel) where it records them."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, metrics: Any = None):
+        self.out, self.metrics = out, metrics
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "metrics.jsonl"
         self.path.write_text("")
@@ -89,6 +90,8 @@ class RunLog:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         log.info("%s %d  %s", kind, step, "  ".join(f"{k} {values[k]:.4g}" for k in shown if k in values))
+        if self.metrics is not None:
+            self.metrics.record_post(values)
 
 
 def save_final(engine: Any, out: Path, model_dir: Path) -> Path:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.memory.post_plan import post_plan
 from pipelines.grpo import load_rewards
+from pipelines.post_run import RunLog
 
 REWARDS = str(EXAMPLES / "post" / "rewards.py")
 
@@ -84,3 +85,16 @@ def test_plan_says_what_each_mode_adds() -> None:
     assert "rollout KV cache" in run.output and "KL to the initial policy" in run.output, run.output
     with pytest.raises(ConfigError, match="--post must be one of dpo, grpo"):
         post_plan(config, "ppo", 1, 1)
+
+
+def test_post_training_metrics_reach_the_ray_metrics(ray_session: None, tmp_path: Path) -> None:
+    """The run's metrics go to OUT/metrics.jsonl and to the megatrain_post_training gauge, one series a name (the
+    dashboard's Post-training panel)."""
+    from actors.metrics import EngineMetrics
+
+    metrics = EngineMetrics(run="post-test")
+    RunLog(tmp_path, metrics).write("step", 1, {"reward": 0.5, "kl": 0.01, "bad": float("nan")}, ("reward",))
+    assert metrics.last(metrics.post_training, metric="reward") == 0.5
+    assert metrics.last(metrics.post_training, metric="kl") == 0.01
+    assert metrics.last(metrics.post_training, metric="bad") is None
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward"] == 0.5

@@ -154,6 +154,10 @@ OPTIMIZER = [
               "step: clipping is on most steps (with speculate = auto, the engine's default, a step after one "
               "that clipped updates after its backward instead, so a rollback follows a step that did not clip).",
               "short", (Query(select(m.ROLLBACKS), "rollbacks"),)),
+    PanelSpec("Post-training", "The last step's metrics of a megatrain dpo or grpo run, as TRL names them: GRPO's "
+              "reward mean and spread, KL to the initial policy, clip fraction, completion length; DPO's "
+              "rewards/accuracies and margins (eval/...: the held-out pairs').", "short",
+              (Query(select(m.POST_TRAINING), "{{metric}}"),)),
 ]
 
 TRANSFERS = [

@@ -61,6 +61,11 @@ QUEUE_DEPTH = MetricSpec("megatrain_optimizer_queue_depth", "gauge", "Units hand
                          "updated, as it starts an update.", ("worker",))
 ARENA_BYTES = MetricSpec("megatrain_arena_bytes", "gauge", "Bytes of the shared-memory arena by kind.", ("kind",))
 
+POST_TRAINING = MetricSpec("megatrain_post_training", "gauge", "The last step's post-training metrics by name "
+                           "(TRL's: reward, reward_std, kl, clip_ratio/region_mean, completions/mean_length, "
+                           "rewards/accuracies, rewards/margins, ...; pipelines/dpo.py, pipelines/grpo.py).",
+                           ("metric",))
+
 METRICS = (STEP_SECONDS, STEP_DURATION, COMPUTE_SECONDS, WAIT_SECONDS, STALL_FRACTION, OVERLAP_FRACTION, TRANSFER_GBPS,
            TRANSFER_BYTES, TOKENS_PER_SECOND, TFLOPS, LOSS, STEPS, SKIPPED_STEPS, ROLLBACKS, UPDATE_SECONDS,
-           UPDATE_DURATION, QUEUE_DEPTH, ARENA_BYTES)
+           UPDATE_DURATION, QUEUE_DEPTH, ARENA_BYTES, POST_TRAINING)

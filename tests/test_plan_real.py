@@ -1,9 +1,12 @@
 """`megatrain plan` from the config.json of the largest models as published (tests/data/hf_configs): GPT-OSS-120B and
 -20B (experts stored in MXFP4: the quantization_config stays in config.json) and Llama-3.1-405B. A plan reads
-config.json alone: it counts every parameter of the model, builds at most its meta model and allocates no arena."""
+config.json alone: it counts every parameter of the model, builds at most its meta model and allocates no arena (nor
+any file of the NVMe tier). With an NVMe directory, clipping on and fp32 masters, the host holds at most 8 bytes per
+parameter: GPT-OSS-120B on the paper's H200 with 1,536 GiB of host, Llama-3.1-405B on 2 TiB."""
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 from pathlib import Path
@@ -40,3 +43,30 @@ def test_plan_counts_every_parameter_and_allocates_nothing(name: str, tmp_path: 
     assert ("fits: yes" if code == 0 else "fits: NO: ") in out
     if name == "gpt-oss-20b":  # 16 B per parameter, 234 GiB of arena: the H200 box holds it in host memory
         assert code == 0, out
+
+
+# nvme_states "auto" places the fewest kinds that make the host fit: GPT-OSS-120B fits 1,536 GiB with its moments
+# alone on disk (9.2 B per parameter left in the host: the fp32 masters, the held gradients, the staging); with its
+# held gradients there too, 5.6. Llama-3.1-405B needs its moments and masters there on 2 TiB (4.5). A run places moments
+# alone today (tests/test_nvme.py): the plan says so beside its report.
+NVME = {"gpt-oss-120b": ("1536", "moments,grads"), "llama-3.1-405b": ("2048", "auto")}
+
+
+@pytest.mark.parametrize("name", NVME)
+def test_plan_with_nvme_keeps_at_most_8_bytes_per_parameter_in_the_host(name: str, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    host, states = NVME[name]
+    model, nvme = tmp_path / "model", tmp_path / "nvme"
+    model.mkdir()
+    nvme.mkdir()
+    (model / "config.json").write_text((REAL / f"{name}.json").read_text())
+    code = main(["plan", "--model", str(model), "--seq", "1024", "--batch", "1", "--device", "cuda", "--gpu-gib", "141",
+                 "--host-gib", host, "--nvme", str(nvme), "--nvme-gbps", "6,5", "--nvme-states", states, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    plan = out["plan"]
+    assert code == 0 and out["fits"], out["problem"]
+    assert round(plan["params"] / 1e9, 2) == PARAMS[name]
+    assert plan["grads"] == "arena"  # clipping on: the gradients held until the global norm is known
+    assert plan["tier"] is not None and plan["tier"]["directory"] == str(nvme)
+    assert plan["host_total"] / plan["params"] <= 8, plan["host_total"] / plan["params"]
+    assert not any(nvme.iterdir())  # nothing written

@@ -31,10 +31,17 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 import megatrain
 from megatrain import MegatrainError
-from megatrain.config import ConfigError
+from megatrain.config import ConfigError, ModelConfig
 from megatrain.engine import generation
 from megatrain.engine.executor import Executor
-from megatrain.engine.generation import Generator, Sampling, pick_next, sampling_scores
+from megatrain.engine.generation import (
+    Generator,
+    Sampling,
+    cache_bytes,
+    check_cache_fits,
+    pick_next,
+    sampling_scores,
+)
 from megatrain.store import ParameterStore
 from pipelines.cli import main
 from pipelines.generate import read_prompts
@@ -154,6 +161,18 @@ def test_bad_sampling_settings_are_refused_in_one_sentence(settings: dict, words
     with pytest.raises(ConfigError) as e:
         Sampling(**settings)
     assert words in str(e.value)
+    assert_one_sentence(str(e.value))
+
+
+def test_a_kv_cache_the_device_cannot_hold_is_refused_before_it_is_made() -> None:
+    config = ModelConfig.from_name("tiny")
+    need = cache_bytes(config, 8, 100, torch.bfloat16)
+    assert need == 2 * config.num_layers * 8 * 100 * config.kv_size * 2
+    check_cache_fits(config, 8, 100, torch.bfloat16, None)  # the host's: not checked here
+    check_cache_fits(config, 8, 100, torch.bfloat16, 2 * need)
+    with pytest.raises(MegatrainError) as e:
+        check_cache_fits(config, 8, 100, torch.bfloat16, need)
+    assert "fewer prompts" in str(e.value)
     assert_one_sentence(str(e.value))
 
 

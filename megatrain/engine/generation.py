@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatrain.config import ConfigError, MegatrainError
+from megatrain.config import ConfigError, MegatrainError, ModelConfig
 from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
 from megatrain.model.templates import KV, next_token_logits
 
@@ -92,6 +92,30 @@ class KVCache:
         self.length = self.key_positions.shape[1]
 
 
+def cache_bytes(config: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> int:
+    """The KV cache's bytes on the device: every layer's keys and values of `capacity` tokens a row (the config's
+    kv heads x head_dim; a generic-path model's own attention may differ a little)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * batch * capacity * config.kv_size * element
+
+
+def check_cache_fits(config: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, free: int | None) -> None:
+    """Refuses, before anything is allocated, a KV cache that would not fit the device's `free` bytes (None: the host,
+    unchecked here) beside the layers' working memory (a tenth of it left)."""
+    need = cache_bytes(config, batch, capacity, dtype)
+    if free is not None and need > 0.9 * free:
+        raise MegatrainError(f"the KV cache of {batch} prompts x {capacity} tokens needs {need / 2**30:.2f} GiB and "
+                             f"the device has {free / 2**30:.2f} GiB free; generate fewer prompts at once, or fewer "
+                             "tokens.")
+
+
+def device_free(device: torch.device) -> int | None:
+    """Free bytes on a GPU, those torch's allocator holds unused included (None: the CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [batch, longest] with each prompt at the right, its positions from 0 and -1 on the padding)."""
     longest = max(len(p) for p in prompts)
@@ -153,7 +177,9 @@ class Generator:
             waits = ResidentCurrent(waits, ex.resident)
         pad = ex.config.pad_token_id if ex.config.pad_token_id is not None else 0
         ids, positions = left_padded(prompts, pad)
-        cache = KVCache(len(ex.layout.layers), len(prompts), ids.shape[1] + sampling.max_new_tokens)
+        capacity = ids.shape[1] + sampling.max_new_tokens
+        check_cache_fits(ex.config, len(prompts), capacity, ex.dtype, device_free(ex.device))
+        cache = KVCache(len(ex.layout.layers), len(prompts), capacity)
         generator = torch.Generator().manual_seed(sampling.seed)
         ex.slots.invalidate()  # the optimizer may have rewritten the arena since the buffers were filled
         out: list[list[int]] = [[] for _ in prompts]

@@ -20,12 +20,13 @@ import torch
 
 from actors.arena_handle import HandleArg, open_arena
 from actors.termination import exit_on_sigterm
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from megatrain.config import MegatrainError, ModelConfig, OptimConfig
 from megatrain.distributed.data_parallel import DataParallel
 from megatrain.engine.batch_checks import token_ids
 from megatrain.engine.executor import Executor
 from megatrain.engine.generation import Generator, Sampling
 from megatrain.engine.grad_egress import GradsOut
+from megatrain.engine.messages import Evaluation, ExecutorStep
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.weight_waits import VersionWaits
 from megatrain.lora.layout import training_layout
@@ -35,7 +36,7 @@ from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
 from megatrain.model.layout import GradLayout, Unit
-from megatrain.perf.compile_choice import compile_choice
+from megatrain.run_plan import RunPlan
 from megatrain.telemetry import HANDOUT_LANE, Recorder, Span, executor_lanes
 
 GPU_HOST_THREADS = 4  # host threads of a GPU executor (gathers and scatters of embedding rows; memory-bound)
@@ -50,41 +51,30 @@ def _batch_tensors(batch: dict[str, np.ndarray]
             *(None if a is None else torch.from_numpy(token_ids(a)) for a in optional))
 
 
-def checkpoint_budget_bytes(engine: EngineConfig) -> int | None:
-    """The device bytes for layer checkpoints of an EngineConfig the memory plan resolved (None: all of them)."""
-    budget = engine.checkpoint_budget_gib
-    return None if budget is None else round(float(budget) * 2**30)
-
-
 @ray.remote(num_cpus=0, concurrency_groups={"grads_out": 1})
 class GPUExecutor:
-    def __init__(self, handle: HandleArg, config: ModelConfig, engine: EngineConfig, workers: list[Any],
-                 clipping: bool, trace: bool = False, rank: int = 0, world: int = 1, rendezvous: str | None = None):
-        """`engine` as the memory plan resolved it: grads ("arena", "stream" or "device", as the parameter store sized
-        the arena), tile_tokens, checkpoint_budget_gib and schedule. rank, world: this executor's place among the
-        run's executors (data parallel over a step's rows), which meet at `rendezvous` (tcp://host:port)."""
+    def __init__(self, handle: HandleArg, config: ModelConfig, plan: RunPlan, workers: list[Any], trace: bool = False,
+                 rank: int = 0, rendezvous: str | None = None):
+        """Executor `rank` of the run `plan` describes (data parallel over a step's rows with the plan's other
+        executors, which meet at `rendezvous`, tcp://host:port); `workers`: its node's optimizer workers."""
         exit_on_sigterm()
         self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
-        self.layout = training_layout(config, engine.lora)  # what trains: a LoRA run's adapters
+        self.layout = training_layout(config, plan.lora)  # what trains: a LoRA run's adapters
         self.dp = None
-        if world > 1:
-            device = torch.device("cuda" if engine.device.startswith("cuda") else "cpu")
-            self.dp = DataParallel.join(rank, world, rendezvous or "", device)
-        # compile "auto" resolved here, on the executor's own device and its GPU's calibration
-        self.compile = compile_choice(engine.compile, engine.device, config, engine.precision)
-        self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, engine.device,
-                                 engine.precision, engine.loss_chunk_tokens, Recorder(),
-                                 GradLayout.build(self.layout, engine.grads), self.arena.tensors.get(SHADOW_SEGMENT),
-                                 self.compile.on, tile_tokens=engine.tile_tokens,
-                                 checkpoint_budget=checkpoint_budget_bytes(engine), data_parallel=self.dp,
-                                 resident_units=engine.resident if isinstance(engine.resident, int) else 0,
-                                 kept_layers=engine.keep_activations if isinstance(engine.keep_activations, int) else 0,
-                                 frozen=self.arena.tensors.get(FROZEN_SEGMENT),
-                                 resident_cast=engine.resident_weights == "cast")
-        self.seed = engine.seed  # a LoRA run's dropout masks are drawn from it and the step (LoraStep.start_step)
-        self.hold_grads = engine.grads == "device"
-        self.executors_per_node = engine.executors if isinstance(engine.executors, int) else 1
-        self.micro_batches, self.schedule = engine.micro_batches, engine.schedule
+        if plan.world > 1:
+            device = torch.device("cuda" if plan.device.startswith("cuda") else "cpu")
+            self.dp = DataParallel.join(rank, plan.world, rendezvous or "", device)
+        self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, plan.device,
+                                 plan.precision, plan.loss_chunk_tokens, Recorder(),
+                                 GradLayout.build(self.layout, plan.grads), self.arena.tensors.get(SHADOW_SEGMENT),
+                                 plan.compile, tile_tokens=plan.tile_tokens, checkpoint_budget=plan.checkpoint_budget,
+                                 data_parallel=self.dp, resident_units=plan.resident_units,
+                                 kept_layers=plan.kept_layers, frozen=self.arena.tensors.get(FROZEN_SEGMENT),
+                                 resident_cast=plan.resident_weights == "cast")
+        self.seed = plan.seed  # a LoRA run's dropout masks are drawn from it and the step (LoraStep.start_step)
+        self.hold_grads = plan.grads == "device"
+        self.executors_per_node = plan.executors
+        self.micro_batches, self.schedule = plan.micro_batches, plan.schedule
         self._held: dict[int, list[GradsOut]] = {}  # step -> its gradients still on the device
         self._speculated: dict[int, set[int]] = {}  # step -> the units updated beside its backward
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
@@ -111,21 +101,17 @@ class GPUExecutor:
         self.workers = workers
         # updates handed out as gradients land in the backward are final only when nothing must be known first (the
         # step's norm, other executors' slices of each unit); otherwise they are speculative where the driver asks
-        self.final_updates = not clipping and not self.hold_grads and world == 1
+        self.final_updates = not plan.updates_after_step
         self.generator: Generator | None = None  # made at the first generate
 
     def device(self) -> str:
         return str(self.executor.device)
 
-    def compiled(self) -> str:
-        """Whether the layers and the head run compiled, and why: one line for the run's log."""
-        return self.compile.why
-
     def pid(self) -> int:
         return os.getpid()
 
     def train_step(self, batch: dict[str, np.ndarray], step: int, expected_version: int,
-                   pending: list[ray.ObjectRef], speculation: Speculation | None = None) -> dict[str, Any]:
+                   pending: list[ray.ObjectRef], speculation: Speculation | None = None) -> ExecutorStep:
         """Forward + backward of `batch` as update number `step`; weights are read only once every worker's
         version of a unit reaches `expected_version` (the previous step's update is in). `pending`: the
         driver's refs of that update, watched for a worker's failure while waiting. `speculation`: each unit is
@@ -199,19 +185,16 @@ class GPUExecutor:
         out.held = []
         stats = rec.end_step()
         token_loss = batch.get("token_loss")  # what its loss reported of the batch (TokenLoss.reported)
-        return {"loss": out.loss, "tokens": out.tokens, "seq": int(input_ids.shape[1]),
-                "loss_metrics": token_loss.reported if token_loss is not None else {},
-                "unit_norms_sq": out.unit_grad_norms_sq,
-                "updates": issued, "skipped_units": skipped_units, "speculated": speculated,
-                "resident": [u.index for u in self.resident.units],
-                "stats": stats.to_dict(),
-                "spans": self._lanes([s for s in rec.spans if s.step == step]) if self.trace else []}
+        return ExecutorStep(out.loss, out.tokens, int(input_ids.shape[1]), out.unit_grad_norms_sq, issued,
+                            skipped_units, speculated, [u.index for u in self.resident.units], stats.to_dict(),
+                            self._lanes([s for s in rec.spans if s.step == step]) if self.trace else [],
+                            loss_metrics=token_loss.reported if token_loss is not None else {})
 
     def _lanes(self, spans: list[Span]) -> list[Span]:
         return spans if self.dp is None else executor_lanes(spans, self.dp.rank, self.executors_per_node)
 
     def evaluate(self, batch: dict[str, np.ndarray], expected_version: int, pending: list[ray.ObjectRef]
-                 ) -> dict[str, Any]:
+                 ) -> Evaluation:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
         input_ids, labels, position_ids = _batch_tensors(batch)
         rec = self.executor.rec
@@ -225,7 +208,7 @@ class GPUExecutor:
                                     loss_ready=lambda loss: False)
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's
-        return {"loss": out.loss, "tokens": out.tokens}
+        return Evaluation(out.loss, out.tokens)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, expected_version: int,
                  pending: list[ray.ObjectRef]) -> dict[str, Any]:

@@ -11,9 +11,8 @@ import ray
 
 from actors.termination import exit_on_sigterm
 from megatrain.config import MegatrainError, ModelConfig
-from megatrain.lora.config import LoraConfig
 from megatrain.memory.arena import ArenaHandle
-from megatrain.memory.nvme import TierSpec
+from megatrain.run_plan import RunPlan
 from megatrain.store import ParameterStore
 
 
@@ -21,11 +20,9 @@ from megatrain.store import ParameterStore
 # a recovery's questions) while it waits for its workers or for another node.
 @ray.remote(num_cpus=0, concurrency_groups={"sync": 1})
 class ParameterStoreActor:
-    def __init__(self, model: str | ModelConfig, num_workers: int, seed: int, batch: int, seq: int,
-                 run_id: str | None = None, grads: str = "arena", shadow: bool = False, on_gpu: bool = False,
-                 tile_tokens: int | None = None, checkpoint_budget: int | None = None, micro_batches: int = 1,
-                 lora: LoraConfig | None = None, lora_base_dtype: str = "bf16", adapter: str | None = None,
-                 tier: TierSpec | None = None, node: int = 0, nodes: int = 1):
+    def __init__(self, model: str | ModelConfig, plan: RunPlan, node: int = 0, run_id: str | None = None,
+                 adapter: str | None = None):
+        """Node `node`'s store of the run `plan` describes (its arena: plan.store)."""
         # A user error (a model that does not fit, a corrupt weights file) is kept for handle() to raise: raised
         # here, Ray would turn it into an ActorDiedError carrying the traceback as its message.
         self.init_error: MegatrainError | None = None
@@ -33,11 +30,7 @@ class ParameterStoreActor:
         # Unlink the arena however this process ends short of SIGKILL (that case: the next start cleans up).
         exit_on_sigterm(self.close)
         try:
-            self.store = ParameterStore(model, num_workers=num_workers, seed=seed, batch=batch, seq=seq,
-                                        run_id=run_id, grads=grads, shadow=shadow, on_gpu=on_gpu,
-                                        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-                                        micro_batches=micro_batches, node=node, nodes=nodes, lora=lora,
-                                        lora_base_dtype=lora_base_dtype, adapter=adapter, tier=tier,
+            self.store = ParameterStore(model, plan.store, node=node, run_id=run_id, adapter=adapter,
                                         verify=False)  # the driver's resolve_model made its checks
         except MegatrainError as e:
             self.init_error = e

@@ -10,7 +10,8 @@ from typing import Any
 from megatrain.config import EngineConfig, ModelConfig, OptimConfig
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.nvme import TierSpec
-from megatrain.memory.plan import MemoryPlan
+from megatrain.memory.plan import MemoryPlan, plan_memory
+from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.calibrate import Calibration
 
 PLAN_FILE = "plan.json"
@@ -50,6 +51,44 @@ class Machine:
     gpu_name: str = "the GPU"
     link_gbps: float | None = None  # between nodes (None: megatrain.config.LINK_GBPS)
     nvme_gbps: tuple[float, float] | None = None  # the NVMe tier's disk (read, write; None: its cached calibration)
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """The parameter store's part of a run's plan: what its arena holds (megatrain/store.py)."""
+
+    optimizer_workers: int = 1  # per node: the version table's columns
+    grads: str = "arena"  # the arena's gradient segment: every unit's ("arena") or a ring of slots
+    shadow: bool = False  # a bf16 copy of the weights
+    nodes: int = 1  # each node's store holds the whole weights and 1/nodes of the Adam moments
+    seed: int = 0
+    lora: LoraConfig | None = None  # the adapters trained beside a frozen base kept in lora_base_dtype
+    lora_base_dtype: str = "bf16"
+    tier: TierSpec | None = None  # the states on NVMe
+
+    @classmethod
+    def standalone(cls, config: ModelConfig, name: str, check_memory: bool, settings: dict[str, Any]) -> StorePlan:
+        """The plan of a store made without a run's (a test's, megatrain.api's): from ParameterStore's keywords,
+        the host memory checked first where check_memory (a config may claim an absurd size)."""
+        unknown = set(settings) - set(STANDALONE)
+        if unknown:
+            raise TypeError(f"ParameterStore got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        s = {**STANDALONE, **settings}
+        if check_memory:
+            plan = plan_memory(config, s["batch"], s["seq"], name=name, optimizer_workers=s["num_workers"],
+                               grads=s["grads"], shadow=s["shadow"], on_gpu=s["on_gpu"], tile_tokens=s["tile_tokens"],
+                               checkpoint_budget=s["checkpoint_budget"], micro_batches=s["micro_batches"],
+                               nodes=s["nodes"], lora=s["lora"], lora_base_dtype=s["lora_base_dtype"])
+            tier = s["tier"]
+            with_tier(plan, config, tier and tier.root, tier.names if tier else ()).check_host()
+        return cls(s["num_workers"], s["grads"], s["shadow"], s["nodes"], s["seed"], s["lora"], s["lora_base_dtype"],
+                   s["tier"])
+
+
+# ParameterStore's keywords without a run's plan, and their defaults
+STANDALONE: dict[str, Any] = dict(num_workers=1, seed=0, batch=1, seq=2048, grads="arena", shadow=False, on_gpu=False,
+                                  tile_tokens=None, checkpoint_budget=None, micro_batches=1, nodes=1, lora=None,
+                                  lora_base_dtype="bf16", tier=None)
 
 
 @dataclass(frozen=True)
@@ -107,6 +146,12 @@ class RunPlan:
     def speculate(self) -> str:
         """The EngineConfig word of `update`: "on", "off" or "auto"."""
         return {"speculative": "on", "unless-clipped": "auto"}.get(self.update, "off")
+
+    @property
+    def store(self) -> StorePlan:
+        """The parameter stores' part."""
+        return StorePlan(self.optimizer_workers, self.grads, self.shadow, self.nodes, self.seed, self.lora,
+                         self.lora_base_dtype, self.tier)
 
     def engine_config(self) -> EngineConfig:
         """The plan as an EngineConfig, every field resolved (for code and tests that read one)."""

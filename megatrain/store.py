@@ -27,17 +27,15 @@ from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
 from megatrain.io.hub import hub_model
 from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
-from megatrain.lora.config import BASE_DTYPES, LoraConfig
+from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
-from megatrain.memory.nvme import TierSpec
-from megatrain.memory.plan import plan_memory
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.staging import StoreTier, stage_segments
-from megatrain.memory.tier_plan import with_tier
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
+from megatrain.run_plan import StorePlan
 from megatrain.self_check import verify as self_check
 
 log = logging.getLogger(__name__)
@@ -103,65 +101,59 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
 
 
 class ParameterStore:
-    def __init__(self, model: str | Path | ModelConfig, *, num_workers: int = 1, seed: int = 0,
-                 run_id: str | None = None, batch: int = 1, seq: int = 2048, check_memory: bool = True,
-                 grads: str = "arena", shadow: bool = False, on_gpu: bool = False, tile_tokens: int | None = None,
-                 checkpoint_budget: int | None = None, micro_batches: int = 1, node: int = 0, nodes: int = 1,
-                 verify: bool = True, lora: LoraConfig | None = None, lora_base_dtype: str = "bf16",
-                 adapter: str | Path | None = None, tier: TierSpec | None = None):
-        """`grads`: "arena" holds every gradient in the arena; "stream" and "device" only a ring of them
-        (GradLayout.ring), for an engine that streams them through. `shadow` adds a bf16 copy of the weights
-        (`params_bf16`), kept equal to params rounded to bf16, so a bf16 run's GPU loads half the bytes.
-        `on_gpu`: the model computes on a GPU, so activations (and gradients kept there) take no host memory but
-        the layer checkpoints beyond `checkpoint_budget` (bytes; None: all on the device) do; `tile_tokens` as the
-        executor runs (megatrain/memory/plan.py). node, nodes: this store's node of a run on several (NodeShard: the
-        whole weights, 1/nodes of the Adam moments; megatrain/distributed/node_exchange.py keeps the weights equal).
-        verify: resolve_model's checks first (weight files readable, the self-check); False where a driver made them.
-        lora: train these adapters (PEFT's init, or those of the PEFT directory `adapter`) beside the frozen base,
-        which is kept in `lora_base_dtype` ("bf16" or "fp32") with no gradient or moments (megatrain/lora/).
-        tier: the states kept on NVMe (megatrain/memory/nvme.py), their arena segments left sparse and staged there."""
+    def __init__(self, model: str | Path | ModelConfig, plan: StorePlan | None = None, *, node: int = 0,
+                 run_id: str | None = None, adapter: str | Path | None = None, verify: bool = True,
+                 check_memory: bool = True, **settings: Any):
+        """The store of node `node` of a run whose plan is `plan` (its store part: RunPlan.store): what the arena holds
+        is the plan's, which the driver checked. Without one (a test's store, megatrain.api's), its settings are the
+        keywords StorePlan.standalone takes (num_workers, seed, grads, shadow, nodes, lora, lora_base_dtype, tier, and
+        batch, seq, on_gpu, tile_tokens, checkpoint_budget, micro_batches for the host memory's check).
+        adapter: the PEFT adapter directory a LoRA run starts from. verify: resolve_model's checks first (weight files
+        readable, the self-check); False where a driver made them. The arena: megatrain/memory/arena.py; the NVMe
+        tier's states staged through it: megatrain/memory/staging.py."""
         self.config, self.source_dir, self.name = resolve_model(model, verify)
-        self.num_workers = num_workers
-        if check_memory:  # before the layout: its size is the config's claim, which may be absurd
-            plan = plan_memory(self.config, batch, seq, name=self.name, optimizer_workers=num_workers,
-                               grads=grads, shadow=shadow, on_gpu=on_gpu, tile_tokens=tile_tokens,
-                               checkpoint_budget=checkpoint_budget, micro_batches=micro_batches,
-                               nodes=nodes, lora=lora, lora_base_dtype=lora_base_dtype)
-            with_tier(plan, self.config, tier and tier.root, tier.names if tier else ()).check_host()
-        self.layout = training_layout(self.config, lora)  # a LoRA run's: the adapters, its `frozen` the base
-        self.grad_layout = GradLayout.build(self.layout, grads)
-        self.node = NodeShard.build(self.layout, node, nodes)
-        # versions: per unit and worker, the updates applied (several nodes: and a last column, the update whose
-        # weights every node has, see NodeGroup.sync_weights); issued: per unit, the updates handed out (what is
-        # issued and not yet applied is an optimizer worker's queue)
-        units = len(self.layout.units)
-        columns = num_workers + (nodes > 1)
-        # resident: per unit, 1 where the executor keeps it on its device and updates it there (the optimizer workers
-        # leave it; megatrain/engine/resident.py), written by the executor
-        extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
-        if shadow:
-            extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
-        if tier is not None:  # each optimizer worker's slots the NVMe tier's states are staged in
-            extra += stage_segments(self.layout, tier.kinds, tier.from_unit, num_workers)
-        if self.layout.frozen is not None:
-            extra.append((FROZEN_SEGMENT, BASE_DTYPES[lora_base_dtype], self.layout.frozen.numel))
-        self.arena = Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
-                                  grads_numel=self.grad_layout.numel, moments_numel=self.node.numel,
-                                  sparse=tier.kinds if tier is not None else ())
-        self.tier: StoreTier | None = None
-        self.versions = self.arena.versions.view(units, columns)
-        self.seed, self.adapter = seed, adapter
+        if plan is None:  # before the layout: its size is the config's claim, which may be absurd
+            plan = StorePlan.standalone(self.config, self.name, check_memory, settings)
+        elif settings:
+            raise TypeError(f"ParameterStore takes a plan or its settings, not both ({', '.join(sorted(settings))})")
+        self.plan, self.num_workers = plan, plan.optimizer_workers
+        self.layout = training_layout(self.config, plan.lora)  # a LoRA run's: the adapters, its `frozen` the base
+        self.grad_layout = GradLayout.build(self.layout, plan.grads)
+        self.node = NodeShard.build(self.layout, node, plan.nodes)
+        self.arena = self._allocate(run_id)
+        self.versions = self.arena.versions.view(len(self.layout.units), -1)
+        self.seed, self.adapter = plan.seed, adapter
         self.node_group: NodeGroup | None = None
         self.kept: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as the checkpoint stores them
+        self.tier: StoreTier | None = None
         try:
-            if tier is not None:
-                self.tier = StoreTier(tier, self.arena, {u.index: (u.offset, u.offset + u.numel)
-                                                         for u in self.layout.units})
+            if plan.tier is not None:
+                self.tier = StoreTier(plan.tier, self.arena, {u.index: (u.offset, u.offset + u.numel)
+                                                              for u in self.layout.units})
             self._init_params()
         except BaseException:
             # the half-built store is unreachable but the traceback keeps it (and its arena) alive: unlink now
             self.close()
             raise
+
+    def _allocate(self, run_id: str | None) -> Arena:
+        """The arena of the plan: versions (per unit and worker, the updates applied; several nodes: and a last
+        column, the update whose weights every node has, see NodeGroup.sync_weights), issued (per unit, the updates
+        handed out: what is issued and not applied is a worker's queue), the resident flags (1 where the executor
+        keeps a unit on its device and updates it there: megatrain/engine/resident.py), the bf16 copy, the frozen
+        base."""
+        plan, units = self.plan, len(self.layout.units)
+        columns = plan.optimizer_workers + (plan.nodes > 1)
+        extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
+        if plan.shadow:
+            extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
+        if plan.tier is not None:  # each optimizer worker's slots the NVMe tier's states are staged in
+            extra += stage_segments(self.layout, plan.tier.kinds, plan.tier.from_unit, plan.optimizer_workers)
+        if self.layout.frozen is not None:
+            extra.append((FROZEN_SEGMENT, BASE_DTYPES[plan.lora_base_dtype], self.layout.frozen.numel))
+        return Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
+                            grads_numel=self.grad_layout.numel, moments_numel=self.node.numel,
+                            sparse=plan.tier.kinds if plan.tier is not None else ())
 
     def _init_params(self, base: bool = True) -> None:
         """The model's weights from its directory (or initialised); a LoRA run's into the frozen segment (base False:

@@ -44,6 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.executor import gpu_free_memory
 from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from megatrain.engine.messages import ExecutorStep
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
@@ -197,10 +198,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         if len(nodes) > 1:
             log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",
                      len(nodes), ", ".join(n[:8] for n in nodes), run.optimizer_workers, run.executors)
-        store_args = (model_arg, run.optimizer_workers, run.seed, run.batch, run.seq, self.run_id, run.grads,
-                      run.shadow, run.on_gpu, run.tile_tokens, run.checkpoint_budget, run.micro_batches, run.lora,
-                      run.lora_base_dtype, self.adapter)
-        self.actors.start(self.engine_config, run.on_gpu, store_args, run.tier)
+        self.actors.start(run, model_arg, self.adapter)
         self.device = get(self.executor.device.remote())
         log.info("%s", run.compile_why)
 
@@ -301,34 +299,34 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         data_wait = Span(WAIT_LANE, "data", step, t0, time.monotonic())
         speculation = self._speculation()
         out = self.actors.train_step(batch, self.updates_applied, self.pending, speculation)
-        add_wait_before(out["stats"], out["spans"], data_wait)  # the step's accounting and trace count it
+        add_wait_before(out.stats, out.spans, data_wait)  # the step's accounting and trace count it
         update_spans = [span for spans in get(self.pending) for span in spans]  # done: the step waited on them
-        grad_norm = math.sqrt(sum(out["unit_norms_sq"])) if out["unit_norms_sq"] else float("nan")
-        finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm) and not out["skipped_units"]
+        grad_norm = math.sqrt(sum(out.unit_norms_sq)) if out.unit_norms_sq else float("nan")
+        finite = math.isfinite(out.loss) and math.isfinite(grad_norm) and not out.skipped_units
         lr = self.optim.lr_at(self.updates_applied)
         coef = clip_coefficient(grad_norm, self.optim.max_grad_norm) if finite else 0.0
         update = "speculated"
         if not self.updates_after_step:
-            self.pending = out["updates"]
-        elif speculation is None or not out["updates"]:  # the serial update: nothing was handed out in the backward
+            self.pending = out.updates
+        elif speculation is None or not out.updates:  # the serial update: nothing was handed out in the backward
             self.pending = self.actors.update(self.updates_applied, coef) if finite else []
             update = "serial"
         else:
             update = self._validate(out, finite, coef, speculation.attempt)
-        resident = resident_update(out["resident"], out["unit_norms_sq"], finite, coef, self.updates_after_step)
+        resident = resident_update(out.resident, out.unit_norms_sq, finite, coef, self.updates_after_step)
         if resident is not None:  # queued on the executor before the next step (in `pending`, as the pool's)
             self.pending = self.pending + [self.executor.update_resident.remote(self.updates_applied, *resident,
                                                                                 self.optim)]
         self.speculating = finite and coef == 1.0
         # clipping off: units updated before a non-finite one was found keep their update (see README)
-        if finite or (not self.updates_after_step and (out["updates"] or resident)):
+        if finite or (not self.updates_after_step and (out.updates or resident)):
             self.updates_applied += 1
         self.steps_done += 1
         self._record(out, time.monotonic() - t0, finite)
-        self._count_nonfinite(finite, out["loss"], grad_norm)
-        return StepResult(step, out["loss"], out["tokens"], grad_norm, lr, not finite, out["stats"],
-                          out["spans"] + (update_spans if self.trace else []), update == "rolled back", update,
-                          out.get("loss_metrics", {}))
+        self._count_nonfinite(finite, out.loss, grad_norm)
+        return StepResult(step, out.loss, out.tokens, grad_norm, lr, not finite, out.stats,
+                          out.spans + (update_spans if self.trace else []), update == "rolled back", update,
+                          out.loss_metrics)
 
     def _speculation(self) -> Speculation | None:
         """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""
@@ -338,47 +336,47 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self.attempts += 1
         return Speculation(self.attempts, self.optim.max_grad_norm)
 
-    def _validate(self, out: dict[str, Any], finite: bool, coef: float, attempt: int) -> str:
+    def _validate(self, out: ExecutorStep, finite: bool, coef: float, attempt: int) -> str:
         """After a backward beside which units were handed out: their updates stand where the step does not clip (and
         every unit was updated), else they are taken back: replaced by the clipped update, or put back (a non-finite
         gradient), the units not updated beside the backward (versions bumped only to free a host slot, or waiting
         for another executor's slice) updated or left. Sets `pending`; returns how the step's update ran (StepResult's
         `update`): "speculated" (it stands), "rolled back", or "serial" (none was updated beside the backward)."""
-        streamed = len(out["unit_norms_sq"]) - len(out["resident"])  # the resident units are not handed out
-        if finite and coef == 1.0 and len(out["speculated"]) == streamed:
-            self.pending = out["updates"] + self.actors.keep(self.updates_applied, attempt)
+        streamed = len(out.unit_norms_sq) - len(out.resident)  # the resident units are not handed out
+        if finite and coef == 1.0 and len(out.speculated) == streamed:
+            self.pending = out.updates + self.actors.keep(self.updates_applied, attempt)
             return "speculated"
-        get(out["updates"])  # every update beside the backward is in before one is taken back
+        get(out.updates)  # every update beside the backward is in before one is taken back
         if finite:
             self.actors.unpublish(self.updates_applied)
             self.pending = self.actors.update(self.updates_applied, coef, attempt)
         else:
             self.actors.put_back(self.updates_applied, attempt)
             self.pending = []
-        self.rollbacks += out["speculated_any"]
-        return "rolled back" if out["speculated_any"] else "serial"
+        self.rollbacks += out.speculated_any
+        return "rolled back" if out.speculated_any else "serial"
 
     def _write_back_resident(self) -> None:  # before something reads the arena (after wait_for_updates)
         if self.run_plan.resident_units:
             get(self.executor.write_back.remote())
 
-    def _record(self, out: dict[str, Any], seconds: float, finite: bool) -> None:
+    def _record(self, out: ExecutorStep, seconds: float, finite: bool) -> None:
         """The step's metrics (the optimizer workers record their own, from their processes)."""
         if self.metrics is None:
             return
         if not finite:
             self.metrics.record_skipped_step()
         self.metrics.record_rollbacks(self.rollbacks)
-        if out["stats"]:
-            tokens_per_s = out["tokens"] / seconds if seconds > 0 else 0.0
-            tflops = tokens_per_s * self.config.flops_per_token(out["seq"]) / 1e12  # attention's included
-            self.metrics.record_step(StepStats.from_dict(out["stats"]), out["loss"], tokens_per_s, tflops)
+        if out.stats:
+            tokens_per_s = out.tokens / seconds if seconds > 0 else 0.0
+            tflops = tokens_per_s * self.config.flops_per_token(out.seq) / 1e12  # attention's included
+            self.metrics.record_step(StepStats.from_dict(out.stats), out.loss, tokens_per_s, tflops)
 
     def evaluate(self, batch: Any) -> tuple[float, int]:
         """(mean loss, tokens) of a batch dict or ObjectRef with the current weights; trains nothing."""
         self._check_running()
         out = get(self.executor.evaluate.remote(batch, self.updates_applied, self.pending))
-        return out["loss"], out["tokens"]
+        return out.loss, out.tokens
 
     def _count_nonfinite(self, finite: bool, loss: float, grad_norm: float) -> None:
         if finite:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,17 @@ import ray
 from actors.executor import GPUExecutor
 from actors.optimizer_worker import OptimizerWorker
 from actors.parameter_store import ParameterStoreActor
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig, cause_chain
+from megatrain.config import MegatrainError, ModelConfig, OptimConfig, cause_chain
 from megatrain.distributed.process_group import free_port
+from megatrain.engine.messages import ExecutorStep, merged
 from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
 from megatrain.memory.nvme import TierSpec
 from megatrain.memory.versions import VersionTable
-from pipelines.cluster import NodePlacement, executor_device
+from megatrain.run_plan import RunPlan
+from pipelines.cluster import NodePlacement
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +73,22 @@ class RunActors:
         self.arena: Arena | None = None  # the driver's map of its node's arena: the version table and the weights
         self.versions: VersionTable | None = None
         self.restarts = 0  # actor deaths survived
-        # set by start, from the run's memory plan
-        self.engine_config: EngineConfig | None = None
-        self.on_gpu = False
-        self.store_args: tuple[Any, ...] = ()
-        self.tier: TierSpec | None = None  # the states on NVMe (megatrain/memory/nvme.py)
+        # set by start: the run's plan, and what the stores build the model from (again, in a recovery)
+        self.plan: RunPlan | None = None
+        self.model: str | ModelConfig = ""
+        self.adapter: str | None = None
 
-    def start(self, engine_config: EngineConfig, on_gpu: bool, store_args: tuple[Any, ...], tier: TierSpec | None = None
-              ) -> None:
-        """Every node's actors, in the placements reserved. engine_config: as the run's plan resolved it; store_args:
-        what the parameter stores are made from (again, by a recovery that replaces every actor); tier: the states on
-        NVMe (RunPlan.tier)."""
-        self.engine_config, self.on_gpu, self.store_args = engine_config, on_gpu, store_args
-        self.layout = training_layout(self.config, engine_config.lora)
-        self.tier = tier
+    @property
+    def tier(self) -> TierSpec | None:
+        """The states on NVMe (megatrain/memory/nvme.py)."""
+        return self.plan.tier
+
+    def start(self, plan: RunPlan, model: str | ModelConfig, adapter: str | None) -> None:
+        """Every node's actors, in the placements reserved, each given the plan and its rank. model: an HF
+        directory's absolute path, a preset name or a config; adapter: the PEFT adapter directory a LoRA run starts
+        from."""
+        self.plan, self.model, self.adapter = plan, model, adapter
+        self.layout = training_layout(self.config, plan.lora)
         self._start()
 
     def replace_all(self) -> None:
@@ -97,7 +100,7 @@ class RunActors:
         nodes = len(self.placements)
         self.stores = [ParameterStoreActor.options(name=self._name("parameter-store" if nodes == 1 else
                                                                    f"parameter-store/{m}"), **p.pinned()
-                                                   ).remote(*self.store_args, tier=self.tier, node=m, nodes=nodes)
+                                                   ).remote(self.model, self.plan, m, self.run_id, self.adapter)
                        for m, p in enumerate(self.placements)]
         # The workers and executors start while the stores build their arenas (their processes' imports are a second
         # or more each): each gets its node's handle as a reference inside a list, which Ray hands over as it is
@@ -126,15 +129,13 @@ class RunActors:
         name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
         return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
             [self.handle_refs[node]], self.layout, self.optim, worker, p.workers, p.worker_threads,
-            self.engine_config.grads, self.metrics, node, len(self.placements))
+            self.plan.grads, self.metrics, node, len(self.placements))
 
     def new_executors(self) -> list[Any]:
         """The run's executors, joined into one process group when there are several (a new one each time: a
         replacement never joins a group whose member died)."""
-        engine = replace(self.engine_config, device=executor_device(self.engine_config.device, self.on_gpu))
-        per_node, nodes = engine.executors, len(self.placements)
-        assert isinstance(per_node, int)
-        world = per_node * nodes  # rank r: executor r % per_node of node r // per_node
+        per_node, nodes, world = self.plan.executors, len(self.placements), self.plan.world
+        # rank r: executor r % per_node of node r // per_node
         # rank 0, which hosts the rendezvous, runs on the driver's node: its loopback unless other hosts must reach it
         host = "127.0.0.1" if nodes == 1 else ray.util.get_node_ip_address()
         rendezvous = f"tcp://{host}:{free_port()}" if world > 1 else None
@@ -145,15 +146,14 @@ class RunActors:
             name = "executor" if world == 1 else f"executor/{rank}"
             workers = self.workers[node * workers_per_node : (node + 1) * workers_per_node]
             executors.append(GPUExecutor.options(name=self._name(name), **self.placements[node].executor(local)).remote(
-                [self.handle_refs[node]], self.config, engine, workers, self.optim.clipping, self.trace, rank, world,
-                rendezvous))
+                [self.handle_refs[node]], self.config, self.plan, workers, self.trace, rank, rendezvous))
         return executors
 
     def _name(self, role: str) -> str:
         return f"megatrain/{self.run_id}/{role}#{self.restarts}"
 
     def train_step(self, batch: ray.ObjectRef, update: int, pending: list[ray.ObjectRef],
-                   speculation: Speculation | None = None) -> dict[str, Any]:
+                   speculation: Speculation | None = None) -> ExecutorStep:
         """Forward and backward of `batch` on every executor (each its rows) as update number `update`, on the
         weights of the updates before it (`pending`: the last one's calls), with the update beside the backward
         where `speculation` asks for it; their outputs as one (`merged`)."""
@@ -166,7 +166,7 @@ class RunActors:
         grads = "device" the executor's `send_grads`; several nodes then exchange the updated weights. Where try
         `attempt` of the step updated units beside the backward, each is replaced by the clipped update (the driver
         waited for those first and took their versions back: `unpublish`). Returns the calls at once."""
-        if self.engine_config.grads == "device":
+        if self.plan.grads == "device":
             refs = [self.executors[0].send_grads.remote(step, clip_coef, attempt)]
         else:
             refs = [w.apply.remote(step, clip_coef, attempt) for w in self.workers]
@@ -175,7 +175,7 @@ class RunActors:
     def keep(self, step: int, attempt: int) -> list[ray.ObjectRef]:
         """Every unit's update beside the backward in try `attempt` stands (the step did not clip): the gradients
         the executor held on the device go, and several nodes exchange the updated weights."""
-        if self.engine_config.grads == "device":
+        if self.plan.grads == "device":
             return [self.executors[0].send_grads.remote(step, 1.0, attempt)] + self.exchange(step)
         return self.exchange(step)
 
@@ -183,7 +183,7 @@ class RunActors:
         """Step `step` is skipped: the units updated beside the backward in try `attempt` are put back (with grads =
         "device" from their gradients sent again), and several nodes exchange the weights they own; returns when
         all is done, so that nothing reads a unit before."""
-        if self.engine_config.grads == "device":
+        if self.plan.grads == "device":
             get(self.executors[0].send_grads.remote(step, 0.0, attempt, put_back=True))
             self.unpublish(step)  # the units that only freed their host slot for the next one
         else:
@@ -230,28 +230,6 @@ class RunActors:
         for placement in self.placements:
             placement.release()
         self.placements = []
-
-
-def merged(outs: list[dict[str, Any]], nodes: int = 1) -> dict[str, Any]:
-    """One step's result from its executors' (data parallel, `nodes` nodes' in rank order): losses, tokens and each
-    unit's squared norm (of each one's slice of the summed gradient) added up; the first's stall accounting. The
-    units updated beside the backward: "speculated", those every executor handed out (on every node); and
-    "speculated_any", whether some node's workers updated one (its executors all handed it out)."""
-    per_node = len(outs) // nodes
-    handed_out = [set(out["speculated"]) for out in outs]
-    speculated_any = any(set.intersection(*handed_out[m * per_node : (m + 1) * per_node]) for m in range(nodes))
-    if len(outs) == 1:
-        return {**outs[0], "speculated_any": speculated_any}
-    result = dict(outs[0])
-    for key in ("loss", "tokens"):
-        result[key] = sum(out[key] for out in outs)
-    norms = [out["unit_norms_sq"] for out in outs]
-    result["unit_norms_sq"] = [sum(unit) for unit in zip(*norms, strict=True)] if all(norms) else []
-    result["skipped_units"] = sorted({u for out in outs for u in out["skipped_units"]})
-    result["updates"] = [ref for out in outs for ref in out["updates"]]
-    result["speculated"], result["speculated_any"] = sorted(set.intersection(*handed_out)), speculated_any
-    result["spans"] = [span for out in outs for span in out["spans"]]
-    return result
 
 
 @ray.remote(num_cpus=0)

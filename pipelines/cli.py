@@ -294,21 +294,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatrain", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="pretrain (default: tiny model on synthetic data)")
-    _add_train_flags(p)
-    p.add_argument("--data", dest="data_path", help="data file or folder, save_to_disk directory or Hub data set")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("finetune", help="supervised fine-tuning of an HF checkpoint on chat/text data")
-    _add_train_flags(p, model_help="HF model directory (config.json + safetensors weights) to fine-tune")
-    p.add_argument("--data", dest="data_path", required=True)
-    p.set_defaults(func=cmd_finetune)
-
+def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="memory needed per tier, and whether it fits here (defaults: train's)")
     p.add_argument("--config", help="the TOML config of a train run; flags override it")
     p.add_argument("--model", help=PRESETS_HELP)
@@ -342,6 +328,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=0, help="--post dpo: the data's pairs (their reference log-probs)")
     p.add_argument("--kl", action="store_true", help="--post grpo: the KL term's checkpoint swaps")
     p.set_defaults(func=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatrain", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="pretrain (default: tiny model on synthetic data)")
+    _add_train_flags(p)
+    p.add_argument("--data", dest="data_path", help="data file or folder, save_to_disk directory or Hub data set")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("finetune", help="supervised fine-tuning of an HF checkpoint on chat/text data")
+    _add_train_flags(p, model_help="HF model directory (config.json + safetensors weights) to fine-tune")
+    p.add_argument("--data", dest="data_path", required=True)
+    p.set_defaults(func=cmd_finetune)
+
+    _add_plan_parser(sub)
 
     p = sub.add_parser("calibrate", help="measure this machine (copies, matmul, AdamW, a model's layers) for "
                                          "predicted step times; cached for `megatrain plan`")

@@ -43,7 +43,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.executor import gpu_free_memory
-from megatrain.config import EngineConfig, MegatrainError, ModelConfig, OptimConfig
+from megatrain.config import MegatrainError, ModelConfig
 from megatrain.engine.messages import ExecutorStep
 from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
@@ -54,6 +54,7 @@ from megatrain.run_plan import Machine, Request
 from megatrain.store import resolve_model
 from megatrain.telemetry import WAIT_LANE, Span, StepStats, add_wait_before
 from pipelines.cluster import NodePlacement, driver_node, init_ray, node_resources, reap_orphaned_ray_agents, run_nodes
+from pipelines.engine_options import EngineOptions
 from pipelines.generate import Generating
 from pipelines.logprobs import LogprobQueries, batch_of
 from pipelines.lora import record_lora_arena
@@ -87,67 +88,20 @@ class StepResult:
 
 
 class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: pipelines/generate.py, logprobs.py
-    def __init__(self, model: str | Path | ModelConfig, *, lr: float = 3e-4, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
-                 warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0,
-                 optimizer_workers: int | str = 2, precision: str = "tf32", device: str = "auto", seed: int = 0,
-                 loss_chunk_tokens: int = 4096, address: str | None = None, batch_size: int = 8,
-                 seq_len: int = 2048, max_nonfinite_steps: int = 5, max_restarts: int = 10, trace: bool = False,
-                 metrics: bool = True, grads: str = "auto", compile: str | bool = "auto", max_replay_steps: int = 1000,
-                 resource_timeout: float = 60.0, tile_tokens: int | None | str = "auto",
-                 checkpoint_budget_gib: float | None | str = "auto", micro_batches: int | str = 1,
-                 schedule: str = "auto", executors: int | str = "auto", nodes: int = 1, speculate: str = "auto",
-                 resident: int | str = "auto", lora: Any = None, lora_base_dtype: str = "bf16",
-                 adapter: str | Path | None = None, keep_activations: int | str = "auto",
-                 resident_weights: str = "auto", nvme: str | None = None, nvme_states: Any = "auto"):
-        """address: the Ray cluster (pipelines/cluster.py: init_ray): None joins the one `ray start` runs here, or
-        starts a private one; "local" always starts a private one; "auto" or host:port must answer.
-        max_replay_steps: batches kept since the last checkpoint for exact recovery; past it they are
-        dropped (Ray's object store holds them) and a fault that needs a replay stops the run with a message.
-        resource_timeout: seconds to wait for Ray to grant the run's CPUs (and GPU) on the driver's node.
-        tile_tokens, checkpoint_budget_gib: long sequences (EngineConfig); "auto" lets the memory plan pick, and a
-        run the plan says will not fit is refused before anything is allocated.
-        micro_batches: a step's batch is that many micro-batches of batch_size rows and one update ("auto": batch_size
-        is the step's rows, each executor's, split into the fewest equal micro-batches that fit memory), run
-        layer-major (each layer's weights cross once per step; its weight gradients are summed over the
-        micro-batches on the device); the loss is the mean over all the step's labelled tokens. schedule "auto"
-        takes that layer-major schedule where the memory plan fits it, else "per-micro-batch" (the weights cross
-        once per micro-batch, the gradients summed in the arena), and says so. executors: that many executor actors,
-        data parallel over each step's rows (which must divide by executors x micro_batches), all streaming from
-        the one arena; each unit's gradient is summed between them (torch.distributed: gloo on the CPU path, NCCL
-        between GPUs) and each writes its slice into the arena ("auto": one per GPU Ray offers the run's node,
-        one on the CPU path). nodes: the run spans that many Ray nodes (the driver's first), each with a parameter
-        store holding the whole weights and 1/nodes of the Adam moments, its optimizer workers and `executors`
-        executors; the step's rows split over all nodes' executors, each node updates its part of every unit and
-        the stores exchange the updated weights (megatrain/distributed/node_exchange.py). A Ray node is a host, or
-        in a test, a node of `ray.cluster_utils.Cluster` with its own MEGATRAIN_SHM_DIR. speculate: the update beside
-        the backward (this module's doc): "auto", "on" or "off". resident: units kept and updated on the executor's
-        device, skipping PCIe and the optimizer pool: "auto", "none" or a count (megatrain/memory/residency.py);
-        resident_weights: in bf16 runs their bf16 weights for compute are a copy kept on the device ("copy") or cast
-        from their fp32 weights at each use ("cast": more units fit), "auto": the memory plan picks. keep_activations:
-        the top layers keep their activations for the backward instead of recomputing: "auto" (what the GPU has room
-        for; none on the CPU path), "none", "all" or a count (megatrain/memory/kept_activations.py).
-        lora: train LoRA adapters on the frozen base instead of every weight: a LoraConfig, its command-line form
-        ("r=16,alpha=32,targets=q_proj,v_proj") or a table of it; the base is kept in lora_base_dtype ("bf16" or
-        "fp32"); adapter: a PEFT adapter directory to start from (pipelines/lora.py, megatrain/lora/). compile:
-        torch.compile the layers and the head, "auto", "on" or "off" (True / False: on / off); auto compiles on a GPU
-        where its calibration measured it faster or measured nothing (megatrain/perf/compile_choice.py)."""
-        self.optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
-                                 warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
-        # what was asked; resolve (pipelines/run_plan.py) decides its "auto"s at the start: self.run_plan
-        self.request = EngineConfig(device=device, precision=precision, optimizer_workers=optimizer_workers,
-                                    loss_chunk_tokens=loss_chunk_tokens, seed=seed, grads=grads, compile=compile,
-                                    tile_tokens=tile_tokens, checkpoint_budget_gib=checkpoint_budget_gib,
-                                    micro_batches=micro_batches, schedule=schedule, executors=executors, nodes=nodes,
-                                    speculate=speculate, resident=resident, lora_base_dtype=lora_base_dtype,
-                                    keep_activations=keep_activations, resident_weights=resident_weights,
-                                    nvme=nvme and str(nvme), nvme_states=nvme_states)  # the NVMe tier
+    def __init__(self, model: str | Path | ModelConfig, options: EngineOptions | None = None, **overrides: Any):
+        """The run of `model` (a preset name, an HF directory or Hub name, or a ModelConfig) with `options` and the
+        keyword `overrides` of its fields (pipelines/engine_options.py; what each means: docs/design.md): the Ray
+        cluster joined, the run resolved (self.run_plan), its actors started. A run the plan says will not fit is
+        refused before anything is allocated."""
+        o = self.options = EngineOptions.of(options, overrides)
+        self.optim = o.optim()
+        self.request = o.engine()  # what was asked; resolve (pipelines/run_plan.py) decides its "auto"s at the start
         self.config, hf_dir, self.model_name = resolve_model(model)
-        self.adapter = adapter and absolute(adapter)
+        self.adapter = o.adapter and absolute(o.adapter)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
         # what the store actor builds the model from: an HF directory's absolute path, a preset name or a config
         model_arg = absolute(hf_dir) if hf_dir is not None else model if isinstance(model, ModelConfig) else str(model)
-        self.max_nonfinite_steps, self.trace = max_nonfinite_steps, trace
+        self.max_nonfinite_steps, self.trace = o.max_nonfinite_steps, o.trace
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
         self.nonfinite_in_row = self.skipped_steps = 0
@@ -155,23 +109,17 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self.speculating = True  # speculate "auto": whether the next step does (not after one that clipped)
         self.attempts = 0  # train_step calls: each try of a step has its own record at the workers
         self.pending: list[ray.ObjectRef] = []  # the last step's updates
-        self.resource_timeout = resource_timeout
+        self.resource_timeout = o.resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
         reap_orphaned_ray_agents()  # ... and its local Ray's agents
-        init_ray(address)
+        init_ray(o.address)
         self.run_id = uuid.uuid4().hex[:12]
-        self.metrics = None
-        if metrics:
-            from actors.metrics import EngineMetrics, write_session_dashboard
-
-            self.metrics = EngineMetrics(run=self.run_id)
-            self.metrics.start_repeating()  # Ray drops gauges not set again for two report intervals: long steps
-            write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
-        self.actors = RunActors(self.run_id, self.config, self.optim, trace, self.metrics)
-        self.recovery = Recovery(self, self.actors, max_restarts, max_replay_steps)
+        self.metrics = self._start_metrics() if o.metrics else None
+        self.actors = RunActors(self.run_id, self.config, self.optim, o.trace, self.metrics)
+        self.recovery = Recovery(self, self.actors, o.max_restarts, o.max_replay_steps)
         try:
-            self._start(model_arg, Request(self.config, self.model_name, self.request, self.optim, batch_size, seq_len,
-                                           lora, self.adapter))
+            self._start(model_arg, Request(self.config, self.model_name, self.request, self.optim, o.batch_size,
+                                           o.seq_len, o.lora, self.adapter))
         except BaseException:
             self.shutdown()
             raise
@@ -180,6 +128,14 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             record_lora_arena(self.metrics, self.handle)  # a LoRA run's frozen base and adapters, by kind
 
     # ---- start ----
+    def _start_metrics(self) -> Any:
+        from actors.metrics import EngineMetrics, write_session_dashboard
+
+        metrics = EngineMetrics(run=self.run_id)
+        metrics.start_repeating()  # Ray drops gauges not set again for two report intervals: long steps
+        write_session_dashboard()  # beside Ray's Grafana dashboards, where the cluster has them
+        return metrics
+
     def _start(self, model_arg: str | ModelConfig, request: Request) -> None:
         node = driver_node()  # the arena's node: the driver maps it from its own /dev/shm
         nodes = run_nodes(node, self.request.nodes)

@@ -13,7 +13,6 @@ PACKAGES = ("megatrain", "actors", "pipelines")
 MAX_LINES, MAX_PARAMS = 60, 12
 
 KNOWN = {
-    "megatrain/engine/executor.py:Executor.__init__",
     "megatrain/engine/executor.py:Executor.run",
     "megatrain/memory/plan.py:plan_memory",
     "megatrain/memory/plan.py:plan_run",

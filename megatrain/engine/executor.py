@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -57,34 +58,35 @@ from megatrain.model.templates import Weights, head_loss_and_grads
 from megatrain.telemetry import Recorder
 
 
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """The executor's settings beyond where its weights are and how it computes (Executor's keywords)."""
+
+    send_thread: bool | None = None  # gradients leave from a thread of their own (None: where streams are asynchronous)
+    tile_tokens: int | None = None  # the layers' token-wise parts over tiles of that many tokens (None: whole)
+    # device bytes of activation checkpoints, the rest in host memory (None: all on the device)
+    checkpoint_budget: int | None = None
+    data_parallel: DataParallel | None = None  # one of several executors, each on its rows (data_parallel.py)
+    resident_units: int = 0  # the first units live on the device with their optimizer state (resident.py)
+    kept_layers: int = 0  # the top decoder layers keep their autograd graphs for the backward (kept_activations.py)
+    # a LoRA run's frozen base, which streams (self.layout) while `params` holds what trains (self.trainable)
+    frozen: torch.Tensor | None = None
+    resident_cast: bool = False  # bf16: the resident units' weights cast at each use, no bf16 copy of them kept
+
+
 class Executor:
     """Runs one forward+backward of a batch over a model whose fp32 weights live in `params` (host)."""
 
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
-                 shadow: torch.Tensor | None = None, compile: bool = False, send_thread: bool | None = None,
-                 tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                 data_parallel: DataParallel | None = None, resident_units: int = 0, kept_layers: int = 0,
-                 frozen: torch.Tensor | None = None, resident_cast: bool = False):
-        """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (the CPU with a GPU's asynchronous streams
-        simulated: megatrain/engine/streams.py). shadow: a bf16 copy of `params` kept current by the optimizer; with
-        precision "bf16" the weights are read from it (half the bytes to move), else from params. compile: run the
-        decoder layers (tiled: their tiles) and the head through torch.compile, once per layer structure, batch shape
-        and grad mode (megatrain/engine/compiled.py). send_thread: gradients go to the host from a thread of their own
-        (None: on a GPU, where the step must not wait on slots or copies, and under simulated streams, which test the
-        GPU's path; on the plain CPU path the step's own thread does them). tile_tokens: the layers' token-wise parts
-        run over tiles of that many tokens (None: whole). checkpoint_budget: bytes of device memory for the layer inputs
-        the backward recomputes from; the rest wait in host memory (None: all on the device;
-        megatrain/engine/activation_checkpoints.py). data_parallel: this executor is one of several, each running its
-        share of a step's rows; every unit's gradient is summed over them and this one writes its slice of the sum
-        (megatrain/distributed/data_parallel.py). resident_units: the first that many units live on the device with
-        their optimizer state (`resident`, loaded and updated by the caller), never crossing. kept_layers: the top that
-        many decoder layers keep their activations (their autograd graphs) from the forward to the backward instead of
-        recomputing (megatrain/engine/kept_activations.py). frozen: where the layout has a frozen part (a LoRA run), its
-        weights, which stream while `params` holds what trains (megatrain/engine/lora_step.py): self.layout is what
-        streams, self.trainable what trains and sends gradients. resident_cast: in bf16 runs the resident units' weights
-        are cast at each use, no bf16 copy of them kept (megatrain/engine/resident.py)."""
+                 shadow: torch.Tensor | None = None, compile: bool = False, **options: Any):
+        """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (a GPU's asynchronous streams simulated on the
+        CPU: streams.py). shadow: a bf16 copy of `params` the optimizer keeps current, read in bf16 runs (half the
+        bytes). compile: the layers (tiled: their tiles) and the head through torch.compile (compiled.py). options:
+        ExecutorOptions."""
+        o = ExecutorOptions(**options)
+        frozen, tile_tokens = o.frozen, o.tile_tokens
         self.config, self.trainable, self.params, self.grads = config, layout, params, grads
         self.layout = layout.frozen or layout
         self.grad_layout = grad_layout or GradLayout.full(layout)
@@ -99,26 +101,26 @@ class Executor:
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
             set_matmul_precision(precision)
-        self.send_thread = self.streams.asynchronous if send_thread is None else send_thread
+        self.send_thread = self.streams.asynchronous if o.send_thread is None else o.send_thread
         self.arch = config.family.architecture(config)
         if tile_tokens is not None:
             if tile_tokens <= 0:
                 raise MegatrainError(f"tile_tokens must be a positive number of tokens, got {tile_tokens}.")
             self.arch.tile(tile_tokens)
-        self.dp = data_parallel if data_parallel is not None and data_parallel.world > 1 else None
+        self.dp = o.data_parallel if o.data_parallel is not None and o.data_parallel.world > 1 else None
         self.lora = None if frozen is None else LoraStep(layout, params, self.arch, self.dp.rank if self.dp else 0)
         self.arch = self.arch if self.lora is None else self.lora.architecture
         self.passes = LayerPasses(self.arch, self.streams, self.rec, len(layout.layers), tiled=tile_tokens is not None,
-                                  checkpoint_budget=checkpoint_budget, kept_layers=kept_layers, compile=compile)
+                                  checkpoint_budget=o.checkpoint_budget, kept_layers=o.kept_layers, compile=compile)
         self.activation_checkpoints = self.passes.activation_checkpoints
         if self.dp is not None and not self.grad_layout.full_ranges:
             raise MegatrainError("several executors write slices of every unit's gradient into the arena, which needs "
                                  "grads = 'arena'; set grads = 'arena' (or 'auto').")
-        if resident_units and self.dp is not None:
+        if o.resident_units and self.dp is not None:
             raise MegatrainError("resident units are kept by one executor; with several, set resident = none.")
         # what trains on the device (a LoRA run's adapters: fp32, cast in the layer), and whose weights are there
-        self.resident = ResidentUnits(layout, resident_units, self.device, torch.float32 if self.lora else self.dtype,
-                                      cast=resident_cast)
+        self.resident = ResidentUnits(layout, o.resident_units, self.device, torch.float32 if self.lora else self.dtype,
+                                      cast=o.resident_cast)
         self.on_device = self.resident if self.lora is None else ResidentUnits(self.layout, 0, self.device, self.dtype)
         self.slots = WeightSlots(self.layout.max_layer_numel(), self.weights, self.streams, self.dtype, self.rec,
                                  self.on_device)

@@ -19,8 +19,6 @@ KNOWN = {
     "megatrain/model/gemma.py:GemmaFamily.from_hf",
     "megatrain/model/hf_parts.py:find_parts",
     "megatrain/model/templates.py:head_loss_and_grads",
-    "megatrain/telemetry/recorder.py:account",
-    "megatrain/telemetry/report.py:render_timeline",
     "actors/executor.py:GPUExecutor.train_step",
 }
 

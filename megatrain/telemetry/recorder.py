@@ -125,6 +125,48 @@ def _flags(span: Span) -> tuple[int, ...]:
     return ()  # host work, optimizer updates, step markers: context, not causes
 
 
+def _events(spans: Iterable[Span], start: float, end: float) -> tuple[list[tuple[float, int, int]], int, int]:
+    """The spans clipped to the window as (time, flag, +1 at a start / -1 at an end), sorted; the bytes copied."""
+    events: list[tuple[float, int, int]] = []
+    h2d_bytes = d2h_bytes = 0
+    for s in spans:
+        a, b = max(s.start, start), min(s.end, end)
+        if b <= a:
+            continue
+        for flag in _flags(s):
+            events += [(a, flag, 1), (b, flag, -1)]
+        if s.lane == "h2d":
+            h2d_bytes += s.nbytes
+        elif s.lane == "d2h":
+            d2h_bytes += s.nbytes
+    events.sort(key=lambda e: e[0])
+    return events, h2d_bytes, d2h_bytes
+
+
+def _sweep(events: list[tuple[float, int, int]], start: float, end: float) -> tuple[list[float], float]:
+    """(time attributed to each cause, and busy time of each transfer flag; transfer time under compute)."""
+    active = [0] * 9
+    total = [0.0] * 9
+    hidden = 0.0
+    t_prev = start
+    for t, flag, delta in events + [(end, -1, 0)]:
+        dt = t - t_prev
+        if dt > 0:
+            for cause in _CAUSES:
+                if active[cause]:
+                    total[_OPTIMIZER if cause == _GRADIENTS and active[_SLOT] else cause] += dt
+                    break
+            for busy in (_TRANSFER, _H2D, _D2H):
+                if active[busy]:
+                    total[busy] += dt
+            if active[_COMPUTE] and active[_TRANSFER]:
+                hidden += dt
+            t_prev = t
+        if flag >= 0:
+            active[flag] += delta
+    return total, hidden
+
+
 def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepStats:
     """Splits the window [start, end] into compute and the causes of the compute lane's gaps.
 
@@ -142,41 +184,8 @@ def account(spans: Iterable[Span], step: int, start: float, end: float) -> StepS
     the 15 ms weight copy that follows it in the same gap. Spans are clipped to the window; "other" is
     computed as the remainder, so the parts add up to step_time exactly.
     """
-    spans = list(spans)
-    events: list[tuple[float, int, int]] = []  # (time, flag, +1 at a start / -1 at an end)
-    h2d_bytes = d2h_bytes = 0
-    for s in spans:
-        a, b = max(s.start, start), min(s.end, end)
-        if b <= a:
-            continue
-        for flag in _flags(s):
-            events += [(a, flag, 1), (b, flag, -1)]
-        if s.lane == "h2d":
-            h2d_bytes += s.nbytes
-        elif s.lane == "d2h":
-            d2h_bytes += s.nbytes
-    events.sort(key=lambda e: e[0])
-
-    active = [0] * 9
-    total = [0.0] * 9  # time attributed to the causes; busy time of the transfer flags
-    hidden = 0.0  # transfer time under compute
-    t_prev = start
-    for t, flag, delta in events + [(end, -1, 0)]:
-        dt = t - t_prev
-        if dt > 0:
-            for cause in _CAUSES:
-                if active[cause]:
-                    total[_OPTIMIZER if cause == _GRADIENTS and active[_SLOT] else cause] += dt
-                    break
-            for busy in (_TRANSFER, _H2D, _D2H):
-                if active[busy]:
-                    total[busy] += dt
-            if active[_COMPUTE] and active[_TRANSFER]:
-                hidden += dt
-            t_prev = t
-        if flag >= 0:
-            active[flag] += delta
-
+    events, h2d_bytes, d2h_bytes = _events(spans, start, end)
+    total, hidden = _sweep(events, start, end)
     step_time = end - start
     compute, data, optimizer, weights = total[_COMPUTE], total[_DATA], total[_OPTIMIZER], total[_WEIGHTS]
     gradients = total[_GRADIENTS]

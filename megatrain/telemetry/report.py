@@ -105,6 +105,32 @@ def _ticks(span_ms: float) -> float:
     return float(10 * step)
 
 
+def _draw_axis(img: np.ndarray, geo: Timeline, top: int, axis_y: int, pad: int, scale: int) -> None:
+    """The time axis: a grid line and a label per tick."""
+    start, end = geo.start, geo.end
+    tick = _ticks((end - start) * 1e3)
+    n_ticks = int((end - start) * 1e3 / tick + 1e-9)
+    for j in range(n_ticks + 1):
+        t_ms = j * tick
+        x = geo.x_of(start + t_ms / 1e3)
+        fill_rect(img, x, top, x + 1, axis_y + pad // 2, GRID)
+        label = f"{t_ms:g}"
+        draw_text(img, x - text_width(label, scale) // 2, axis_y + pad, label, INK, scale)
+    fill_rect(img, geo.plot_x0, axis_y, geo.plot_x1 + 1, axis_y + 1, INK)
+    draw_text(img, pad, axis_y + pad, "time (ms)", INK, scale)
+
+
+def _draw_spans(img: np.ndarray, geo: Timeline, spans: list[Span]) -> None:
+    for s in sorted(spans, key=lambda s: s.start):
+        y0, y1 = geo.lanes[s.lane]
+        x0 = geo.x_of(max(s.start, geo.start))
+        x1 = max(geo.x_of(min(s.end, geo.end)), x0 + 1)  # at least a pixel: short spans stay visible
+        color = color_of(color_key(s))
+        fill_rect(img, x0, y0 + 2, x1, y1 - 2, color)
+        if x1 - x0 >= 4:  # a darker left edge tells neighbouring boxes of one colour apart
+            fill_rect(img, x0, y0 + 2, x0 + 1, y1 - 2, tuple(int(c * 0.6) for c in color))
+
+
 def render_timeline(spans: list[Span], start: float, end: float, title: str = "",
                     width: int = 1600, scale: int = 2) -> tuple[np.ndarray, Timeline]:
     """Draws the spans that overlap [start, end] (seconds) and returns the image and its geometry."""
@@ -138,27 +164,8 @@ def render_timeline(spans: list[Span], start: float, end: float, title: str = ""
         draw_text(img, pad, y0 + (lane_h - gh) // 2, labels[lane], INK, scale)
         fill_rect(img, geo.plot_x0, y0, geo.plot_x1 + 1, y0 + lane_h, LANE_BG)
 
-    # the axis: a grid line and a label per tick
-    tick = _ticks((end - start) * 1e3)
-    n_ticks = int((end - start) * 1e3 / tick + 1e-9)
-    for j in range(n_ticks + 1):
-        t_ms = j * tick
-        x = geo.x_of(start + t_ms / 1e3)
-        fill_rect(img, x, top, x + 1, axis_y + pad // 2, GRID)
-        label = f"{t_ms:g}"
-        draw_text(img, x - text_width(label, scale) // 2, axis_y + pad, label, INK, scale)
-    fill_rect(img, geo.plot_x0, axis_y, geo.plot_x1 + 1, axis_y + 1, INK)
-    draw_text(img, pad, axis_y + pad, "time (ms)", INK, scale)
-
-    for s in sorted(spans, key=lambda s: s.start):
-        y0, y1 = geo.lanes[s.lane]
-        x0 = geo.x_of(max(s.start, start))
-        x1 = max(geo.x_of(min(s.end, end)), x0 + 1)  # at least a pixel: short spans stay visible
-        color = color_of(color_key(s))
-        fill_rect(img, x0, y0 + 2, x1, y1 - 2, color)
-        if x1 - x0 >= 4:  # a darker left edge tells neighbouring boxes of one colour apart
-            fill_rect(img, x0, y0 + 2, x0 + 1, y1 - 2, tuple(int(c * 0.6) for c in color))
-
+    _draw_axis(img, geo, top, axis_y, pad, scale)
+    _draw_spans(img, geo, spans)
     y, x = axis_y + 2 * pad + gh + pad, pad
     for k, color in legend:
         w = gh + pad // 2 + text_width(k, scale) + 2 * pad

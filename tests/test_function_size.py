@@ -16,8 +16,6 @@ KNOWN = {
     "megatrain/engine/executor.py:Executor.run",
     "megatrain/memory/plan.py:plan_memory",
     "megatrain/memory/plan.py:plan_run",
-    "megatrain/model/gemma.py:GemmaFamily.from_hf",
-    "megatrain/model/hf_parts.py:find_parts",
     "megatrain/model/templates.py:head_loss_and_grads",
     "actors/executor.py:GPUExecutor.train_step",
 }

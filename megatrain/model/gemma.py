@@ -151,6 +151,16 @@ class GemmaFamily:
         return (self.model_type,)
 
     # ---- in ----
+    def _sliding_pattern(self, hf: dict[str, Any], types: Any, layers: Any) -> int | None:
+        """Every how many layers one attends to all tokens (None: layer_types lists them without a period)."""
+        if types is None:  # transformers derives them: Gemma 2 alternates; Gemma 3 from sliding_window_pattern
+            pattern = 2 if not self.gemma3 else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
+            return 6 if pattern is None else pattern
+        if isinstance(types, list) and isinstance(layers, int) and len(types) == layers:
+            return _period(types)
+        raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
+                          f"num_hidden_layers ({layers!r}) layers; fix config.json.")
+
     def from_hf(self, hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         missing = [k for k in REQUIRED_KEYS if k not in hf]
         if missing:
@@ -162,16 +172,8 @@ class GemmaFamily:
             return defaults[key] if value is None and key in defaults else value
 
         rope_theta, rope_scaling, local_theta = self._rope(hf)
-        types = hf.get("layer_types")
-        layers = hf["num_hidden_layers"]
-        if types is None:  # transformers derives them: Gemma 2 alternates; Gemma 3 from sliding_window_pattern
-            pattern = 2 if not self.gemma3 else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
-            pattern = 6 if pattern is None else pattern
-        elif isinstance(types, list) and isinstance(layers, int) and len(types) == layers:
-            pattern = _period(types)
-        else:
-            raise ConfigError(f"HF config's layer_types must list {FULL!r} or {SLIDING!r} for each of its "
-                              f"num_hidden_layers ({layers!r}) layers; fix config.json.")
+        types, layers = hf.get("layer_types"), hf["num_hidden_layers"]
+        pattern = self._sliding_pattern(hf, types, layers)
         bias = hf_flag(hf, "attention_bias")
         eos = get("eos_token_id")
         if isinstance(eos, list):

@@ -89,12 +89,9 @@ def _stack(model: nn.Module) -> tuple[str, str]:
     return base, stack
 
 
-def find_parts(model: nn.Module) -> ModelParts:
-    """The model's parts (a model on the meta device will do); ConfigError in one sentence for what megatrain's
-    generic path cannot stream."""
+def _embedding_and_head(model: nn.Module, base_path: str) -> tuple[nn.Module, str, nn.Module, str]:
+    """(the token embedding, its path, the output projection, its path), or one sentence where one is missing."""
     name = type(model).__name__
-    base_path, stack = _stack(model)
-    base = submodule(model, base_path)
     embed_module = model.get_input_embeddings()
     embed = _path_of(model, embed_module)
     if embed is None or not isinstance(getattr(embed_module, "weight", None), torch.Tensor):
@@ -106,6 +103,16 @@ def find_parts(model: nn.Module) -> ModelParts:
     head = _path_of(model, head_module)
     if head is None:
         raise ConfigError(f"{name} has no output projection megatrain can find; its generic path cannot train it.")
+    return embed_module, embed, head_module, head
+
+
+def find_parts(model: nn.Module) -> ModelParts:
+    """The model's parts (a model on the meta device will do); ConfigError in one sentence for what megatrain's
+    generic path cannot stream."""
+    name = type(model).__name__
+    base_path, stack = _stack(model)
+    base = submodule(model, base_path)
+    embed_module, embed, head_module, head = _embedding_and_head(model, base_path)
     tied = head_module.weight is embed_module.weight
     head_params = tuple(n for n, p in head_module.named_parameters() if p is not embed_module.weight)
     embed_child = relative_to(embed, base_path).split(".")[0]

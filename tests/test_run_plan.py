@@ -36,7 +36,9 @@ def calibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cal.save()
 
 
-@pytest.mark.parametrize("flags", FLAG_SETS.values(), ids=FLAG_SETS.keys())
+# CI: the autos and the unclipped run (a train run each); slow: every auto given
+@pytest.mark.parametrize("flags", [pytest.param(f, id=k, marks=[pytest.mark.slow] if k == "given" else [])
+                                   for k, f in FLAG_SETS.items()])
 def test_plan_json_is_the_plan_the_run_writes(ray_session: None, calibrated: None, tmp_path: Path, flags: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     common = ["--model", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "32", *flags]

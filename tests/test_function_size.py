@@ -15,7 +15,6 @@ MAX_LINES, MAX_PARAMS = 60, 12
 KNOWN = {
     "megatrain/engine/executor.py:Executor.run",
     "megatrain/memory/plan.py:plan_memory",
-    "megatrain/memory/plan.py:plan_run",
     "megatrain/model/templates.py:head_loss_and_grads",
     "actors/executor.py:GPUExecutor.train_step",
 }

@@ -13,7 +13,7 @@ activations instead of recomputing, the split between them chosen by megatrain/m
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainE
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
-from megatrain.memory.on_device import StepTime, place_on_device
+from megatrain.memory.on_device import place_on_device
+from megatrain.memory.plan_settings import RunSettings
 from megatrain.memory.tier_plan import TierPlan, nvme_hint
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
@@ -354,14 +355,8 @@ MIN_TILE_TOKENS = 1024
 LONGEST_SEQ_SEARCHED = 2**24
 
 
-def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", clipping: bool = True,
-             name: str = "model", precision: str = "tf32", optimizer_workers: int = 2, on_gpu: bool = False,
-             loss_chunk_tokens: int = 4096, gpu_free: int | None = None, tile_tokens: int | None | str = AUTO,
-             checkpoint_budget: int | None | str = AUTO, host_free: int | None = None,
-             find_longest: bool = True, micro_batches: int = 1, schedule: str = AUTO, nodes: int = 1,
-             executors: int = 1, resident: int | str = "none", lora: LoraConfig | None = None,
-             lora_base_dtype: str = "bf16", keep_activations: int | str = "none", step_time: StepTime | None = None,
-             resident_weights: str = AUTO) -> MemoryPlan:
+def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | None = None, **overrides: Any
+             ) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
     resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room for it (else
     fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
@@ -376,38 +371,37 @@ def plan_run(config: ModelConfig, batch: int, seq: int, *, grads: str = "auto", 
     or without one a rule's (megatrain/memory/on_device.py); resident_weights: in bf16 runs the resident units' bf16
     weights a copy kept or cast at each use, "auto" the shorter predicted with a predictor (else the copy). Where the
     result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
-    if schedule != AUTO:
-        check_choice("schedule", schedule, SCHEDULES)
-    kwargs = dict(name=name, precision=precision, optimizer_workers=optimizer_workers, on_gpu=on_gpu,
-                  loss_chunk_tokens=loss_chunk_tokens, gpu_free=gpu_free, host_free=host_free,
-                  micro_batches=micro_batches, schedule="layer-major" if schedule == AUTO else schedule, nodes=nodes,
-                  executors=executors, lora=lora, lora_base_dtype=lora_base_dtype)
-    grads = grads if lora is None else "arena"  # a LoRA run's gradients are its adapters': small, in the arena
-    if kwargs["schedule"] == "per-micro-batch" and micro_batches > 1:
+    s = replace(settings or RunSettings(), **overrides)
+    if s.schedule != AUTO:
+        check_choice("schedule", s.schedule, SCHEDULES)
+    kwargs = dict(name=s.name, precision=s.precision, optimizer_workers=s.optimizer_workers, on_gpu=s.on_gpu,
+                  loss_chunk_tokens=s.loss_chunk_tokens, gpu_free=s.gpu_free, host_free=s.host_free,
+                  micro_batches=s.micro_batches, schedule="layer-major" if s.schedule == AUTO else s.schedule,
+                  nodes=s.nodes, executors=s.executors, lora=s.lora, lora_base_dtype=s.lora_base_dtype)
+    grads = s.grads if s.lora is None else "arena"  # a LoRA run's gradients are its adapters': small, in the arena
+    if kwargs["schedule"] == "per-micro-batch" and s.micro_batches > 1:
         if grads not in (AUTO, "arena"):
             raise ConfigError(f"the per-micro-batch schedule adds gradients up in the arena: it needs grads = "
                               f"'arena' (or 'auto'), not {grads!r}.")
         grads = "arena"
-    device_plan = (_plan_sequence(config, batch, seq, "device", tile_tokens, checkpoint_budget, kwargs)
-                   if on_gpu else None)
-    placement = resolve_grads(grads, clipping=clipping, device_plan=device_plan)
-    plan = _plan_sequence(config, batch, seq, placement, tile_tokens, checkpoint_budget, kwargs)
+    tiles = (s.tile_tokens, s.checkpoint_budget)
+    device_plan = _plan_sequence(config, batch, seq, "device", *tiles, kwargs) if s.on_gpu else None
+    placement = resolve_grads(grads, clipping=s.clipping, device_plan=device_plan)
+    plan = _plan_sequence(config, batch, seq, placement, *tiles, kwargs)
     if plan.shadow_bytes and plan.host_problem() is not None:
-        plan = _plan_sequence(config, batch, seq, placement, tile_tokens, checkpoint_budget,
-                              {**kwargs, "shadow": False})
-    if schedule == AUTO and micro_batches > 1 and grads in (AUTO, "arena") and (
+        plan = _plan_sequence(config, batch, seq, placement, *tiles, {**kwargs, "shadow": False})
+    if s.schedule == AUTO and s.micro_batches > 1 and grads in (AUTO, "arena") and (
             plan.host_problem() or plan.gpu_problem()):
-        fallback = plan_run(config, batch, seq, grads="arena", clipping=clipping, tile_tokens=tile_tokens,
-                            checkpoint_budget=checkpoint_budget, find_longest=False, schedule="per-micro-batch",
-                            resident=resident, keep_activations=keep_activations, step_time=step_time,
-                            resident_weights=resident_weights, **{k: v for k, v in kwargs.items() if k != "schedule"})
+        fallback = plan_run(config, batch, seq, replace(s, grads="arena", find_longest=False,
+                                                        schedule="per-micro-batch"))
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback
-    if find_longest and (plan.host_problem() or plan.gpu_problem()):
-        plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=tile_tokens,
-                                       checkpoint_budget=checkpoint_budget, **kwargs)
-    return place_on_device(plan, config, resident=resident, keep_activations=keep_activations, precision=precision,
-                           world=executors * nodes, step_time=step_time, resident_weights=resident_weights)
+    if s.find_longest and (plan.host_problem() or plan.gpu_problem()):
+        plan.longest_seq = longest_seq(config, batch, grads=placement, tile_tokens=s.tile_tokens,
+                                       checkpoint_budget=s.checkpoint_budget, **kwargs)
+    return place_on_device(plan, config, resident=s.resident, keep_activations=s.keep_activations,
+                           precision=s.precision, world=s.executors * s.nodes, step_time=s.step_time,
+                           resident_weights=s.resident_weights)
 
 
 def pick_micro_batches(config: ModelConfig, rows: int, seq: int, **plan_kwargs: Any) -> MemoryPlan:

@@ -14,7 +14,6 @@ MAX_LINES, MAX_PARAMS = 60, 12
 
 KNOWN = {
     "megatrain/engine/executor.py:Executor.run",
-    "megatrain/memory/plan.py:plan_memory",
     "megatrain/model/templates.py:head_loss_and_grads",
     "actors/executor.py:GPUExecutor.train_step",
 }

@@ -18,22 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
-from megatrain.lora.config import LoraConfig
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
 from megatrain.memory.on_device import place_on_device
-from megatrain.memory.plan_settings import RunSettings
+from megatrain.memory.plan_bytes import network_bytes, pcie_bytes, process_bytes, working_bytes
+from megatrain.memory.plan_settings import MemorySettings, RunSettings
 from megatrain.memory.tier_plan import TierPlan, nvme_hint
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
 
 GiB = 2**30
-# Resident memory (VmRSS less shared memory) of each process besides the arena. Measured on the CPU path
-# (torch 2.13 CPU build, Ray 2.60, `tiny`): every actor and the driver ~0.31 GiB, the executor 0.36, Ray's
-# daemons and agents ~0.3, the object store (capped at 256 MiB by init_ray) what it holds. The executor with a
-# CUDA context loads the CUDA libraries: an estimate until measured on the GPU machine.
-PROCESS_OVERHEAD = {"ray": 0.3 * GiB, "object_store": 0.25 * GiB, "driver": 0.32 * GiB, "store": 0.32 * GiB,
-                    "data": 0.32 * GiB, "worker": 0.32 * GiB, "executor_cpu": 0.36 * GiB,
-                    "executor_cuda": 1.5 * GiB}
 CUDA_CONTEXT = 0.6 * GiB
 
 
@@ -225,33 +218,22 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model", precision: str = "tf32",
-                optimizer_workers: int = 2, on_gpu: bool = False, loss_chunk_tokens: int = 4096,
-                shm_dir: str | Path = "/dev/shm", gpu_free: int | None = None, grads: str = "arena",
-                shadow: bool | None = None, tile_tokens: int | None = None, checkpoint_budget: int | None = None,
-                host_free: int | None = None, micro_batches: int = 1, schedule: str = "layer-major",
-                nodes: int = 1, executors: int = 1, lora: LoraConfig | None = None,
-                lora_base_dtype: str = "bf16") -> MemoryPlan:
-    """The plan for `grads` placed as given ("auto" is planned as "arena", the most host memory); `shadow`: a bf16 copy
-    of the weights in the arena (default: for bf16 runs). gpu_free None: not known (nothing is asked of CUDA here, so
-    planning never creates a CUDA context; see gpu_free_here). tile_tokens and checkpoint_budget as the executor takes
-    them (None: untiled; every checkpoint on the device). host_free: the host memory to plan for (default: what this
-    machine has available, and /dev/shm's free space). micro_batches: a step is that many micro-batches of batch x seq
-    tokens; schedule "layer-major": every micro-batch's checkpoints, one micro-batch's working set, the weights streamed
-    once; "per-micro-batch": one micro-batch's checkpoints, the weights streamed and the gradients sent once per
-    micro-batch (and the earlier sums brought back to add to). nodes: the run spans that many hosts, each with the whole
-    weights and 1/nodes of the Adam moments (4 + 8/nodes B a parameter), and each step sends every node's gradients and
-    updated weights between them (network_bytes). executors: each node runs that many, each on `batch` rows."""
-    shadow = precision == "bf16" if shadow is None else shadow
+def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySettings | None = None, **overrides: Any
+                ) -> MemoryPlan:
+    """The memory plan of one micro-batch of batch x seq tokens with these settings (MemorySettings, its fields the
+    keywords, each as the executor and the store take it): bytes per tier, and whether they fit."""
+    o = replace(settings or MemorySettings(), **overrides)
+    precision, on_gpu, grads, tile_tokens, checkpoint_budget = (o.precision, o.on_gpu, o.grads, o.tile_tokens,
+                                                                 o.checkpoint_budget)
+    executors, nodes, schedule, host_free, k = o.executors, o.nodes, o.schedule, o.host_free, o.micro_batches
+    shadow = precision == "bf16" if o.shadow is None else o.shadow
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
     layout = planning_layout(config)  # one layer's where layers are alike: a config may claim 10^9 of them
     arena_numel = layout.numel + (config.num_layers - len(layout.layers)) * layout.max_layer_numel()
     act_bytes = 2 if precision == "bf16" else 4
-    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.num_heads * config.head_dim, config.kv_size
+    h, v = config.hidden_size, config.vocab_size
     tokens = batch * seq  # of one micro-batch
-    k = micro_batches
     together = k if schedule == "layer-major" else 1  # micro-batches whose activations exist at once
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
@@ -260,75 +242,42 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, *, name: str = "model
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
     weights = (2 * layer + head) * weight_bytes + embed_rows
-    if grads == "device":  # every gradient stays until the step ends: layers' in compute dtype, the head's fp32
-        gpu_grads = config.num_layers * layer * act_bytes + head * 4 + embed_rows
-    else:
-        gpu_grads = GRAD_SETS_IN_FLIGHT * layer * 4 + head * 4 + embed_rows
-    if grads == "arena":
-        grads_numel = arena_numel
-    else:  # the embedding and the head keep their own ranges; decoder layers share a ring (GradLayout.ring)
-        grads_numel = GradLayout.ring_numel(layout, config.num_layers)
+    # every gradient stays until the step ends (grads = device: layers' in compute dtype, the head's fp32), or a few
+    gpu_grads = (config.num_layers * layer * act_bytes if grads == "device" else GRAD_SETS_IN_FLIGHT * layer * 4)
+    gpu_grads += head * 4 + embed_rows
+    # the arena's gradients: every unit's, or the embedding's and the head's and a ring the layers share
+    grads_numel = arena_numel if grads == "arena" else GradLayout.ring_numel(layout, config.num_layers)
     # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py): the top ones kept
     # on the device within the budget, the rest in page-locked host buffers, crossing in two device buffers
     checkpoint = tokens * h * act_bytes
     entries = config.num_layers * together  # one per layer and micro-batch
     kept_layers = entries if checkpoint_budget is None else min(entries, checkpoint_budget // max(checkpoint, 1))
     offloaded = entries - kept_layers
-    # one layer's recompute-backward (templates.DecoderLayer.backward): untiled, the whole layer under autograd;
-    # tiled, the whole sequence's q, k, v, attention output and their gradients, the layer's input, middle and
-    # output gradients, and one tile's norm, projections and RoPE, or MLP (normed input, gate, up, activation
-    # and their gradients), under autograd; then the weights' fp32 gradient sums, and the rotary tables
-    if tile_tokens is None or tile_tokens >= tokens:
-        working = tokens * (10 * h + 5 * q + 6 * kv + 6 * f) * act_bytes
-    else:
-        tile = tile_tokens
-        working = tokens * (3 * h + 4 * q + 4 * kv) * act_bytes
-        working += max(tile * (4 * h + 2 * q + 4 * kv) * act_bytes + tile * 2 * h * 4,  # fp32 norm inside
-                       tile * (3 * h + 6 * f) * act_bytes)
-    working += layer * 4 + 2 * tokens * config.head_dim * 4
-    if precision != "bf16" and config.num_kv_heads < config.num_heads:  # fp32 GQA: k and v expanded to all heads
-        working += 2 * 2 * tokens * (q - kv) * act_bytes
-    chunk = min(tokens, loss_chunk_tokens)
+    working = working_bytes(config, tokens, tile_tokens, precision, layer)
+    chunk = min(tokens, o.loss_chunk_tokens)
     # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
     loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
     shadow_bytes = arena_numel * 2 if shadow else 0
-    processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
-    processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
-    processes += executors * PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
-    if on_gpu:  # each executor's page-locked host buffers: the batch's embedding rows in, their gradient out
-        processes += executors * 2 * embed_rows
+    processes = process_bytes(o.optimizer_workers, executors, on_gpu, embed_rows)
     gpu_checkpoints, gpu_transfer = kept_layers * checkpoint, (2 * checkpoint if offloaded else 0)
-    # PCIe per step: each layer's weights in for the forward and again for the backward (the top two layers'
-    # stay between them), the head once, the batch's embedding rows; gradients out in fp32; offloaded
-    # checkpoints out and back in
     streamed = 2 if precision == "bf16" and shadow else 4
-    layers_numel = arena_numel - layout.embed.numel - layout.head.numel
-    passes = k // together
-    h2d = passes * (2 * layers_numel - min(2, config.num_layers) * layer + head) * streamed + embed_rows
-    d2h = passes * ((layers_numel + head) * 4 + embed_rows)
-    h2d += (passes - 1) * ((layers_numel + head) * 4 + embed_rows)  # the sum so far, to add the next pass's to
-    h2d, d2h = h2d + passes * offloaded * checkpoint, d2h + passes * offloaded * checkpoint
+    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, streamed, embed_rows, offloaded * checkpoint)
     if not on_gpu:  # the CPU path computes in host memory, each executor its own
         processes += executors * (weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss)
-    shm_free = shm_available(shm_dir) if Path(shm_dir).is_dir() else 0
+    shm_free = shm_available(o.shm_dir) if Path(o.shm_dir).is_dir() else 0
     moments_numel = -(-arena_numel // nodes)  # NodeShard: this node's part of each unit
-    # Between nodes, per step and node: each unit's gradient summed over every executor (gloo's ring all-reduce:
-    # 2 (M-1)/M of it sent; a reduce-scatter, as NCCL does, would send half that), and the other nodes' updated
-    # parts of the weights broadcast in ((M-1)/M of them)
-    network = int(3 * (nodes - 1) / nodes * arena_numel * 4)
     plan = MemoryPlan(
-        model=name, params=config.num_params(), arena_numel=arena_numel,
+        model=o.name, params=config.num_params(), arena_numel=arena_numel,
         arena_bytes=arena_numel * 4 + moments_numel * 8 + grads_numel * 4 + shadow_bytes, grads=grads,
-        grads_bytes=grads_numel * 4, nodes=nodes, network_bytes=network,
-        shadow_bytes=shadow_bytes,
-        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, gpu_checkpoints=gpu_checkpoints,
-        gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
+        grads_bytes=grads_numel * 4, nodes=nodes, network_bytes=network_bytes(nodes, arena_numel),
+        shadow_bytes=shadow_bytes, process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads,
+        gpu_checkpoints=gpu_checkpoints, gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
         host_free=host_available() if host_free is None else host_free,
-        shm_free=shm_free if host_free is None else host_free, gpu_free=gpu_free, batch=batch, seq=seq,
+        shm_free=shm_free if host_free is None else host_free, gpu_free=o.gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
         micro_batches=k, schedule=schedule, h2d_bytes=h2d, d2h_bytes=d2h,
     )  # lora: its adapters train beside the frozen base, kept in lora_base_dtype (megatrain/memory/lora_plan.py)
-    return plan if lora is None else lora_memory(plan, config, lora, lora_base_dtype, precision, executors)
+    return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)
 
 
 def resolve_grads(requested: str, *, clipping: bool, device_plan: MemoryPlan | None = None) -> str:

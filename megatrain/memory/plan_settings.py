@@ -1,14 +1,41 @@
-"""RunSettings: the settings megatrain/memory/plan.py's plan_run takes, as one frozen dataclass ("auto" where plan_run
-picks); plan_run(config, batch, seq, settings, **overrides)."""
+"""MemorySettings and RunSettings: the settings megatrain/memory/plan.py's plan_memory and plan_run take, each as one
+frozen dataclass (RunSettings: "auto" where plan_run picks); plan_run(config, batch, seq, settings, **overrides)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.on_device import StepTime
 
 AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """plan_memory's settings (its keywords): every one as the executor and the store take it."""
+
+    name: str = "model"
+    precision: str = "tf32"
+    optimizer_workers: int = 2
+    on_gpu: bool = False
+    loss_chunk_tokens: int = 4096
+    shm_dir: str | Path = "/dev/shm"
+    gpu_free: int | None = None  # None: not known (planning never creates a CUDA context; plan.gpu_free_here)
+    grads: str = "arena"  # as placed ("auto" is planned as "arena", the most host memory)
+    shadow: bool | None = None  # a bf16 copy of the weights in the arena (None: for bf16 runs)
+    tile_tokens: int | None = None
+    checkpoint_budget: int | None = None
+    host_free: int | None = None  # the host memory, /dev/shm too, to plan for (None: what this machine has)
+    # a step of that many micro-batches; "layer-major": every micro-batch's checkpoints, one's working set, the
+    # weights streamed once; "per-micro-batch": one's checkpoints, the weights and gradients once per micro-batch
+    micro_batches: int = 1
+    schedule: str = "layer-major"
+    nodes: int = 1  # hosts, each with the whole weights and 1/nodes of the Adam moments
+    executors: int = 1  # per node, each on `batch` rows
+    lora: LoraConfig | None = None
+    lora_base_dtype: str = "bf16"
 
 
 @dataclass(frozen=True)

@@ -331,6 +331,9 @@ COMPILE = ("auto", "on", "off")  # torch.compile: megatrain/perf/compile_choice.
 # in bf16 runs, how compute reads the resident units' weights: a bf16 copy kept beside them on the device (2 B a
 # parameter), or cast from their fp32 weights at each use (more units fit); auto: the memory plan picks (residency.py)
 RESIDENT_WEIGHTS = ("auto", "copy", "cast")
+# in bf16 runs, a bf16 copy of the weights in the arena (2 B a parameter on the host, half the bytes on PCIe); auto:
+# the memory plan keeps it only where the calibrated step predicted without it is longer (uncalibrated: where it fits)
+BF16_COPY = ("auto", "keep", "none")
 # what stays on the executor's device (the memory plan picks for "auto": what the GPU has room for; none on CPUs)
 RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer state (megatrain/memory/residency.py)"
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
@@ -380,6 +383,7 @@ class EngineConfig:
     resident: int | str = "auto"  # RESIDENT_HELP; resolved to a count of units by the memory plan
     resident_weights: str = "auto"  # RESIDENT_WEIGHTS; resolved to "copy" or "cast" by the memory plan
     keep_activations: int | str = "auto"  # auto | none | all | N top layers not recomputed (memory/kept_activations.py)
+    bf16_copy: str = "auto"  # BF16_COPY; resolved to "keep" or "none" by the memory plan
     # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is kept
     # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
     lora: Any = None
@@ -413,6 +417,7 @@ class EngineConfig:
         check_choice("speculate", self.speculate, SPECULATE)
         check_resident(self.resident)
         check_choice("resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
+        check_choice("bf16_copy", self.bf16_copy, BF16_COPY)
         check_resident(self.keep_activations, "keep_activations", ("auto", "none", "all"), "layers")
         check_device(self.device)
         check_choice("lora_base_dtype", self.lora_base_dtype, ("bf16", "fp32"))

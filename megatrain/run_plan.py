@@ -164,6 +164,7 @@ class RunPlan:
                             micro_batches=self.micro_batches, schedule=self.schedule, executors=self.executors,
                             nodes=self.nodes, speculate=self.speculate, resident=self.resident_units,
                             resident_weights=self.resident_weights, keep_activations=self.kept_layers,
+                            bf16_copy="keep" if self.shadow else "none",
                             lora=self.lora, lora_base_dtype=self.lora_base_dtype,
                             nvme=None if self.tier is None else self.tier.root)
 

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from megatrain.config import (
+    BF16_COPY,
     COMPILE,
     GRAD_PLACEMENTS,
     LINK_GBPS,
@@ -109,6 +110,10 @@ def _add_on_device_flags(p: argparse.ArgumentParser) -> None:
                    help="bf16: the resident units' bf16 weights for compute are a copy kept on the GPU (copy, 2 B a "
                         "parameter) or cast from their fp32 weights at each use (cast: more units fit); auto: the "
                         "faster predicted where this GPU is calibrated, else copy")
+    p.add_argument("--bf16-copy", choices=BF16_COPY,
+                   help="bf16: a bf16 copy of the weights in the host arena (keep: 2 B a parameter, half the PCIe "
+                        "bytes) or none (fp32 weights cast on the GPU); auto: kept only where the step predicted "
+                        "without it is longer on this GPU's calibration, else where the host has room")
     p.add_argument("--keep-activations", type=_word_or_count("auto", "none", "all"),
                    help="auto | none | all | N: the top N decoder layers keep their activations for the backward "
                         "instead of recomputing (megatrain/memory/kept_activations.py); auto: as many as the GPU has "

@@ -42,6 +42,7 @@ class EngineOptions:
     lora_base_dtype: str = "bf16"
     keep_activations: int | str = "auto"
     resident_weights: str = "auto"
+    bf16_copy: str = "auto"
     nvme: str | Path | None = None
     nvme_states: Any = "auto"
     # the run

@@ -22,7 +22,7 @@ PLAN_FLAGS = {"model": "model", "data.batch_size": "batch", "data.seq_len": "seq
               "schedule": "schedule", "nodes": "nodes", "executors": "executors", "resident": "resident",
               "lora": "lora", "keep_activations": "keep_activations", "resident_weights": "resident_weights",
               "lora_base_dtype": "lora_base_dtype", "speculate": "speculate", "compile": "compile", "nvme": "nvme",
-              "nvme_states": "nvme_states"}
+              "nvme_states": "nvme_states", "bf16_copy": "bf16_copy"}
 
 
 def plan_request(args: argparse.Namespace) -> tuple[Any, Request]:
@@ -85,6 +85,7 @@ def fastest(args: argparse.Namespace, request: Request, machine: Machine, run: R
                   checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                   flags=prediction_flags(args, request.config, cal, cfg, run.on_gpu), resident=e.resident,
                   keep_activations=e.keep_activations, resident_weights=e.resident_weights, name=run.model,
+                  bf16_copy=e.bf16_copy,
                   on_gpu=run.on_gpu, gpu_free=machine.gpu_free, micro_batches=run.micro_batches, nodes=run.nodes,
                   executors=run.executors, host_free=machine.host_free)
 

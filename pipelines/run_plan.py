@@ -13,7 +13,7 @@ from actors.executor import GPU_HOST_THREADS
 from megatrain.config import LINK_GBPS, ConfigError, EngineConfig
 from megatrain.memory.nvme import resolve_tier
 from megatrain.memory.on_device import StepTime
-from megatrain.memory.plan import MemoryPlan, pick_micro_batches, plan_run
+from megatrain.memory.plan import NO_ROOM, MemoryPlan, pick_micro_batches, plan_run
 from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.compile_choice import CompileChoice, auto_on_gpu
 from megatrain.perf.disk_rates import disk_rates
@@ -102,7 +102,7 @@ def memory_plan(request: Request, machine: Machine, e: EngineConfig, on_gpu: boo
                     gpu_free=machine.gpu_free if on_gpu else None, host_free=machine.host_free,
                     resident=e.resident, lora=e.lora, lora_base_dtype=e.lora_base_dtype,
                     keep_activations=e.keep_activations, step_time=split_by(request, machine, e, on_gpu, compiled),
-                    resident_weights=e.resident_weights)
+                    resident_weights=e.resident_weights, bf16_copy=e.bf16_copy)
     if e.micro_batches == "auto":
         plan = pick_micro_batches(request.config, request.batch, request.seq, **settings)
     else:
@@ -128,9 +128,9 @@ def memory_notes(e: EngineConfig, plan: MemoryPlan, on_gpu: bool) -> tuple[list[
     resolved."""
     where = {"arena": "in the host arena", "stream": "in a ring of host slots",
              "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"}[plan.grads]
-    notes = [f"gradients wait {where}", plan.resident_note, plan.kept.describe()]
+    notes = [f"gradients wait {where}", plan.bf16_copy_note, plan.resident_note, plan.kept.describe()]
     warnings = []
-    if on_gpu and e.precision == "bf16" and not plan.shadow_bytes and e.lora is None:
+    if on_gpu and e.precision == "bf16" and plan.bf16_copy_note.endswith(NO_ROOM) and e.lora is None:
         warnings.append(f"no room on the host for a bf16 copy of the weights ({plan.arena_numel * 2 / 2**30:.1f} GiB): "
                      "fp32 weights cross PCIe and are cast on the GPU, twice the bytes")
     if e.micro_batches == "auto":

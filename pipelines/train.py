@@ -29,6 +29,7 @@ import tomllib
 
 from actors.data_loader import DataLoaderActor
 from megatrain.config import (
+    BF16_COPY,
     RESIDENT_WEIGHTS,
     ConfigError,
     MegatrainError,
@@ -83,6 +84,7 @@ class TrainConfig:
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
     resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
     resident_weights: str = "auto"  # bf16: their compute weights a copy or cast at each use (EngineConfig)
+    bf16_copy: str = "auto"  # bf16: a bf16 copy of the weights in the arena: auto | keep | none (EngineConfig)
     nvme: str | None = None  # a directory on a local disk for the NVMe tier (EngineConfig.nvme)
     nvme_states: str | list[str] = "auto"  # what lives there: auto | all | a list of master, moments, grads
     keep_activations: int | str = "auto"  # top layers not recomputed: auto | none | all | N (EngineConfig)
@@ -186,6 +188,7 @@ class TrainConfig:
                               "adapter), or leave merge off.")
         check_resident(self.resident)
         check_choice("train config: resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
+        check_choice("train config: bf16_copy", self.bf16_copy, BF16_COPY)
         check_nvme(self.nvme, self.nvme_states)
         check_keep_activations(self.keep_activations)
         self.compile = compile_setting(self.compile)
@@ -203,7 +206,7 @@ TRAIN_INTS = ("steps", "loss_chunk_tokens", "seed", "nodes",
               "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "max_nonfinite_steps")
 TRAIN_FLAGS = ("decay", "resume", "trace", "save_final", "merge")
 TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule", "speculate", "lora_base_dtype",
-                 "resident_weights")
+                 "resident_weights", "bf16_copy")
 
 
 def with_size_defaults(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
@@ -225,7 +228,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
              "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations",
-             "resident_weights", "nvme", "nvme_states")
+             "resident_weights", "bf16_copy", "nvme", "nvme_states")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None,
         "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}

@@ -205,8 +205,10 @@ def test_the_spare_gpu_memory_goes_where_the_predicted_step_is_shortest() -> Non
     optimizer-bound, resident first; either way no longer than either pure order, each made here by asking for the
     count the other order leaves (a count is placed first, the other auto in the rest), and the lines say why."""
     predicted = step_time(SEVEN_B, h100(), precision="bf16", optimizer_workers=8, compiled=True)
-    for k in (16, 1):  # the units' bf16 weights a copy throughout (which way is the next test's)
-        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, resident_weights="copy", **ON_H100)
+    for k in (16, 1):  # the units' bf16 weights a copy throughout (which way is the next test's), and the arena's
+        # bf16 copy of the weights kept in every plan compared (whether to keep it: test_bf16_copy.py)
+        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, resident_weights="copy", bf16_copy="keep",
+                       **ON_H100)
         chosen = plan(resident="auto", keep_activations="auto", step_time=predicted)
         units = plan(resident="auto", keep_activations="none").resident_units
         layers = len(plan(resident="none", keep_activations="auto").kept.indices)

@@ -17,7 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatrain.config import GRAD_PLACEMENTS, SCHEDULES, ConfigError, MegatrainError, ModelConfig, check_choice
+from megatrain.config import (
+    BF16_COPY,
+    GRAD_PLACEMENTS,
+    SCHEDULES,
+    ConfigError,
+    MegatrainError,
+    ModelConfig,
+    check_choice,
+)
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
 from megatrain.memory.on_device import place_on_device
@@ -95,6 +103,7 @@ class MemoryPlan:
     adapter_params: int = 0
     adapter_numels: tuple[int, ...] = ()
     tier: TierPlan | None = None  # the states kept on NVMe (megatrain/memory/tier_plan.py), out of the arena
+    bf16_copy_note: str = ""  # bf16 runs: whether the arena keeps a bf16 copy of the weights, and why (plan_run)
 
     @property
     def arena_host_bytes(self) -> int:
@@ -187,6 +196,7 @@ class MemoryPlan:
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
         lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
+        lines.append(f"  arena: {self.arena_host_bytes / max(self.params, 1):.1f} B per parameter in host memory")
         if self.tier is not None:  # the arena's rows above are its whole size; these states are on disk instead
             lines += [row(f"arena: on NVMe ({', '.join(k for k, _ in self.tier.on_disk)}), less staging",
                           -self.tier.saved_bytes)]
@@ -212,7 +222,7 @@ class MemoryPlan:
         if self.on_gpu:
             lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
                          f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
-        lines += [note for note in (self.resident_note, self.kept.describe()) if note]
+        lines += [note for note in (self.bf16_copy_note, self.resident_note, self.kept.describe()) if note]
         problem = self.host_problem() or self.gpu_problem()
         lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
         return "\n".join(lines)
@@ -304,11 +314,43 @@ MIN_TILE_TOKENS = 1024
 LONGEST_SEQ_SEARCHED = 2**24
 
 
+NO_ROOM = "no room on the host for it"  # why a bf16 run that asked for "auto" has no bf16 copy: a warning
+
+
 def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | None = None, **overrides: Any
              ) -> MemoryPlan:
+    """plan_one's plan, in bf16 runs with the bf16 copy of the weights (2 B a parameter on the host, half the bytes
+    on PCIe) as bf16_copy says: "keep" or "none" as asked; "auto" on a GPU with a predictor (step_time): the run
+    planned both ways, the copy kept only where the step predicted without it is longer (or only the run with it
+    fits); "auto" otherwise, today's rule: the copy wherever the host has room for it."""
+    s = replace(settings or RunSettings(), **overrides)
+    check_choice("bf16_copy", s.bf16_copy, BF16_COPY)
+    if s.precision != "bf16" or s.lora is not None:
+        return plan_one(config, batch, seq, s)
+    if s.bf16_copy != AUTO or s.step_time is None or not s.on_gpu:
+        plan = plan_one(config, batch, seq, s)
+        why = (f"bf16_copy = {s.bf16_copy}" if s.bf16_copy != AUTO else
+               "no calibration to predict by: kept where the host has room" if plan.shadow_bytes else
+               NO_ROOM)
+        return replace(plan, bf16_copy_note=f"bf16 copy of the weights {'kept' if plan.shadow_bytes else 'none'}: "
+                                            f"{why}")
+    kept, dropped = (plan_one(config, batch, seq, replace(s, bf16_copy=c)) for c in (AUTO, "none"))
+    if not kept.shadow_bytes:
+        return replace(kept, bf16_copy_note=f"bf16 copy of the weights none: {NO_ROOM}")
+    fits = [not (p.host_problem() or p.gpu_problem()) for p in (kept, dropped)]
+    with_copy, without = s.step_time(kept), s.step_time(dropped)
+    keep = fits[0] and (not fits[1] or with_copy < without)
+    times = f"{with_copy:.3f} s predicted with it, {without:.3f} s without"
+    why = ("only the run with it fits" if fits[0] and not fits[1] else
+           f"it shortens the predicted step ({times})" if keep else f"no shorter predicted step ({times})")
+    return replace(kept if keep else dropped,
+                   bf16_copy_note=f"bf16 copy of the weights {'kept' if keep else 'none'}: {why}")
+
+
+def plan_one(config: ModelConfig, batch: int, seq: int, s: RunSettings) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
-    resolved (resolve_grads), in bf16 runs the bf16 copy of the weights kept only where the host has room for it (else
-    fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
+    resolved (resolve_grads), in bf16 runs the bf16 copy of the weights as bf16_copy asks ("auto": kept only where the
+    host has room for it, else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
 
     tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS while the
     GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU path, whose device
@@ -320,13 +362,13 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
     or without one a rule's (megatrain/memory/on_device.py); resident_weights: in bf16 runs the resident units' bf16
     weights a copy kept or cast at each use, "auto" the shorter predicted with a predictor (else the copy). Where the
     result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
-    s = replace(settings or RunSettings(), **overrides)
     if s.schedule != AUTO:
         check_choice("schedule", s.schedule, SCHEDULES)
     kwargs = dict(name=s.name, precision=s.precision, optimizer_workers=s.optimizer_workers, on_gpu=s.on_gpu,
                   loss_chunk_tokens=s.loss_chunk_tokens, gpu_free=s.gpu_free, host_free=s.host_free,
                   micro_batches=s.micro_batches, schedule="layer-major" if s.schedule == AUTO else s.schedule,
-                  nodes=s.nodes, executors=s.executors, lora=s.lora, lora_base_dtype=s.lora_base_dtype)
+                  nodes=s.nodes, executors=s.executors, lora=s.lora, lora_base_dtype=s.lora_base_dtype,
+                  shadow=s.precision == "bf16" and s.bf16_copy != "none")
     grads = s.grads if s.lora is None else "arena"  # a LoRA run's gradients are its adapters': small, in the arena
     if kwargs["schedule"] == "per-micro-batch" and s.micro_batches > 1:
         if grads not in (AUTO, "arena"):
@@ -337,11 +379,11 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
     device_plan = _plan_sequence(config, batch, seq, "device", *tiles, kwargs) if s.on_gpu else None
     placement = resolve_grads(grads, clipping=s.clipping, device_plan=device_plan)
     plan = _plan_sequence(config, batch, seq, placement, *tiles, kwargs)
-    if plan.shadow_bytes and plan.host_problem() is not None:
+    if plan.shadow_bytes and s.bf16_copy == AUTO and plan.host_problem() is not None:
         plan = _plan_sequence(config, batch, seq, placement, *tiles, {**kwargs, "shadow": False})
     if s.schedule == AUTO and s.micro_batches > 1 and grads in (AUTO, "arena") and (
             plan.host_problem() or plan.gpu_problem()):
-        fallback = plan_run(config, batch, seq, replace(s, grads="arena", find_longest=False,
+        fallback = plan_one(config, batch, seq, replace(s, grads="arena", find_longest=False,
                                                         schedule="per-micro-batch"))
         if not (fallback.host_problem() or fallback.gpu_problem()):
             return fallback

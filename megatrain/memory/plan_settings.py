@@ -64,3 +64,4 @@ class RunSettings:
     keep_activations: int | str = "none"
     step_time: StepTime | None = None
     resident_weights: str = AUTO
+    bf16_copy: str = AUTO  # bf16 runs: auto | keep | none (plan.py BF16_COPY)

@@ -29,7 +29,6 @@ import tomllib
 
 from actors.data_loader import DataLoaderActor
 from megatrain.config import (
-    BF16_COPY,
     RESIDENT_WEIGHTS,
     ConfigError,
     MegatrainError,
@@ -188,7 +187,6 @@ class TrainConfig:
                               "adapter), or leave merge off.")
         check_resident(self.resident)
         check_choice("train config: resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
-        check_choice("train config: bf16_copy", self.bf16_copy, BF16_COPY)
         check_nvme(self.nvme, self.nvme_states)
         check_keep_activations(self.keep_activations)
         self.compile = compile_setting(self.compile)
@@ -230,8 +228,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
              "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations",
              "resident_weights", "bf16_copy", "nvme", "nvme_states")
     return {n: getattr(cfg, n) for n in names} | {
-        "total_steps": cfg.steps if cfg.decay else None,
-        "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
+        "total_steps": cfg.steps if cfg.decay else None, "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
 
 
 # ---- checkpoints ----

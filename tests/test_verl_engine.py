@@ -16,7 +16,7 @@ import torch
 from helpers import FAMILIES, build_hf_model, rel_err
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.utils.torch_functional import logprobs_from_logits
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from verl.workers.config import ActorConfig
 from verl.workers.engine import EngineRegistry
 from verl.workers.utils.losses import ppo_loss
@@ -30,10 +30,10 @@ from pipelines.verl_engine import MegatrainVerlEngine, VerlLoss, padded
 B, P, R, TEMP = 4, 5, 6, 0.7
 
 
-def actor_config() -> ActorConfig:
+def actor_config(entropy_coeff: float = 0.0) -> ActorConfig:
     return ActorConfig(strategy="fsdp", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B, use_kl_loss=True,
                        kl_loss_coef=0.04, kl_loss_type="low_var_kl", loss_agg_mode="token-mean", clip_ratio=0.2,
-                       entropy_coeff=0.0, rollout_n=1)
+                       entropy_coeff=entropy_coeff, rollout_n=1)
 
 
 def rollout_batch() -> TensorDict:
@@ -60,15 +60,25 @@ def rollout_batch() -> TensorDict:
     return data
 
 
-def transformers_loss(hf: torch.nn.Module, data: TensorDict, loss_fn) -> torch.Tensor:
-    """verl's loss on transformers' logits, the log-probs as verl's FSDP engine takes them (packed, rolled ids)."""
-    seqs = data["input_ids"].unbind()
+def transformers_loss(hf: torch.nn.Module, data: TensorDict, loss_fn, entropy: bool = False) -> torch.Tensor:
+    """verl's loss on transformers' logits, the log-probs (and entropy) as verl's FSDP engine takes them (packed
+    logits, rolled ids)."""
+    seqs, offsets = data["input_ids"].unbind(), data["input_ids"].offsets()
     logits = torch.cat([hf(s[None]).logits[0] for s in seqs]) / TEMP
     packed = data["input_ids"].values()
     log_probs = logprobs_from_logits(logits=logits, labels=torch.roll(packed, -1))
-    nested = torch.nested.nested_tensor_from_jagged(log_probs, data["input_ids"].offsets())
+    output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, offsets)}
+    if entropy:
+        output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy_from_logits(logits), offsets)
     verl_engine.batch_info(data)
-    return loss_fn(model_output={"log_probs": nested}, data=data, dp_group=None)[0]
+    return loss_fn(model_output=output, data=data, dp_group=None)[0]
+
+
+def reference(hf: torch.nn.Module, loss_fn, entropy: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    hf.zero_grad()
+    ref = transformers_loss(hf, rollout_batch(), loss_fn, entropy)
+    ref.backward()
+    return float(ref.detach()), {n: p.grad.clone() for n, p in hf.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +87,28 @@ def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
     hf.save_pretrained(d)
     loss_fn = functools.partial(ppo_loss, actor_config())
-    hf.zero_grad()
-    ref = transformers_loss(hf, rollout_batch(), loss_fn)
-    ref.backward()
-    return d, loss_fn, float(ref.detach()), {n: p.grad.clone() for n, p in hf.named_parameters()}
+    return d, loss_fn, *reference(hf, loss_fn), hf
 
 
 def test_registry_lookup():
     assert EngineRegistry.get_engine_cls("language_model", "megatrain") is MegatrainVerlEngine
 
 
-def test_verl_grpo_loss_gradients_match_transformers(setup):
-    """verl's loss as megatrain's fn (the VerlLoss the engine hands its executor): every gradient within 1e-5."""
-    d, loss_fn, ref, ref_grads = setup
+@pytest.mark.parametrize("entropy", [False, True], ids=["kl", "kl+entropy"])
+def test_verl_grpo_loss_gradients_match_transformers(setup, entropy):
+    """verl's loss as megatrain's fn (the VerlLoss the engine hands its executor): every gradient within 1e-5; with
+    an entropy bonus, megatrain's entropy reaches verl's loss as its FSDP engine's does."""
+    d, loss_fn, ref, ref_grads, hf = setup
+    if entropy:
+        loss_fn = functools.partial(ppo_loss, actor_config(entropy_coeff=0.01))
+        ref, ref_grads = reference(hf, loss_fn, entropy=True)
     data = rollout_batch()
     verl_engine.batch_info(data)
     batch = padded(data)
     m = megatrain.from_pretrained(d)
     verl_loss = VerlLoss(loss_fn, data, batch.offsets)
-    loss, grads = m.loss_and_grads(batch.input_ids, batch.labels, loss=TokenLoss(verl_loss, {}, TEMP))
+    loss, grads = m.loss_and_grads(batch.input_ids, batch.labels, loss=TokenLoss(verl_loss, {}, TEMP, entropy))
+    assert ("actor/entropy_loss" in verl_loss.reported) == entropy
     assert abs(float(loss) - ref) <= 1e-5 * abs(ref)
     assert 0 < verl_loss.reported["actor/pg_clipfrac"] < 1  # the clip is active on some tokens, not all
     assert set(grads) == set(ref_grads)
@@ -106,7 +119,7 @@ def test_engine_train_batch_weight_sync_checkpoint(setup, tmp_path):
     """verl's train_batch on the registered engine (one Engine, the executor a Ray actor): its loss and the gradient
     norm optimizer_step returns match transformers'; the weights stream out tensor by tensor, updated; a
     checkpoint loads back."""
-    d, loss_fn, ref, ref_grads = setup
+    d, loss_fn, ref, ref_grads, _ = setup
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     engine = EngineRegistry.new("language_model", "megatrain", str(d), optimizer_workers=1, device="cpu",
                                 precision="fp32", metrics=False, batch_size=B, seq_len=P + R, lr=1e-3)

@@ -7,9 +7,16 @@ run of only some files (a new test file: `python3 -m pytest tests/test_new.py --
 
     python3 tests/durations.py --merge /tmp/junit.xml
 
-updates just their entries. A file with no entry runs first (file_order): its time is unknown, and a long file
-handed out last would leave the other test process's core idle while it runs, where a short one run first costs
-nothing; the run's summary names such files (conftest.py)."""
+updates just their entries, and
+
+    python3 tests/durations.py --estimate
+
+prints the wall time the recorded seconds give two test processes (pytest -n 2), files handed out longest first to
+whichever process is free, as pytest-xdist's loadfile does in conftest.py's order.
+
+A file with no entry runs first (file_order): its time is unknown, and a long file handed out last would leave the
+other test process's core idle while it runs, where a short one run first costs nothing; the run's summary names
+such files (conftest.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +56,20 @@ def unlisted(files: Iterable[str], durations: dict[str, float]) -> list[str]:
     return sorted({name for name in files if name not in durations})
 
 
+def two_process_wall(durations: dict[str, float], processes: int = 2) -> float:
+    """The seconds until the last file ends, each handed out longest first to the process that is free first."""
+    ends = [0.0] * processes
+    for seconds in sorted(durations.values(), reverse=True):
+        ends[ends.index(min(ends))] += seconds
+    return max(ends)
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--estimate"]:
+        recorded = read()
+        print(f"{len(recorded)} files, {sum(recorded.values()):.0f} s of tests: {two_process_wall(recorded):.0f} s "
+              "with -n 2 (the install and collection not counted)")
+        return 0
     merge = argv[:1] == ["--merge"]
     if len(argv) != 1 + merge:
         print(__doc__)

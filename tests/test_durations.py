@@ -35,6 +35,11 @@ def test_merge_updates_only_the_files_run(tmp_path: Path, monkeypatch: pytest.Mo
     assert json.loads(durations.DURATIONS.read_text()) == {"test_b.py": 20.5, "test_c.py": 1.0}
 
 
+def test_the_two_process_estimate_hands_the_longest_out_first(capsys: pytest.CaptureFixture[str]) -> None:
+    assert durations.two_process_wall({"a": 10.0, "b": 6.0, "c": 5.0, "d": 1.0}) == 11.0  # a+d beside b+c
+    assert durations.main(["--estimate"]) == 0 and "with -n 2" in capsys.readouterr().out
+
+
 def test_every_recorded_time_is_a_number() -> None:
     recorded = durations.read()
     assert recorded and all(isinstance(s, (int, float)) and s >= 0 for s in recorded.values())

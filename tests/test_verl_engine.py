@@ -30,9 +30,9 @@ from pipelines.verl_engine import MegatrainVerlEngine, VerlLoss, padded
 B, P, R, TEMP = 4, 5, 6, 0.7
 
 
-def actor_config(entropy_coeff: float = 0.0) -> ActorConfig:
+def actor_config(entropy_coeff: float = 0.0, agg: str = "token-mean") -> ActorConfig:
     return ActorConfig(strategy="fsdp", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B, use_kl_loss=True,
-                       kl_loss_coef=0.04, kl_loss_type="low_var_kl", loss_agg_mode="token-mean", clip_ratio=0.2,
+                       kl_loss_coef=0.04, kl_loss_type="low_var_kl", loss_agg_mode=agg, clip_ratio=0.2,
                        entropy_coeff=entropy_coeff, rollout_n=1)
 
 
@@ -94,14 +94,15 @@ def test_registry_lookup():
     assert EngineRegistry.get_engine_cls("language_model", "megatrain") is MegatrainVerlEngine
 
 
-@pytest.mark.parametrize("entropy", [False, True], ids=["kl", "kl+entropy"])
-def test_verl_grpo_loss_gradients_match_transformers(setup, entropy):
+@pytest.mark.parametrize("entropy,agg", [(False, "token-mean"), (True, "token-mean"), (False, "seq-mean-token-mean")],
+                         ids=["kl", "kl+entropy", "seq-mean-token-mean"])
+def test_verl_grpo_loss_gradients_match_transformers(setup, entropy, agg):
     """verl's loss as megatrain's fn (the VerlLoss the engine hands its executor): every gradient within 1e-5; with
-    an entropy bonus, megatrain's entropy reaches verl's loss as its FSDP engine's does."""
+    an entropy bonus, megatrain's entropy reaches verl's loss as its FSDP engine's does; a per-sequence mean too."""
     d, loss_fn, ref, ref_grads, hf = setup
-    if entropy:
-        loss_fn = functools.partial(ppo_loss, actor_config(entropy_coeff=0.01))
-        ref, ref_grads = reference(hf, loss_fn, entropy=True)
+    if entropy or agg != "token-mean":
+        loss_fn = functools.partial(ppo_loss, actor_config(0.01 if entropy else 0.0, agg))
+        ref, ref_grads = reference(hf, loss_fn, entropy)
     data = rollout_batch()
     verl_engine.batch_info(data)
     batch = padded(data)

@@ -169,9 +169,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             ref = gpu_free_memory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
             try:
                 gpu_free = get(ref, timeout=self.resource_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise MegatrainError(f"no GPU of the driver's Ray node came free within {self.resource_timeout:g} s "
-                                     "to measure its memory; free one, or raise resource_timeout.") from None
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.TaskUnschedulableError):
+                ray.cancel(ref, force=True)  # no GPU free, or none: the reservation below says so in one sentence
         cal = run_calibration(on_gpu)
         gpu_name = cal.device if cal is not None else "the GPU"
         if on_gpu and cal is None and torch.cuda.is_available():

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from megatrain.config import (
     dataclass_from_dict,
 )
 from megatrain.data import DataConfig, find_data_files
+from megatrain.data.hf_datasets import hub_environment
 from megatrain.io.checkpoint import CheckpointError
 from megatrain.io.hub import tokenizer_files
 from megatrain.memory.kept_activations import check_keep_activations
@@ -207,15 +208,15 @@ TRAIN_STRINGS = ("model", "out_dir", "precision", "device", "grads", "schedule",
                  "resident_weights", "bf16_copy")
 
 
-def with_size_defaults(cfg: TrainConfig, config: ModelConfig) -> TrainConfig:
-    """cfg with the lr and warm-up it left unset (None) chosen by the model's size and the run's length, logged."""
+def with_size_defaults(cfg: TrainConfig, config: ModelConfig, say: Callable[..., None] = log.info) -> TrainConfig:
+    """cfg with the lr and warm-up it left unset (None) chosen by the model's size and the run's length, said."""
     n = config.num_params()
     defaults = {"lr": default_lr(n), "warmup_steps": default_warmup(cfg.steps)}  # megatrain/presets.py
     chosen = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     for name, value in chosen.items():
         setattr(cfg, name, value)
     if chosen:
-        log.info("%s by default for a %s-parameter model over %d steps (published recipes' rate for the size, warm-up "
+        say("%s by default for a %s-parameter model over %d steps (published recipes' rate for the size, warm-up "
                  "3%% of the steps, at least 20, at most half)", ", ".join(f"{k} {v:g}" for k, v in chosen.items()),
                  f"{n / 1e9:.3g} G" if n >= 1e9 else f"{n / 1e6:.3g} M", cfg.steps)
     return cfg
@@ -295,11 +296,14 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
     """Trains per `cfg`; returns a summary (first/last loss, eval losses, skipped steps, paths)."""
     out_dir = Path(cfg.out_dir)
     data_format, _ = find_data_files(cfg.data)  # a mistyped path fails now, before Ray starts and the arena is filled
-    cfg = with_size_defaults(cfg, resolve_model(cfg.model, verify=False)[0])
+    notes: list[tuple] = []  # said once the Engine started: a run refused before then prints its one sentence alone
+    cfg = with_size_defaults(cfg, resolve_model(cfg.model, verify=False)[0], lambda *note: notes.append(note))
     if cfg.warmup_steps >= cfg.steps:
         log.warning("warmup_steps %d is not below steps %d: the learning rate never reaches lr %g (the first step's "
                     "is 0); lower warmup_steps", cfg.warmup_steps, cfg.steps, cfg.lr)
     engine = Engine(cfg.model, **engine_kwargs(cfg))
+    for note in notes:
+        log.info(*note)
     if extra_files is None:  # an HF model's tokenizer files travel with the trained weights into final/
         extra_files = tokenizer_files(resolve_model(cfg.model, verify=False)[1])
     loader = None
@@ -323,13 +327,6 @@ def run(cfg: TrainConfig, extra_files: list[Path] | None = None) -> dict[str, An
         if loader is not None:
             ray.kill(loader)
         engine.shutdown()
-
-
-def hub_environment(data_format: str) -> dict[str, Any] | None:
-    """The loader actor of a `datasets` source reads the Hub (and its cache) as this driver does: with its HF_*
-    settings (cache, offline, token), which a Ray worker started before they were set would not have."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "HUGGINGFACE_"))}
-    return {"env_vars": env} if data_format == "datasets" and env else None
 
 
 @contextmanager

@@ -11,6 +11,7 @@ cache's snapshot of it, as a folder of data files.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,10 @@ def _unopened(cfg: DataConfig, error: Exception) -> str:
 
 
 __all__ = ["DatasetsSource", "is_datasets_source", "open_dataset"]
+
+
+def hub_environment(data_format: str) -> dict[str, Any] | None:
+    """The loader actor of a `datasets` source reads the Hub (and its cache) as this driver does: with its HF_*
+    settings (cache, offline, token), which a Ray worker started before they were set would not have."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "HUGGINGFACE_"))}
+    return {"env_vars": env} if data_format == "datasets" and env else None

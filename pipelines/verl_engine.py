@@ -135,6 +135,9 @@ class MegatrainVerlEngine(BaseEngine):
     def initialize(self) -> None:
         import megatrain
 
+        if self.overrides.get("lora") or getattr(self.model_config, "lora_rank", 0):
+            raise MegatrainError("the megatrain verl engine trains full weights; LoRA (and the PEFT config verl's "
+                                 "weight sync expects with it) is not supported by it yet.")
         path = self.model_config
         path = getattr(path, "local_path", None) or getattr(path, "path", path)
         settings = {ours: getattr(self.optimizer_config, theirs) for theirs, ours in OPTIMIZER_KEYS.items()

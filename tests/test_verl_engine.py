@@ -92,6 +92,8 @@ def setup(tmp_path_factory):
 
 def test_registry_lookup():
     assert EngineRegistry.get_engine_cls("language_model", "megatrain") is MegatrainVerlEngine
+    with pytest.raises(megatrain.MegatrainError, match="LoRA"):  # refused before anything starts
+        EngineRegistry.new("language_model", "megatrain", "tiny", lora="r=4").initialize()
 
 
 @pytest.mark.parametrize("entropy,agg", [(False, "token-mean"), (True, "token-mean"), (False, "seq-mean-token-mean")],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON of the rows")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="megatrain-first-run-"))
+    try:
+        return measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the runs and their calibration: --out keeps what counts
+
+
+def measure(args: argparse.Namespace, work: Path) -> int:
     env = dict(os.environ, PYTHONPATH=pythonpath_with_repo(), MEGATRAIN_CALIBRATION=str(work / "calibration.json"))
     runs = [r for r in RUNS if r[0] in args.runs.split(",")]
     held_out = held_out_model(work / "held-out-model")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -197,17 +198,11 @@ class GPUExecutor:
                  ) -> Evaluation:
         """Loss of `batch` with the weights of update `expected_version`; no gradients leave the GPU."""
         input_ids, labels, position_ids = _batch_tensors(batch)
-        rec = self.executor.rec
-        rec.begin_step(rec.step, self.executor.device)
-        if self.executor.lora is not None:  # no dropout
-            self.executor.lora.start_step(expected_version, training=False)
-        try:
+        with self._pass_without_update(expected_version):
             out = self.executor.run(input_ids, labels, position_ids,
                                     weight_waits=self._waits(expected_version, pending),
                                     micro_batches=self.micro_batches, schedule=self.schedule,
                                     loss_ready=lambda loss: False)
-        finally:
-            rec.end_step(keep=False)  # its spans are not the next training step's
         return Evaluation(out.loss, out.tokens)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, expected_version: int,
@@ -215,26 +210,29 @@ class GPUExecutor:
         """New tokens for each prompt (megatrain/engine/generation.py) with the weights of update `expected_version`."""
         if self.generator is None:
             self.generator = Generator(self.executor)
-        rec = self.executor.rec
-        rec.begin_step(rec.step, self.executor.device)
-        try:
+        with self._pass_without_update(expected_version, adapters=False):  # the generator binds its adapters
             out = self.generator.generate(prompts, sampling, self._waits(expected_version, pending))
-        finally:
-            rec.end_step(keep=False)  # its spans are not the next training step's
         return {"token_ids": out.token_ids, "finished": out.finished}
 
     def logprobs(self, batch: dict[str, Any], expected_version: int, pending: list[ray.ObjectRef],
                  temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each label's log-prob (and entropy) with the weights of update `expected_version` (Executor.logprobs)."""
         input_ids, labels, position_ids = _batch_tensors(batch)
-        rec = self.executor.rec
-        rec.begin_step(rec.step, self.executor.device)
-        if self.executor.lora is not None:  # no dropout
-            self.executor.lora.start_step(expected_version, training=False)
-        try:
+        with self._pass_without_update(expected_version):
             return self.executor.logprobs(input_ids, labels, position_ids,
                                           weight_waits=self._waits(expected_version, pending),
                                           micro_batches=self.micro_batches, temperature=temperature, entropy=entropy)
+
+    @contextmanager
+    def _pass_without_update(self, expected_version: int, adapters: bool = True) -> Iterator[None]:
+        """A pass that trains nothing (evaluate, logprobs, generate): recorded apart from the next training step,
+        with a LoRA run's adapters of update `expected_version` and no dropout."""
+        rec = self.executor.rec
+        rec.begin_step(rec.step, self.executor.device)
+        if adapters and self.executor.lora is not None:
+            self.executor.lora.start_step(expected_version, training=False)
+        try:
+            yield
         finally:
             rec.end_step(keep=False)  # its spans are not the next training step's
 

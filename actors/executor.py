@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -29,10 +29,12 @@ from megatrain.engine.generation import Generator, Sampling
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.messages import Evaluation, ExecutorStep
 from megatrain.engine.optimizer import Speculation, clip_coefficient
-from megatrain.engine.weight_waits import VersionWaits
+from megatrain.engine.reference import initial_weights
+from megatrain.engine.weight_waits import NO_WAITS, VersionWaits
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.plan import gpu_free_here
+from megatrain.memory.post_plan import REFERENCE_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
 from megatrain.model import ops
@@ -71,7 +73,8 @@ class GPUExecutor:
                                  plan.compile, tile_tokens=plan.tile_tokens, checkpoint_budget=plan.checkpoint_budget,
                                  data_parallel=self.dp, resident_units=plan.resident_units,
                                  kept_layers=plan.kept_layers, frozen=self.arena.tensors.get(FROZEN_SEGMENT),
-                                 resident_cast=plan.resident_weights == "cast")
+                                 resident_cast=plan.resident_weights == "cast",
+                                 reference=self.arena.tensors.get(REFERENCE_SEGMENT))
         self.seed = plan.seed  # a LoRA run's dropout masks are drawn from it and the step (LoraStep.start_step)
         self.hold_grads = plan.grads == "device"
         self.executors_per_node = plan.executors
@@ -84,6 +87,8 @@ class GPUExecutor:
             # runs, a LoRA run's frozen base and its adapters, else params) and write (grads)
             read = next(name for name, t in self.arena.tensors.items() if t is self.executor.weights)
             self.arena.register_cuda((read, "grads") if read != FROZEN_SEGMENT else (read, "grads", "params"))
+            if REFERENCE_SEGMENT in self.arena.tensors:  # the reference's pass streams it
+                self.arena.register_cuda((REFERENCE_SEGMENT,))
             # Ray sets OMP_NUM_THREADS=1 in an actor without CPUs; the embedding rows are gathered and their
             # gradients scattered on the host, on the step's critical path: a few threads, leaving the
             # rest of the cores to the optimizer workers
@@ -215,12 +220,16 @@ class GPUExecutor:
         return {"token_ids": out.token_ids, "finished": out.finished}
 
     def logprobs(self, batch: dict[str, Any], expected_version: int, pending: list[ray.ObjectRef],
-                 temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each label's log-prob (and entropy) with the weights of update `expected_version` (Executor.logprobs)."""
+                 temperature: float, entropy: bool, reference: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each label's log-prob (and entropy) with the weights of update `expected_version` (Executor.logprobs;
+        reference: the initial weights')."""
         input_ids, labels, position_ids = _batch_tensors(batch)
-        with self._pass_without_update(expected_version):
-            return self.executor.logprobs(input_ids, labels, position_ids,
-                                          weight_waits=self._waits(expected_version, pending),
+        # the initial weights are never written: nothing to wait for
+        waits = NO_WAITS if reference else self._waits(expected_version, pending)
+        weights = initial_weights(self.executor) if reference else nullcontext()
+        with self._pass_without_update(expected_version), weights:
+            return self.executor.logprobs(input_ids, labels, position_ids, weight_waits=waits,
                                           micro_batches=self.micro_batches, temperature=temperature, entropy=entropy)
 
     @contextmanager

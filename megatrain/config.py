@@ -392,6 +392,9 @@ class EngineConfig:
     # "all" or a list of master, moments, grads); None: every state in host memory
     nvme: str | None = None
     nvme_states: str | tuple[str, ...] = "auto"
+    # the initial weights kept in an arena segment of their own, for Engine.logprobs(reference=True): GRPO's KL
+    # reference (megatrain/engine/reference.py); a LoRA run's reference is its base with the adapters off, no copy
+    reference: bool = False
 
     def __post_init__(self) -> None:
         check_nvme(self.nvme, self.nvme_states)

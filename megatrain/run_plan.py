@@ -11,6 +11,7 @@ from megatrain.config import EngineConfig, ModelConfig, OptimConfig
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.nvme import TierSpec
 from megatrain.memory.plan import MemoryPlan, plan_memory
+from megatrain.memory.post_plan import reference_dtype
 from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.calibrate import Calibration
 
@@ -65,6 +66,7 @@ class StorePlan:
     lora: LoraConfig | None = None  # the adapters trained beside a frozen base kept in lora_base_dtype
     lora_base_dtype: str = "bf16"
     tier: TierSpec | None = None  # the states on NVMe
+    reference: str | None = None  # the initial weights' segment, in this dtype (megatrain/memory/post_plan.py)
 
     @classmethod
     def standalone(cls, config: ModelConfig, name: str, check_memory: bool, settings: dict[str, Any]) -> StorePlan:
@@ -82,13 +84,13 @@ class StorePlan:
             tier = s["tier"]
             with_tier(plan, config, tier and tier.root, tier.names if tier else ()).check_host()
         return cls(s["num_workers"], s["grads"], s["shadow"], s["nodes"], s["seed"], s["lora"], s["lora_base_dtype"],
-                   s["tier"])
+                   s["tier"], s["reference"])
 
 
 # ParameterStore's keywords without a run's plan, and their defaults
 STANDALONE: dict[str, Any] = dict(num_workers=1, seed=0, batch=1, seq=2048, grads="arena", shadow=False, on_gpu=False,
                                   tile_tokens=None, checkpoint_budget=None, micro_batches=1, nodes=1, lora=None,
-                                  lora_base_dtype="bf16", tier=None)
+                                  lora_base_dtype="bf16", tier=None, reference=None)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class RunPlan:
     lora_base_dtype: str
     threads_per_worker: int | None = None  # None: the node's cores over its workers
     tier: TierSpec | None = None  # the states on NVMe (megatrain/memory/nvme.py); None: all in host memory
+    reference: bool = False  # the initial weights in a segment of their own (GRPO's KL reference; not a LoRA run's)
     arena_bytes: int = 0
     host_bytes: int = 0
     gpu_bytes: int = 0
@@ -151,7 +154,7 @@ class RunPlan:
     def store(self) -> StorePlan:
         """The parameter stores' part."""
         return StorePlan(self.optimizer_workers, self.grads, self.shadow, self.nodes, self.seed, self.lora,
-                         self.lora_base_dtype, self.tier)
+                         self.lora_base_dtype, self.tier, reference_dtype(self.precision) if self.reference else None)
 
     def engine_config(self) -> EngineConfig:
         """The plan as an EngineConfig, every field resolved (for code and tests that read one)."""
@@ -166,7 +169,7 @@ class RunPlan:
                             resident_weights=self.resident_weights, keep_activations=self.kept_layers,
                             bf16_copy="keep" if self.shadow else "none",
                             lora=self.lora, lora_base_dtype=self.lora_base_dtype,
-                            nvme=None if self.tier is None else self.tier.root)
+                            nvme=None if self.tier is None else self.tier.root, reference=self.reference)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON's form (what plan.json holds); the notes are left to the log."""

@@ -31,6 +31,7 @@ from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.post_plan import REFERENCE_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.staging import StoreTier, stage_segments
 from megatrain.memory.versions import VersionTable
@@ -151,6 +152,8 @@ class ParameterStore:
             extra += stage_segments(self.layout, plan.tier.kinds, plan.tier.from_unit, plan.optimizer_workers)
         if self.layout.frozen is not None:
             extra.append((FROZEN_SEGMENT, BASE_DTYPES[plan.lora_base_dtype], self.layout.frozen.numel))
+        if plan.reference is not None and self.layout.frozen is None:  # GRPO's KL reference: the initial weights
+            extra.append((REFERENCE_SEGMENT, plan.reference, self.layout.numel))
         return Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
                             grads_numel=self.grad_layout.numel, moments_numel=self.node.numel,
                             sparse=plan.tier.kinds if plan.tier is not None else ())
@@ -169,6 +172,9 @@ class ParameterStore:
             adapters = initial_adapters(self.layout, self.seed, self.adapter)
             write_adapters(self.layout, self.arena.params, adapters, str(self.adapter or "the initial adapters"))
         self._refresh_shadow()
+        if REFERENCE_SEGMENT in self.arena.tensors:  # the initial weights, never written after (post_plan.py)
+            reference = self.arena.tensors[REFERENCE_SEGMENT]
+            for_each_unit(self.layout, lambda unit: unit.range_of(reference).copy_(unit.range_of(self.arena.params)))
 
     def _refresh_shadow(self) -> None:
         """After the weights were written other than by the optimizer (which keeps the shadow itself)."""

@@ -49,6 +49,7 @@ from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.resident import resident_update
 from megatrain.io.checkpoint import atomic_directory, checkpoint_target, write_manifest
 from megatrain.memory.arena import remove_stale_segments
+from megatrain.memory.post_plan import reference_problem
 from megatrain.perf.calibrate import device_name
 from megatrain.run_plan import Machine, Request
 from megatrain.store import resolve_model
@@ -150,6 +151,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             placement = NodePlacement.reserve(node_id, run.optimizer_workers, run.on_gpu, self.resource_timeout,
                                               f"megatrain/{self.run_id}/node{m}", executors=run.executors)
             self.actors.placements.append(placement)
+        if problem := reference_problem(self.plan):  # the run fits, its KL reference's copy does not
+            raise MegatrainError(problem)
         self.plan.check()  # before the arena is made: one sentence on what does not fit and what would
         if len(nodes) > 1:
             log.info("%d nodes (%s), each with its parameter store, %d optimizer worker(s) and %d executor(s)",

@@ -45,6 +45,7 @@ class EngineOptions:
     bf16_copy: str = "auto"
     nvme: str | Path | None = None
     nvme_states: Any = "auto"
+    reference: bool = False  # the initial weights kept for Engine.logprobs(reference=True) (GRPO's KL reference)
     # the run
     address: str | None = None  # the Ray cluster (pipelines/cluster.py: init_ray)
     batch_size: int = 8  # the step's shape the memory plan is made for

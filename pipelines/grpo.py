@@ -9,10 +9,11 @@ called as TRL calls it, `function(prompts=..., completions=..., completion_ids=.
 normalised within each prompt's group into advantages; then `iterations` optimisation steps on that rollout batch
 (TRL's num_iterations), the old log-probs those of the weights that sampled (computed where iterations > 1, else
 the current ones detached, as TRL). With beta > 0 the k3 KL term to the initial policy needs its log-probs of the
-new completions: the same Engine computes them from the initial weights, saved at the start (OUT/initial) and
-swapped in for that forward (the current state saved to OUT/current and loaded back): no second model in memory,
-two checkpoint loads per rollout batch. Progress (the log and OUT/metrics.jsonl, one line a step): reward mean and
-std, each reward's mean, KL, the clip fractions, entropy, completion length, loss. The trained model: OUT/final.
+new completions: the same Engine computes them from the initial weights, kept in an arena segment of their own and
+streamed by the executor for that forward (Engine.logprobs(reference=True), megatrain/engine/reference.py; a LoRA
+run's: its base with the adapters off): no second model on the device, no checkpoint written or read. Progress
+(the log and OUT/metrics.jsonl, one line a step): reward mean and std, each reward's mean, KL, the clip fractions,
+entropy, completion length, loss. The trained model: OUT/final.
 """
 
 from __future__ import annotations
@@ -157,12 +158,12 @@ def run_grpo(model: str | Path, prompts: str | Path, rewards: list[str], out: st
     order = random.Random(cfg.engine.seed)
     history: list[dict[str, float]] = []
     with megatrain.Engine(model_dir, total_steps=cfg.steps * cfg.iterations, seq_len=longest,
-                          batch_size=cfg.prompts_per_step * cfg.group_size, **cfg.engine.engine_kwargs()) as engine:
+                          batch_size=cfg.prompts_per_step * cfg.group_size, reference=cfg.beta > 0,
+                          **cfg.engine.engine_kwargs()) as engine:
         run_log = RunLog(out, engine.metrics)
-        initial = engine.save_checkpoint(out / "initial") if cfg.beta > 0 else None
         for step in range(1, cfg.steps + 1):
             chosen = [records[order.randrange(len(records))] for _ in range(cfg.prompts_per_step)]
-            history.append(grpo_step(engine, chosen, tokenizer, reward_fns, weights, loss, cfg, step, initial, out))
+            history.append(grpo_step(engine, chosen, tokenizer, reward_fns, weights, loss, cfg, step))
             run_log.write("step", step, history[-1], SHOWN)
         final = save_final(engine, out, model_dir)
     return {"steps": cfg.steps, "first": history[0], "last": history[-1], "final": str(final),
@@ -170,8 +171,7 @@ def run_grpo(model: str | Path, prompts: str | Path, rewards: list[str], out: st
 
 
 def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, reward_fns: list[RewardFn],
-              weights: torch.Tensor, loss: GRPOLoss, cfg: GRPOConfig, step: int, initial: Path | None, out: Path
-              ) -> dict[str, float]:
+              weights: torch.Tensor, loss: GRPOLoss, cfg: GRPOConfig, step: int) -> dict[str, float]:
     """One rollout batch and its `iterations` optimisation steps; returns the step's metrics (TRL's names)."""
     batch = rollout(engine, records, tokenizer, cfg, seed=cfg.engine.seed + step)
     repeated = [r for r in records for _ in range(cfg.group_size)]
@@ -181,8 +181,9 @@ def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, 
     fields: dict[str, torch.Tensor] = {"mask": batch.mask, "advantages": advantages, "num_items": batch.mask.sum()}
     if cfg.iterations > 1:  # the sampling policy's log-probs, fixed over the passes
         fields["old_logps"] = engine.logprobs(batch.input_ids, batch.labels, temperature=cfg.temperature)
-    if initial is not None:
-        fields["ref_logps"] = reference_logps(engine, batch, initial, out, cfg.temperature)
+    if cfg.beta > 0:  # the initial policy's, from its weights kept in the arena
+        fields["ref_logps"] = engine.logprobs(batch.input_ids, batch.labels, temperature=cfg.temperature,
+                                              reference=True)
     metrics: dict[str, float] = {}
     for _ in range(cfg.iterations):
         result = engine.step_batch(batch_of(batch.input_ids, batch.labels, loss=loss, temperature=cfg.temperature,
@@ -196,13 +197,3 @@ def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, 
         metrics[f"rewards/{fn.__name__}/mean"] = torch.nanmean(per_func[:, j]).item()
     return metrics
 
-
-def reference_logps(engine: Any, batch: Rollouts, initial: Path, out: Path, temperature: float) -> torch.Tensor:
-    """The initial policy's log-probs of the batch: its weights loaded in for one forward, the current state saved
-    before and loaded back after (the same Engine: no second model)."""
-    current = engine.save_checkpoint(out / "current")
-    engine.load_checkpoint(initial)
-    try:
-        return engine.logprobs(batch.input_ids, batch.labels, temperature=temperature)
-    finally:
-        engine.load_checkpoint(current)

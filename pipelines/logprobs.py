@@ -35,12 +35,14 @@ class LogprobQueries:
     """Engine.logprobs (the Engine provides _check_running, executor, updates_applied and pending)."""
 
     def logprobs(self, input_ids: Any, labels: Any = None, position_ids: Any = None, *, temperature: float = 1.0,
-                 entropy: bool = False) -> Any:
+                 entropy: bool = False, reference: bool = False) -> Any:
         """Each label's log-probability [batch, seq] under the current weights at `temperature` (with entropy: the
         pair (logprobs, entropy)), aligned with the labels as megatrain/engine/token_loss.py says; chunk by chunk in
-        the head, no [batch, seq, vocab] tensor, no gradient; trains nothing."""
+        the head, no [batch, seq, vocab] tensor, no gradient; trains nothing. reference: under the initial weights
+        instead (an Engine made with reference=True; a LoRA run's: its base, adapters off), streamed by the same
+        executor (megatrain/engine/reference.py)."""
         engine: Any = self
         engine._check_running()
         out = get(engine.executor.logprobs.remote(batch_of(input_ids, labels, position_ids), engine.updates_applied,
-                                                  engine.pending, temperature, entropy))
+                                                  engine.pending, temperature, entropy, reference))
         return out if entropy else out[0]

@@ -149,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("\n".join(plan.tier.report(prediction.step_s if prediction is not None else None)))
     if args.post:  # what DPO's or GRPO's modes add (megatrain/memory/post_plan.py)
         print(post_plan(request.config, args.post, plan.batch, plan.seq, request.engine.precision, args.pairs,
-                        args.kl).report())
+                        args.kl, plan).report())
     return 0 if fits else 1
 
 

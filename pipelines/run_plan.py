@@ -14,6 +14,7 @@ from megatrain.config import LINK_GBPS, ConfigError, EngineConfig
 from megatrain.memory.nvme import resolve_tier
 from megatrain.memory.on_device import StepTime
 from megatrain.memory.plan import NO_ROOM, MemoryPlan, pick_micro_batches, plan_run
+from megatrain.memory.post_plan import with_reference
 from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.compile_choice import CompileChoice, auto_on_gpu
 from megatrain.perf.disk_rates import disk_rates
@@ -57,6 +58,8 @@ def resolve(request: Request, machine: Machine) -> RunPlan:
     e = replace(e, executors=executors, optimizer_workers=workers, grads="arena" if world > 1 else e.grads, lora=lora)
     compiled = compile_decision(request, machine, on_gpu)
     memory = memory_plan(request, machine, e, on_gpu, compiled.on)
+    if e.reference:  # GRPO's KL reference: the initial weights' segment in the arena (a LoRA run's: its base)
+        memory = with_reference(memory, request.config, e.precision)
     more, warnings = memory_notes(e, memory, on_gpu)
     clipping = request.optim.clipping
     after_step = clipping or memory.grads == "device" or world > 1
@@ -74,7 +77,7 @@ def resolve(request: Request, machine: Machine) -> RunPlan:
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
         tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units, machine.nodes,
                           lora is not None),
-        arena_bytes=memory.arena_bytes,
+        arena_bytes=memory.arena_bytes, reference=e.reference and lora is None,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,
         memory=memory)
 

@@ -1,9 +1,9 @@
 """`megatrain grpo` (pipelines/grpo.py) end to end on a tiny model with a tokenizer: rollouts sampled by the Engine's
 own generation (Engine.generate, a KV cache over the streamed layers), two weighted rewards with TRL's signature and
 a column of the prompts file, two optimisation passes per rollout batch (old log-probs from the sampling weights), the
-k3 KL term to the initial policy (the initial weights swapped in for the reference's forward); the metrics in
-OUT/metrics.jsonl, OUT/final a transformers model. The example's whole run (the reward rising well above its start):
-slow. Bad rewards are one sentence."""
+k3 KL term to the initial policy (the initial weights streamed from their own arena segment, no checkpoint); the
+metrics in OUT/metrics.jsonl, OUT/final a transformers model. The example's whole run (the reward rising well above
+its start): slow. Bad rewards are one sentence."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from megatrain.config import ConfigError, ModelConfig
 from megatrain.memory.post_plan import post_plan
+from megatrain.model.layout import planned_unit_numels
 from pipelines.grpo import load_rewards
 from pipelines.post_run import RunLog
 
@@ -49,6 +50,7 @@ def test_megatrain_grpo_runs_with_kl_and_several_passes(ray_session: None, tmp_p
         assert 1 <= row["completions/mean_length"] <= 6 and row["entropy"] > 0
     assert rows[0]["kl"] >= 0 and any(r["kl"] > 0 for r in rows[1:])  # the policy moved off the initial one
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
+    assert not (out / "initial").exists() and not (out / "current").exists()  # no checkpoint round trip
 
 
 @pytest.mark.slow
@@ -74,11 +76,11 @@ def test_bad_rewards_are_one_sentence(tmp_path: Path) -> None:
 
 def test_plan_says_what_each_mode_adds() -> None:
     """megatrain plan --post: the policy step's per-token tensors, the reference log-probs, the rollout KV cache
-    (every layer's keys and values of the rollout batch), the KL term's checkpoint traffic."""
+    (every layer's keys and values of the rollout batch), the KL term's copy of the initial weights."""
     config = ModelConfig.from_name("tiny")
     plan = post_plan(config, "grpo", rows=32, seq=80, precision="bf16", kl=True)
     assert plan.kv_cache_bytes == 2 * config.num_layers * 32 * config.num_kv_heads * 80 * config.head_dim * 2
-    assert plan.swap_bytes == 3 * 12 * config.num_params() and plan.per_token_bytes == 8 * 32 * 80 * 4
+    assert plan.reference_bytes == 2 * sum(planned_unit_numels(config)) and plan.per_token_bytes == 8 * 32 * 80 * 4
     assert post_plan(config, "dpo", rows=8, seq=80, pairs=1000).reference_host_bytes == 16 * 1000
     run = run_cli("plan", "--model", "tiny", "--batch", "32", "--seq", "80", "--device", "cpu", "--post", "grpo",
                   "--kl")

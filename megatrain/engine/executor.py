@@ -72,6 +72,7 @@ class ExecutorOptions:
     # a LoRA run's frozen base, which streams (self.layout) while `params` holds what trains (self.trainable)
     frozen: torch.Tensor | None = None
     resident_cast: bool = False  # bf16: the resident units' weights cast at each use, no bf16 copy of them kept
+    reference: torch.Tensor | None = None  # the initial weights, for the reference's pass (reference.py)
 
 
 class Executor:
@@ -97,7 +98,7 @@ class Executor:
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params
         self.weights = self.weights if frozen is None else frozen
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_chunk_tokens, self.reference = loss_chunk_tokens, o.reference
         self.rec = recorder or Recorder(enabled=False)
         if self.device.type == "cuda":
             set_matmul_precision(precision)

@@ -34,6 +34,7 @@ class LoraStep:
         assert layout.lora is not None and layout.frozen is not None
         self.layout, self.params = layout, params
         self.architecture = LoraArchitecture(architecture, layout.lora, seed=rank)
+        self.adapters = True  # False: the base alone (the reference's pass, megatrain/engine/reference.py)
 
     def start_step(self, step: int, training: bool = True, seed: int = 0) -> None:
         """Before a step's batches are made (training False: an evaluation's, with no dropout): the dropout masks are
@@ -44,7 +45,7 @@ class LoraStep:
              to_device: Callable[[torch.Tensor], torch.Tensor]) -> Weights:
         """The base's weights of `unit` (bound by the weight slots) with the unit's adapters beside them."""
         adapters = self.layout.units[unit.index]
-        if not adapters.slots:
+        if not adapters.slots or not self.adapters:
             return weights
         flat = resident.weights_of(adapters) if resident.holds(adapters) else to_device(adapters.range_of(self.params))
         return {**weights, **adapters.bind(flat)}

@@ -104,6 +104,7 @@ class MemoryPlan:
     adapter_numels: tuple[int, ...] = ()
     tier: TierPlan | None = None  # the states kept on NVMe (megatrain/memory/tier_plan.py), out of the arena
     bf16_copy_note: str = ""  # bf16 runs: whether the arena keeps a bf16 copy of the weights, and why (plan_run)
+    reference_bytes: int = 0  # GRPO's KL reference: the initial weights' segment, part of arena_bytes (post_plan.py)
 
     @property
     def arena_host_bytes(self) -> int:
@@ -192,9 +193,12 @@ class MemoryPlan:
             lines += [row(f"arena: frozen base ({self.frozen_dtype}, no grads or Adam)", self.frozen_bytes)]
         trained = "params" if not self.frozen_bytes else f"{self.adapter_params / 1e6:.1f} M adapters"
         lines += [row(f"arena: {trained} + {moments} (fp32)",
-                      self.arena_bytes - self.grads_bytes - self.shadow_bytes - self.frozen_bytes)]
+                      self.arena_bytes - self.grads_bytes - self.shadow_bytes - self.frozen_bytes
+                      - self.reference_bytes)]
         if self.shadow_bytes:
             lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
+        if self.reference_bytes:
+            lines.append(row("arena: initial weights (the KL reference)", self.reference_bytes))
         lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
         lines.append(f"  arena: {self.arena_host_bytes / max(self.params, 1):.1f} B per parameter in host memory")
         if self.tier is not None:  # the arena's rows above are its whole size; these states are on disk instead

@@ -6,21 +6,58 @@ policy      a step on a loss on log-probs (megatrain/engine/token_loss.py): the 
             fields of [rows, seq] fp32 (old and reference log-probs, a mask, weights)
 reference   the reference's log-probs: a forward per batch without gradients, within the policy step's memory; kept
             on the host: DPO two numbers a pair (OUT/reference_logps.json), GRPO [rows, seq] fp32 a rollout batch.
-            With GRPO's KL term the initial weights come back for that forward as a checkpoint: one written and
-            two read per rollout batch (weights and Adam moments, 12 B a parameter each), disk traffic, no memory
+            With GRPO's KL term the executor streams the initial weights for that forward from an arena segment of
+            their own (REFERENCE_SEGMENT, made at the start: 2 B a parameter in bf16 runs, else 4; `with_reference`
+            adds it to the run's plan); a LoRA run's reference is its base with the adapters off: nothing more
 rollout     the KV cache of a rollout batch on the device (megatrain/engine/generation.py): keys and values of
             every layer, [rows, kv_heads, seq, head_dim] each, in the compute dtype, beside the weight buffers
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.model.layout import planned_unit_numels
+
+if TYPE_CHECKING:
+    from megatrain.memory.plan import MemoryPlan
 
 MODES = ("dpo", "grpo")
 PER_TOKEN_TENSORS = 8  # log-probs, entropy, dL/dlogp, dL/dentropy, and four fields
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and the two Adam moments
+# the arena's copy of the initial weights (GRPO's KL reference), in the dtype compute reads: the bf16 copy's in bf16
+# runs (the same rounding as the optimizer's bf16 copy, so the same bits reach the layers), else fp32
+REFERENCE_SEGMENT = "reference"
+
+
+def reference_dtype(precision: str) -> str:
+    """The reference segment's dtype name (torch's) for a run in `precision`."""
+    return "bfloat16" if precision == "bf16" else "float32"
+
+
+def reference_bytes(config: ModelConfig, precision: str, lora: bool = False) -> int:
+    """Host bytes of the reference segment: the arena's weights' elements (padded ranges) in reference_dtype; a LoRA
+    run's none (its reference is the base, adapters off)."""
+    return 0 if lora else sum(planned_unit_numels(config)) * (2 if precision == "bf16" else 4)
+
+
+def with_reference(plan: MemoryPlan, config: ModelConfig, precision: str) -> MemoryPlan:
+    """The run's plan with the reference segment in its arena (so its host check counts it)."""
+    extra = reference_bytes(config, precision, lora=bool(plan.frozen_bytes))
+    return replace(plan, arena_bytes=plan.arena_bytes + extra, reference_bytes=extra)
+
+
+def reference_problem(plan: MemoryPlan) -> str | None:
+    """One sentence where the run fits without the reference segment and not with it (None: it fits, or the run
+    does not fit anyway and plan.check says so)."""
+    ref = plan.reference_bytes
+    if not ref or plan.host_problem() is None or replace(plan, arena_bytes=plan.arena_bytes - ref).host_problem():
+        return None
+    return (f"GRPO's KL reference keeps the initial weights in host memory ({ref / 2**30:.1f} GiB beside the run's "
+            f"{(plan.host_total - ref) / 2**30:.1f} GiB, {plan.host_free / 2**30:.1f} GiB available, "
+            f"{plan.shm_free / 2**30:.1f} GiB in /dev/shm) and they do not fit; train without the KL term (beta 0), "
+            "with LoRA (its reference is the base: no copy), or on a machine with more memory.")
 
 
 @dataclass(frozen=True)
@@ -31,7 +68,8 @@ class PostPlan:
     per_token_bytes: int  # policy: on the device, beside the training plan's
     reference_host_bytes: int  # reference: kept on the host (DPO: the whole data's; GRPO: a rollout batch's)
     kv_cache_bytes: int  # rollout: on the device while generating (GRPO)
-    swap_bytes: int  # GRPO's KL term: checkpoint bytes written and read per rollout batch
+    reference_bytes: int  # GRPO's KL term: the initial weights' arena segment, in host memory
+    room: int | None = None  # host bytes free beside the run's plan (None: not known)
 
     def report(self) -> str:
         lines = [f"post-training ({self.mode}, {self.rows} rows x {self.seq} tokens):",
@@ -42,16 +80,21 @@ class PostPlan:
         if self.mode == "grpo":
             lines.append(f"  rollout KV cache: {_mib(self.kv_cache_bytes)} on the device while generating (beside the "
                          "weight buffers and resident units; the step's activations are not alive then)")
-            if self.swap_bytes:
-                lines.append(f"  KL to the initial policy: {self.swap_bytes / 2**30:.1f} GiB of checkpoint written "
-                             "and read per rollout batch")
+            if self.reference_bytes:
+                lines.append(f"  KL to the initial policy: the initial weights in an arena segment of their own, "
+                             f"{_mib(self.reference_bytes)} in host memory, streamed by the executor for the "
+                             "reference's forward")
+                if self.room is not None and self.reference_bytes > self.room:
+                    lines.append(f"  the reference segment does not fit: {_mib(self.room)} of host memory is left "
+                                 "beside the run; train without the KL term, with LoRA, or on a bigger host")
         return "\n".join(lines)
 
 
 def post_plan(config: ModelConfig, mode: str, rows: int, seq: int, precision: str = "bf16", pairs: int = 0,
-              kl: bool = False) -> PostPlan:
+              kl: bool = False, run: MemoryPlan | None = None) -> PostPlan:
     """The post-training lines of a plan: `rows` x `seq` a step (GRPO: prompts x group size, prompt + new tokens;
-    DPO: 2 x pairs a step), `pairs` the DPO data's, `kl` GRPO's KL term on."""
+    DPO: 2 x pairs a step), `pairs` the DPO data's, `kl` GRPO's KL term on; `run`: the run's memory plan (where the
+    reference segment would go, a LoRA run's none)."""
     if mode not in MODES:
         raise ConfigError(f"--post must be one of {', '.join(MODES)}, got {mode!r}.")
     per_token = PER_TOKEN_TENSORS * rows * seq * 4
@@ -60,8 +103,12 @@ def post_plan(config: ModelConfig, mode: str, rows: int, seq: int, precision: st
     if mode == "grpo":
         kv = 2 * config.num_layers * rows * config.num_kv_heads * seq * config.head_dim * (
             2 if precision == "bf16" else 4)
-    swap = 3 * CHECKPOINT_BYTES_PER_PARAM * config.num_params() if mode == "grpo" and kl else 0
-    return PostPlan(mode, rows, seq, per_token, reference, kv, swap)
+    lora = run is not None and bool(run.frozen_bytes)
+    segment = reference_bytes(config, precision, lora) if mode == "grpo" and kl else 0
+    room = None  # beside the run without the segment
+    if run is not None:
+        room = min(run.host_free - run.host_total, run.shm_free - run.arena_host_bytes) + run.reference_bytes
+    return PostPlan(mode, rows, seq, per_token, reference, kv, segment, room)
 
 
 def _mib(n: int) -> str:

@@ -331,7 +331,7 @@ def _add_plan_parser(sub: Any) -> None:
     p.add_argument("--post", choices=("dpo", "grpo"), help="also what post-training adds: the policy step, the "
                    "reference log-probs, GRPO's rollout KV cache (--batch rows of --seq tokens)")
     p.add_argument("--pairs", type=int, default=0, help="--post dpo: the data's pairs (their reference log-probs)")
-    p.add_argument("--kl", action="store_true", help="--post grpo: the KL term's checkpoint swaps")
+    p.add_argument("--kl", action="store_true", help="--post grpo: the KL term's copy of the initial weights")
     p.set_defaults(func=cmd_plan)
 
 

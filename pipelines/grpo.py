@@ -19,6 +19,7 @@ entropy, completion length, loss. The trained model: OUT/final.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -30,11 +31,12 @@ import torch
 
 from megatrain.config import ConfigError
 from megatrain.data.tokenizers import Tokenizer
-from megatrain.post.grpo import GRPOLoss, group_advantages
+from megatrain.post.grpo import GRPOLoss, group_advantages, reward_metrics, weighted_rewards
 from pipelines.logprobs import batch_of
 from pipelines.post_run import EngineOptions, RunLog, model_and_tokenizer, read_jsonl, save_final
 
-RewardFn = Callable[..., list[float]]
+log = logging.getLogger(__name__)
+RewardFn = Callable[..., list[float | None]]
 SHOWN = ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length", "loss")
 
 
@@ -108,7 +110,8 @@ def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
 def score(rewards: list[RewardFn], weights: torch.Tensor, records: list[dict[str, Any]], completions: list[Any],
           completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards per completion and function [B, F], their weighted sum [B]) as TRL's _calculate_rewards calls the
-    functions: prompts, completions, completion_ids and every other column of the records."""
+    functions: prompts, completions, completion_ids and every other column of the records; a None is NaN, and a
+    completion no function scored has a NaN sum (megatrain/post/grpo.py: weighted_rewards), with TRL's warning."""
     columns = {k: [r.get(k) for r in records] for k in records[0] if k not in ("prompt", "completion")}
     per_func = torch.zeros(len(records), len(rewards))
     for j, fn in enumerate(rewards):
@@ -118,7 +121,13 @@ def score(rewards: list[RewardFn], weights: torch.Tensor, records: list[dict[str
             raise ConfigError(f"the reward function {fn.__name__} returned {len(values)} rewards for "
                               f"{len(records)} completions; return one each.")
         per_func[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values])
-    return per_func, (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    unscored = torch.isnan(per_func).all(dim=1).nonzero()
+    if len(unscored):
+        row = int(unscored[0])
+        log.warning("All reward functions returned None for the completion %r of the prompt %r (and %d more); it is "
+                    "left out of its group's mean and std, its advantage 0.", completions[row], records[row]["prompt"],
+                    len(unscored) - 1)
+    return per_func, weighted_rewards(per_func, weights)
 
 
 def rollout(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, cfg: GRPOConfig, seed: int
@@ -177,7 +186,7 @@ def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, 
     repeated = [r for r in records for _ in range(cfg.group_size)]
     completion_ids = [row[m.bool()].tolist() for row, m in zip(batch.labels, batch.mask, strict=True)]
     per_func, rewards = score(reward_fns, weights, repeated, batch.completions, completion_ids)
-    advantages = torch.nan_to_num(group_advantages(rewards, cfg.group_size, cfg.scale_rewards), nan=0.0)
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # 0 where NaN, as TRL
     fields: dict[str, torch.Tensor] = {"mask": batch.mask, "advantages": advantages, "num_items": batch.mask.sum()}
     if cfg.iterations > 1:  # the sampling policy's log-probs, fixed over the passes
         fields["old_logps"] = engine.logprobs(batch.input_ids, batch.labels, temperature=cfg.temperature)
@@ -189,11 +198,7 @@ def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, 
         result = engine.step_batch(batch_of(batch.input_ids, batch.labels, loss=loss, temperature=cfg.temperature,
                                             entropy=True, fields=fields))
         metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, **result.loss_metrics}
-    grouped = rewards.view(-1, cfg.group_size)
-    metrics |= {"reward": rewards.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
-                "completions/mean_length": sum(batch.lengths) / len(batch.lengths),
-                "completions/clipped_ratio": 1 - sum(batch.finished) / len(batch.finished)}
-    for j, fn in enumerate(reward_fns):
-        metrics[f"rewards/{fn.__name__}/mean"] = torch.nanmean(per_func[:, j]).item()
-    return metrics
+    metrics |= reward_metrics(per_func, rewards, [fn.__name__ for fn in reward_fns], cfg.group_size, cfg.scale_rewards)
+    return metrics | {"completions/mean_length": sum(batch.lengths) / len(batch.lengths),
+                      "completions/clipped_ratio": 1 - sum(batch.finished) / len(batch.finished)}
 

@@ -1,7 +1,10 @@
 """GRPO (Shao et al. 2024) as TRL's GRPOTrainer computes it (trl 1.16.0, trl/trainer/grpo_trainer.py): rewards
 weighted and summed per completion, advantages normalised within each prompt's group (_generate_and_score_completions:
 (r - group mean) / (group std + 1e-4), the std Bessel-corrected as trl's nanstd; or by the batch's std, or not
-scaled), and the clipped surrogate of _compute_loss with importance sampling per token:
+scaled), and the clipped surrogate of _compute_loss with importance sampling per token. A reward function's None is
+TRL's NaN: the weighted sum skips it (nansum), a completion every function returned None for is unscorable (NaN:
+left out of its group's mean and std, nanmean and nanstd, its advantage 0), and a group's std of fewer than two
+scored completions is NaN, which makes the group's advantages 0 too (torch.nan_to_num after the division, as TRL).
 
     ratio = exp(logp - old_logp)
     per token: -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * KL
@@ -28,29 +31,60 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
+def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per completion [B] the weighted sum of its rewards [B, F] (NaN where a function returned None) over the
+    functions that scored it; NaN where none did (TRL's unscorable_mask)."""
+    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
     """Per completion [B] (B = prompts x group_size, each prompt's completions together): its reward less its
-    group's mean, over the group's std (scale "group") or the batch's ("batch") plus 1e-4, or not scaled ("none")."""
+    group's mean, over the group's std (scale "group") or the batch's ("batch") plus 1e-4, or not scaled ("none"); the
+    means and stds over the scored completions (NaN rewards left out), a NaN advantage 0."""
     if scale not in SCALE_REWARDS:
         raise ConfigError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}.")
     grouped = rewards.view(-1, group_size)
-    mean = grouped.mean(dim=1).repeat_interleave(group_size, dim=0)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size, dim=0)
     advantages = rewards - mean
-    if scale == "none":
-        return advantages
-    if scale == "group":
-        std = _std(grouped, dim=1).repeat_interleave(group_size, dim=0) if group_size > 1 else torch.zeros_like(rewards)
+    if scale != "none":
+        if scale == "group":
+            std = nanstd(grouped, dim=1).repeat_interleave(group_size, dim=0) if group_size > 1 else \
+                torch.zeros_like(rewards)
+        else:
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def reward_metrics(per_func: torch.Tensor, rewards: torch.Tensor, names: list[str], group_size: int,
+                   scale: str = "group") -> dict[str, float]:
+    """TRL's logged reward metrics of a rollout batch: each function's nanmean and nanstd, the weighted reward's over
+    the scored completions, and the share of completions whose group's std (the batch's, scale "batch") is 0."""
+    out: dict[str, float] = {}
+    for j, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
+        out[f"rewards/{name}/std"] = nanstd(per_func[:, j]).item()
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     else:
-        std = _std(rewards, dim=None).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    return advantages / (std + 1e-4)
+        std = nanstd(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size, dim=0) if group_size > 1 \
+            else torch.zeros_like(rewards)
+    out |= {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
+            "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    return out
 
 
-def _std(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """Bessel-corrected standard deviation, in trl's nanstd's operations (mean of squares times n / (n - 1))."""
-    mean = x.mean(dim=dim, keepdim=True) if dim is not None else x.mean()
-    variance = ((x - mean) ** 2).mean(dim=dim) if dim is not None else ((x - mean) ** 2).mean()
-    count = x.shape[dim] if dim is not None else x.numel()
-    return (variance * (count / (count - 1))).sqrt()
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The Bessel-corrected standard deviation over the values that are not NaN, in trl's nanstd's operations (the
+    nanmean of squares times n / (n - 1)); NaN where fewer than two are."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 @dataclass(frozen=True)

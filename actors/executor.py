@@ -122,79 +122,51 @@ class GPUExecutor:
         version of a unit reaches `expected_version` (the previous step's update is in). `pending`: the
         driver's refs of that update, watched for a worker's failure while waiting. `speculation`: each unit is
         updated beside the backward as its gradient lands, until one is not finite or the units so far clip."""
-        issued: list[ray.ObjectRef] = []
-        skipped_units: list[int] = []
-        speculated: list[int] = []
-        landed_sq, stopped = 0.0, False  # squared norm of the units (this executor's slices) landed so far
         rec = self.executor.rec
         rec.begin_step(step, self.executor.device)
         if self.executor.lora is not None:
             self.executor.lora.start_step(step, seed=self.seed)
-
-        def slot_free(unit: Unit) -> None:  # its gradient's host slot is wanted by the next unit
-            # a stall of compute only where compute waits for it: not on the sender thread (a GPU's)
-            self._waits(step + 1, issued, record=not self.executor.send_thread).wait(unit)
-
-        def hand_out(unit: Unit, calls: Iterator[ray.ObjectRef]) -> None:  # the unit's update, to the pool
-            with rec.span(HANDOUT_LANE, "update", unit.index):
-                self.issued[unit.index] = step + 1
-                issued.extend(calls)
-
-        def grads_landed(unit: Unit, norm_sq: float) -> None:
-            nonlocal landed_sq, stopped
-            if self.final_updates:
-                if np.isfinite(norm_sq):
-                    hand_out(unit, (w.update_unit.remote(unit.index, step) for w in self.workers))
-                else:
-                    skipped_units.append(unit.index)
-                    issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
-                return
-            if speculation is None:
-                return  # the update waits for the step's norm: the driver starts it after this step
-            landed_sq += norm_sq
-            stopped = stopped or not (np.isfinite(landed_sq) and  # the step will be skipped, or it clips anyway
-                                      clip_coefficient(landed_sq**0.5, speculation.max_grad_norm) == 1.0)
-            if not stopped:
-                speculated.append(unit.index)
-                hand_out(unit, (w.speculate.remote(unit.index, step, speculation.attempt, self.executors_per_node)
-                                for w in self.workers))
-            elif self.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
-                issued.extend(w.mark_skipped.remote(unit.index, step) for w in self.workers)
+        handout = _Handout(self, step, speculation)
 
         def loss_ready(loss: float) -> bool:
             return bool(np.isfinite(loss)) if self.dp is None else self.dp.all_finite(loss)
 
-        input_ids, labels, position_ids = _batch_tensors(batch)
-        loss_tokens = None
-        if self.dp is not None:  # this executor's rows; the loss is the mean over the whole step's tokens
-            self.executor.check_batch(input_ids, labels)  # every executor refuses a bad batch, or none does
-            share = self.dp.world * self.micro_batches
-            if input_ids.shape[0] % share:
-                raise MegatrainError(f"a step's batch of {input_ids.shape[0]} rows does not split among "
-                                     f"{self.dp.world} executors x {self.micro_batches} micro-batches; give a "
-                                     f"multiple of {share} rows.")
-            loss_tokens = ops.labelled_tokens(ops.shift_labels(input_ids, labels))
-            mine = self.dp.rows(input_ids.shape[0])
-            input_ids, labels, position_ids = (None if t is None else t[mine]
-                                               for t in (input_ids, labels, position_ids))
+        input_ids, labels, position_ids, loss_tokens = self._my_rows(*_batch_tensors(batch))
         out = self.executor.run(input_ids, labels, position_ids, weight_waits=self._waits(expected_version, pending),
-                                grads_landed=grads_landed, loss_ready=loss_ready, slot_free=slot_free,
+                                grads_landed=handout.grads_landed, loss_ready=loss_ready, slot_free=handout.slot_free,
                                 hold_grads=self.hold_grads, micro_batches=self.micro_batches,
                                 schedule=self.schedule, loss_tokens=loss_tokens, token_loss=batch.get("token_loss"),
                                 also_send=speculation is not None)  # held gradients go out now as well
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm) unless units were updated beside
         # its backward: putting them back reads their gradients again (every unit resident: none, but the step is kept)
-        kept = self.hold_grads and out.unit_grad_norms_sq and (out.finite or speculated)
+        kept = self.hold_grads and out.unit_grad_norms_sq and (out.finite or handout.speculated)
         self._held = {step: out.held} if kept else {}
-        self._speculated = {step: set(speculated)}
+        self._speculated = {step: set(handout.speculated)}
         out.held = []
         stats = rec.end_step()
         token_loss = batch.get("token_loss")  # what its loss reported of the batch (TokenLoss.reported)
-        return ExecutorStep(out.loss, out.tokens, int(input_ids.shape[1]), out.unit_grad_norms_sq, issued,
-                            skipped_units, speculated, [u.index for u in self.resident.units], stats.to_dict(),
-                            self._lanes([s for s in rec.spans if s.step == step]) if self.trace else [],
-                            loss_metrics=token_loss.reported if token_loss is not None else {})
+        spans = self._lanes([s for s in rec.spans if s.step == step]) if self.trace else []
+        return ExecutorStep(out.loss, out.tokens, int(input_ids.shape[1]), out.unit_grad_norms_sq, handout.issued,
+                            handout.skipped_units, handout.speculated, [u.index for u in self.resident.units],
+                            stats.to_dict(), spans, loss_metrics=token_loss.reported if token_loss is not None else {})
+
+    def _my_rows(self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int | None]:
+        """This executor's rows of a step's batch, and the labelled tokens of the whole step its loss is the mean
+        over (None: one executor, the batch's own)."""
+        if self.dp is None:
+            return input_ids, labels, position_ids, None
+        self.executor.check_batch(input_ids, labels)  # every executor refuses a bad batch, or none does
+        share = self.dp.world * self.micro_batches
+        if input_ids.shape[0] % share:
+            raise MegatrainError(f"a step's batch of {input_ids.shape[0]} rows does not split among "
+                                 f"{self.dp.world} executors x {self.micro_batches} micro-batches; give a "
+                                 f"multiple of {share} rows.")
+        loss_tokens = ops.labelled_tokens(ops.shift_labels(input_ids, labels))
+        mine = self.dp.rows(input_ids.shape[0])
+        input_ids, labels, position_ids = (None if t is None else t[mine] for t in (input_ids, labels, position_ids))
+        return input_ids, labels, position_ids, loss_tokens
 
     def _lanes(self, spans: list[Span]) -> list[Span]:
         return spans if self.dp is None else executor_lanes(spans, self.dp.rank, self.executors_per_node)
@@ -309,6 +281,48 @@ class GPUExecutor:
         self._held.clear()
         self.executor.close()
         self.arena.close()
+
+
+class _Handout:
+    """One train_step's updates, handed to the optimizer workers as the units' gradients land in the backward."""
+
+    def __init__(self, owner: GPUExecutor, step: int, speculation: Speculation | None):
+        self.owner, self.step, self.speculation = owner, step, speculation
+        self.issued: list[ray.ObjectRef] = []
+        self.skipped_units: list[int] = []
+        self.speculated: list[int] = []
+        self.landed_sq, self.stopped = 0.0, False  # squared norm of the units (this executor's slices) landed so far
+
+    def slot_free(self, unit: Unit) -> None:  # its gradient's host slot is wanted by the next unit
+        # a stall of compute only where compute waits for it: not on the sender thread (a GPU's)
+        owner = self.owner
+        owner._waits(self.step + 1, self.issued, record=not owner.executor.send_thread).wait(unit)
+
+    def hand_out(self, unit: Unit, calls: Iterator[ray.ObjectRef]) -> None:  # the unit's update, to the pool
+        with self.owner.executor.rec.span(HANDOUT_LANE, "update", unit.index):
+            self.owner.issued[unit.index] = self.step + 1
+            self.issued.extend(calls)
+
+    def grads_landed(self, unit: Unit, norm_sq: float) -> None:
+        workers, step, speculation = self.owner.workers, self.step, self.speculation
+        if self.owner.final_updates:
+            if np.isfinite(norm_sq):
+                self.hand_out(unit, (w.update_unit.remote(unit.index, step) for w in workers))
+            else:
+                self.skipped_units.append(unit.index)
+                self.issued.extend(w.mark_skipped.remote(unit.index, step) for w in workers)
+            return
+        if speculation is None:
+            return  # the update waits for the step's norm: the driver starts it after this step
+        self.landed_sq += norm_sq
+        self.stopped = self.stopped or not (np.isfinite(self.landed_sq) and  # the step will be skipped, or it clips
+                                            clip_coefficient(self.landed_sq**0.5, speculation.max_grad_norm) == 1.0)
+        if not self.stopped:
+            self.speculated.append(unit.index)
+            self.hand_out(unit, (w.speculate.remote(unit.index, step, speculation.attempt,
+                                                    self.owner.executors_per_node) for w in workers))
+        elif self.owner.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
+            self.issued.extend(w.mark_skipped.remote(unit.index, step) for w in workers)
 
 
 def _raise_failed(refs: list[ray.ObjectRef]) -> None:

@@ -1,7 +1,6 @@
 """Short functions and short signatures in megatrain/, actors/ and pipelines/ (read with ast, like test_imports.py):
 no function longer than 60 lines and no signature with more than 12 parameters (self and cls not counted; *args and
-**kwargs count one each). KNOWN lists the functions that were longer when the rule came in (issue #43); it may only
-shrink. A function that is shortened must be taken off the list."""
+**kwargs count one each)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("megatrain", "actors", "pipelines")
 MAX_LINES, MAX_PARAMS = 60, 12
-
-KNOWN = {
-    "megatrain/engine/executor.py:Executor.run",
-    "megatrain/model/templates.py:head_loss_and_grads",
-    "actors/executor.py:GPUExecutor.train_step",
-}
-
 
 def parameters(args: ast.arguments) -> int:
     named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
@@ -46,11 +38,9 @@ def offenders() -> dict[str, str]:
     return out
 
 
-def test_no_long_function_or_signature_beyond_the_known_ones() -> None:
+def test_no_long_function_or_signature() -> None:
     found = offenders()
-    new = {name: size for name, size in found.items() if name not in KNOWN}
-    assert new == {}, f"over {MAX_LINES} lines or {MAX_PARAMS} parameters: {new}"
-    assert sorted(KNOWN - set(found)) == [], "shortened: take these off KNOWN"
+    assert found == {}, f"over {MAX_LINES} lines or {MAX_PARAMS} parameters: {found}"
 
 
 def test_the_counter_counts_as_the_rule_says(tmp_path: Path) -> None:

@@ -45,9 +45,9 @@ from megatrain.engine.host_buffers import HostBuffers
 from megatrain.engine.layer_passes import LayerPasses
 from megatrain.engine.lora_step import LoraStep
 from megatrain.engine.resident import ResidentUnits
-from megatrain.engine.step_state import PreparedStep, StepOutput
+from megatrain.engine.step_state import PreparedStep, StepOptions, StepOutput
 from megatrain.engine.streams import make_streams
-from megatrain.engine.token_loss import TokenLoss, joined, train_head
+from megatrain.engine.token_loss import joined, train_head
 from megatrain.engine.torch_settings import set_matmul_precision
 from megatrain.engine.weight_slots import WeightSlots
 from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
@@ -136,73 +136,59 @@ class Executor:
         check_batch(self.config, input_ids, labels)
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            *, weight_waits: WeightWaits = NO_WAITS, grads_landed: LandedCallback = noop,
-            loss_ready: Callable[[float], bool] | None = None, slot_free: UnitCallback = noop,
-            hold_grads: bool = False, micro_batches: int = 1, schedule: str = "layer-major",
-            loss_tokens: int | None = None, also_send: bool = False, token_loss: TokenLoss | None = None
-            ) -> StepOutput:
-        """One forward + backward. Gradients land in `grads` (the arena) unit by unit.
-
-        weight_waits: when a unit's weights in the arena may be read (its update is done), asked blocking or not
-        (weight_waits.py);
-        grads_landed(unit, norm_sq) is called once its gradients are in the arena; loss_ready(loss), if given, is
-        asked before the backward whether to go on (False: skip, e.g. a non-finite loss); slot_free(unit)
-        blocks until the optimizer has read `unit`'s gradient, whose host slot the next unit is about to reuse.
-        hold_grads: the gradients stay on the device for `send_held` (StepOutput.held); also_send: sent now as well.
-        position_ids: [batch, seq], each packed document's positions from 0 (a document attends within itself
-        only, as transformers reads packed position_ids); None: 0..seq-1 in every row.
-        micro_batches: the batch's rows in that many equal micro-batches; the loss is the mean over all labelled
-        tokens of the batch, as one batch's, and so are the gradients. schedule "layer-major": while a layer's
-        weights are on the device its forward (and then its backward) runs over every micro-batch, their
-        activation checkpoints kept and its weight gradients summed in fp32 before one copy out: weights
-        cross once per step whatever the number. "per-micro-batch": a whole forward and backward per
-        micro-batch (weights cross once each), its gradients added to the earlier ones' in the arena (grads =
-        "arena" only): one micro-batch's checkpoints at a time, for when every micro-batch's do not fit.
-        loss_tokens: the labelled tokens the loss is the mean over, where they are more than this batch's (its
-        rows are an executor's share of a step's, data parallel); StepOutput.tokens stays this batch's.
-        token_loss: train on that loss on the tokens' log-probs instead (megatrain/engine/token_loss.py).
-        """
+            **options: Any) -> StepOutput:
+        """One forward + backward. Gradients land in `grads` (the arena) unit by unit. position_ids: [batch, seq],
+        each packed document's positions from 0 (a document attends within itself only, as transformers reads
+        packed position_ids); None: 0..seq-1 in every row. options: StepOptions (the loss is the mean over all
+        labelled tokens of the batch, as one batch's, whatever the micro-batches; so are the gradients)."""
+        o = StepOptions(**options)
         input_ids = torch.as_tensor(input_ids)
         labels = None if labels is None else torch.as_tensor(labels)
-        self.check_batch(input_ids, labels)
-        k = check_micro_batches(micro_batches, input_ids.shape[0])
-        check_choice("schedule", schedule, SCHEDULES)
-        if schedule == "per-micro-batch" and k > 1 and (hold_grads or not self.grad_layout.full_ranges):
-            raise MegatrainError("the per-micro-batch schedule adds each micro-batch's gradients to the earlier ones "
-                                 "in the arena, which needs grads = 'arena'; set grads = 'arena', or use the "
-                                 "layer-major schedule.")
+        k = self._check_step(input_ids, labels, o)
         input_ids = input_ids.long()
         labels = None if labels is None else labels.long()
         host_targets = ops.shift_labels(input_ids, labels)
         n_tokens = ops.labelled_tokens(host_targets)
-        loss_tokens = n_tokens if loss_tokens is None else loss_tokens
+        loss_tokens = n_tokens if o.loss_tokens is None else o.loss_tokens
         if loss_tokens == 0:
             raise MegatrainError("this batch has no tokens to train on (every label is -100); check the loss mask.")
-        if hold_grads and self.dp is not None:
+        if o.hold_grads and self.dp is not None:
             raise MegatrainError("several executors sum gradients on their way to the arena: they cannot hold them on "
                                  "the device (grads = 'device'); use grads = 'arena'.")
         if position_ids is not None:
             position_ids = check_positions(position_ids, input_ids)
+        weight_waits = o.weight_waits
         if len(self.resident):  # their weights are on the device, updated by this process: nothing to wait for
             weight_waits = ResidentCurrent(weight_waits, self.resident)
-        if token_loss is not None:
-            token_loss.check_schedule(self.dp is not None, schedule == "per-micro-batch" and k > 1)
+        if o.token_loss is not None:
+            o.token_loss.check_schedule(self.dp is not None, o.schedule == "per-micro-batch" and k > 1)
 
         step = self._prepare(input_ids, host_targets, position_ids, k, loss_tokens, weight_waits)
-        step.token_loss = token_loss
-        passes = [list(range(k))] if schedule == "layer-major" else [[m] for m in range(k)]
+        step.token_loss = o.token_loss
+        passes = [list(range(k))] if o.schedule == "layer-major" else [[m] for m in range(k)]
         # loss_ready sees each pass's share of the loss (finite if and only if their sum is); once it says stop
         # (a non-finite loss, or an evaluation), the remaining passes run their forward only, for the loss
         loss, out, backward = 0.0, StepOutput(0.0, n_tokens), True
         for number, ms in enumerate(passes):
             final = number == len(passes) - 1
-            out = self._pass(step, ms, weight_waits, grads_landed if final else noop, loss_ready, slot_free,
-                             hold_grads, accumulate=number > 0, forward_only=not backward, also_send=also_send)
+            out = self._pass(step, ms, weight_waits, o.grads_landed if final else noop, o.loss_ready, o.slot_free,
+                             o.hold_grads, accumulate=number > 0, forward_only=not backward, also_send=o.also_send)
             loss += out.loss
             backward = backward and bool(out.unit_grad_norms_sq)
         if not backward:
             return StepOutput(loss, n_tokens)
         return StepOutput(loss, n_tokens, out.unit_grad_norms_sq, out.held)
+
+    def _check_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None, o: StepOptions) -> int:
+        """Refuses a batch or a schedule this executor cannot run, before anything runs; returns the micro-batches."""
+        self.check_batch(input_ids, labels)
+        k = check_micro_batches(o.micro_batches, input_ids.shape[0])
+        check_choice("schedule", o.schedule, SCHEDULES)
+        if o.schedule == "per-micro-batch" and k > 1 and (o.hold_grads or not self.grad_layout.full_ranges):
+            raise MegatrainError("the per-micro-batch schedule adds each micro-batch's gradients to the earlier ones "
+                                 "in the arena, which needs grads = 'arena'; set grads = 'arena', or use the "
+                                 "layer-major schedule.")
+        return k
 
     def _prepare(self, input_ids: torch.Tensor, host_targets: torch.Tensor, position_ids: torch.Tensor | None,
                  k: int, loss_tokens: int, waits: WeightWaits) -> PreparedStep:
@@ -310,10 +296,10 @@ class Executor:
             for j, m in enumerate(ms):
                 micro_loss, xs[j], sums = head_loss_and_grads(  # the compiled head's pieces where compiling
                     xs[j], self.passes.compiled.final_norm, norm_w, lm_head, step.targets[step.micro[m]],
-                    self.loss_chunk_tokens, step.host_targets[step.micro[m]], self.arch.logit_softcap,
-                    n_valid=step.n_tokens, cross_entropy=self.passes.compiled.cross_entropy,
-                    grads_into=sums, logits=getattr(self.arch, "logits", None),
-                    weight_grads=weight_grads)
+                    self.loss_chunk_tokens, host_targets=step.host_targets[step.micro[m]],
+                    softcap=self.arch.logit_softcap, n_valid=step.n_tokens,
+                    cross_entropy=self.passes.compiled.cross_entropy, grads_into=sums,
+                    logits=getattr(self.arch, "logits", None), weight_grads=weight_grads)
                 loss += micro_loss
             grad_norm_w, grad_lm = sums
             if extra_loss is not None:

@@ -18,6 +18,7 @@ recompute. LoRA's adapters use both (megatrain/lora/adapters.py); the math here 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -266,31 +267,39 @@ def weight_leaves(weights: Weights, trainable: Trainable | None = None) -> tuple
     return {n: w.detach().requires_grad_(n in wanted) for n, w in weights.items()}, learned
 
 
+@dataclass(frozen=True)
+class HeadOptions:
+    """head_loss_and_grads' keywords."""
+
+    # the targets on the host (None: `targets` are there), read to count and skip chunks without waiting for the device
+    host_targets: torch.Tensor | None = None
+    softcap: float | None = None  # the logits capped, cap * tanh(logits / cap)
+    # the loss is the targets' sum over n_valid (a micro-batch's share of a whole batch's mean); None: their mean
+    n_valid: int | None = None
+    # the weight gradients of earlier micro-batches (fp32), added to rather than made anew
+    grads_into: tuple[Weights, torch.Tensor | None] | None = None
+    # the model's own map from normed hidden states to logits (the generic path: a bias, a logit scale, soft-capping),
+    # given lm_head's weight and the head's weights not named "norm.*"; each chunk then runs under autograd
+    logits: LogitsFn | None = None
+    weight_grads: bool = True  # False: the head's weights are frozen (a LoRA run's); they come back as ({}, None)
+    # a chunk's loss and logits' gradient, given the scale 1 / n_valid as a 0-d tensor on the device (a number would
+    # be baked into a compiled graph, and n_valid changes every step)
+    cross_entropy: CrossEntropyFn = ops.cross_entropy_sum_and_grad
+
+
 def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Weights], torch.Tensor],
                         norm_weights: Weights, lm_head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                        host_targets: torch.Tensor | None = None, softcap: float | None = None,
-                        n_valid: int | None = None, grads_into: tuple[Weights, torch.Tensor | None] | None = None,
-                        logits: LogitsFn | None = None, weight_grads: bool = True,
-                        cross_entropy: CrossEntropyFn = ops.cross_entropy_sum_and_grad
-                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor | None]]:
+                        **options: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[Weights, torch.Tensor | None]]:
     """Final norm + lm_head + mean cross-entropy, forward and backward at once, in token chunks.
 
     Never holds more than [chunk_tokens, vocab] logits, nor a [vocab, hidden] tensor beside the lm_head's
     gradient: each chunk's share is added into it from the logits' gradient. final_norm(x, norm_weights) is the
-    model's norm before the head; softcap, if set, caps the logits (cap * tanh(logits / cap)). Returns (loss,
-    dL/dx, ({name: dL/d norm weight}, dL/d lm_head)); the loss is the mean over targets that are not
-    IGNORE_INDEX, as transformers computes it, or their sum over `n_valid` where given (a micro-batch's share
-    of a whole batch's mean). grads_into: the weight gradients of earlier micro-batches (fp32), added to
-    rather than made anew. targets are on x's device; host_targets, the same on the host (None: targets are
-    there), are what counting and skipping chunks read, so that they need not wait for the device.
-    logits: the model's own map from normed hidden states to logits (the generic path: its lm_head with a bias, a
-    logit scale, soft-capping), given lm_head's weight and the head's weights not named "norm.*"; each chunk then
-    runs through it under autograd instead of the closed-form gradient. weight_grads False: the head's weights are
-    frozen (a LoRA run's): only dL/dx is computed, and the weight gradients come back as ({}, None).
-    cross_entropy: a chunk's loss and logits' gradient (ops.cross_entropy_sum_and_grad, or its compiled form), given
-    the scale 1 / n_valid as a 0-d tensor on the device: a number would be baked into a compiled graph, and n_valid
-    changes every step.
+    model's norm before the head; targets are on x's device. Returns (loss, dL/dx, ({name: dL/d norm weight},
+    dL/d lm_head)); the loss is the mean over targets that are not IGNORE_INDEX, as transformers computes it.
+    options: HeadOptions.
     """
+    o = HeadOptions(**options)
+    host_targets, n_valid, grads_into, weight_grads = o.host_targets, o.n_valid, o.grads_into, o.weight_grads
     flat_x = x.reshape(-1, x.shape[-1])
     flat_t = targets.reshape(-1)
     host_t = flat_t if host_targets is None else host_targets.reshape(-1)
@@ -315,13 +324,13 @@ def head_loss_and_grads(x: torch.Tensor, final_norm: Callable[[torch.Tensor, Wei
         if not bool((host_t[chunk] != ops.IGNORE_INDEX).any()):
             continue  # nothing to learn here (prompt or padding): its gradient is zero
         xc = flat_x[chunk].detach().requires_grad_(True)
-        if logits is not None:
-            chunk_loss, gx = chunk_through(logits, final_norm, xc, norm_leaves, lm_head, flat_t[chunk],
+        if o.logits is not None:
+            chunk_loss, gx = chunk_through(o.logits, final_norm, xc, norm_leaves, lm_head, flat_t[chunk],
                                            partial(_cross_entropy_objective, scale=1.0 / n_valid), grad_norm,
                                            grad_head)
         else:
             chunk_loss, gx = chunk_backward(xc, final_norm, norm_leaves, lm_head, flat_t[chunk],
-                                            partial(cross_entropy, scale=scale, softcap=softcap), grad_norm,
+                                            partial(o.cross_entropy, scale=scale, softcap=o.softcap), grad_norm,
                                             grad_head)
         loss += chunk_loss
         grad_x[chunk] = gx

@@ -21,29 +21,28 @@ import torch
 from actors.arena_handle import HandleArg, open_arena
 from actors.metrics import EngineMetrics
 from actors.termination import exit_on_sigterm
-from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import AdamWShard, shard_stager
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard
+from megatrain.run_plan import WorkerPlan
 from megatrain.telemetry import Span, optimizer_lane
 
 
 @ray.remote
 class OptimizerWorker:
-    def __init__(self, handle: HandleArg, layout: ModelLayout, optim: OptimConfig, worker: int, num_workers: int,
-                 threads: int, grads: str = "arena", metrics: EngineMetrics | None = None, node: int = 0,
-                 nodes: int = 1):
-        """`grads`: where the gradients wait (EngineConfig.grads, resolved), which decides where they are read.
-        node, nodes: the worker updates its share of node `node`'s part of each unit (NodeShard)."""
+    def __init__(self, handle: HandleArg, layout: ModelLayout, plan: WorkerPlan, rank: int,
+                 metrics: EngineMetrics | None = None):
+        """Worker `rank` of the run `plan` describes (WorkerPlan: its node and its share of each unit there)."""
         exit_on_sigterm()
-        torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
+        node, worker = divmod(rank, plan.workers)
+        torch.set_num_threads(plan.threads)  # Ray sets OMP_NUM_THREADS from num_cpus; make torch agree
         self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
         self.layout = layout  # the driver's: building it again would import transformers here for a generic model
         versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
-        self.shard = AdamWShard(self.layout, self.arena.tensors, optim, worker, num_workers, versions,
-                                GradLayout.build(self.layout, grads), self.arena.tensors.get("issued"),
-                                NodeShard.build(self.layout, node, nodes),
-                                stager=shard_stager(self.layout, self.arena, worker, num_workers))
+        self.shard = AdamWShard(self.layout, self.arena.tensors, plan.optim, worker, plan.workers, versions,
+                                GradLayout.build(self.layout, plan.grads), self.arena.tensors.get("issued"),
+                                NodeShard.build(self.layout, node, plan.nodes),
+                                stager=shard_stager(self.layout, self.arena, worker, plan.workers))
         self.lane = optimizer_lane(worker, node)
         self.resident = self.arena.tensors.get(RESIDENT_SEGMENT)  # written by the executor once it holds them
         self.worker, self.metrics = worker, metrics

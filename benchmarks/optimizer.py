@@ -179,6 +179,7 @@ def pool(layout: ModelLayout, optim: OptimConfig, workers: int, repeats: int) ->
 
     from actors.optimizer_worker import OptimizerWorker
     from megatrain.memory.arena import Arena
+    from megatrain.run_plan import WorkerPlan
 
     cores = os.cpu_count() or 1
     threads = max(1, cores // workers)
@@ -189,7 +190,8 @@ def pool(layout: ModelLayout, optim: OptimConfig, workers: int, repeats: int) ->
     try:
         fill(arena.params, arena.grads)
         actor = OptimizerWorker.options(num_cpus=per_worker)
-        actors = [actor.remote(arena.handle, layout, optim, w, workers, threads) for w in range(workers)]
+        plan = WorkerPlan(optim, workers, threads)
+        actors = [actor.remote(arena.handle, layout, plan, w) for w in range(workers)]
         ray.get([a.numel.remote() for a in actors])  # all started before the clock runs
         times = []
         for step in range(repeats + 1):

@@ -87,6 +87,18 @@ class StorePlan:
                    s["tier"], s["reference"])
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """The optimizer workers' part of a run's plan (actors/optimizer_worker.py): worker `rank` of the run updates its
+    share, worker rank % workers of node rank // workers, of that node's part of each unit (NodeShard)."""
+
+    optim: OptimConfig
+    workers: int = 1  # per node
+    threads: int = 1  # each worker's torch threads (its CPUs of the node's reservation)
+    grads: str = "arena"  # where the gradients wait (RunPlan.grads), which decides where they are read
+    nodes: int = 1
+
+
 # ParameterStore's keywords without a run's plan, and their defaults
 STANDALONE: dict[str, Any] = dict(num_workers=1, seed=0, batch=1, seq=2048, grads="arena", shadow=False, on_gpu=False,
                                   tile_tokens=None, checkpoint_budget=None, micro_batches=1, nodes=1, lora=None,
@@ -155,6 +167,10 @@ class RunPlan:
         """The parameter stores' part."""
         return StorePlan(self.optimizer_workers, self.grads, self.shadow, self.nodes, self.seed, self.lora,
                          self.lora_base_dtype, self.tier, reference_dtype(self.precision) if self.reference else None)
+
+    def worker_plan(self, optim: OptimConfig, threads: int) -> WorkerPlan:
+        """The optimizer workers' part, with their optimizer settings and each one's threads (its reservation's)."""
+        return WorkerPlan(optim, self.optimizer_workers, threads, self.grads, self.nodes)
 
     def engine_config(self) -> EngineConfig:
         """The plan as an EngineConfig, every field resolved (for code and tests that read one)."""

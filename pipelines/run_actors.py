@@ -128,8 +128,8 @@ class RunActors:
         p = self.placements[node]
         name = f"optimizer/{index}" if len(self.placements) == 1 else f"optimizer/{node}.{worker}"
         return OptimizerWorker.options(name=self._name(name), **p.worker(worker)).remote(
-            [self.handle_refs[node]], self.layout, self.optim, worker, p.workers, p.worker_threads,
-            self.plan.grads, self.metrics, node, len(self.placements))
+            [self.handle_refs[node]], self.layout, self.plan.worker_plan(self.optim, p.worker_threads), index,
+            self.metrics)
 
     def new_executors(self) -> list[Any]:
         """The run's executors, joined into one process group when there are several (a new one each time: a

@@ -1,14 +1,13 @@
 """`megatrain plan`: the RunPlan of the run `megatrain train` would make with the same config file and flags, made by
 the same resolve (pipelines/run_plan.py) for this machine (or the GPU and host the flags give), its memory report,
-the longest sequence that fits, and the predicted step. With --optimizer-workers auto it also searches the fastest
-predicted settings among those left auto (megatrain/perf/predict.py: choose) and reports that run."""
+the longest sequence that fits, and the predicted step. With --optimizer-workers auto it says what resolve decided (on a
+calibrated GPU: the fastest predicted settings among those left auto, megatrain/perf/predict.py: choose)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from dataclasses import replace
 from typing import Any
 
 from megatrain.config import ConfigError, EngineConfig, OptimConfig
@@ -46,7 +45,8 @@ def plan_request(args: argparse.Namespace) -> tuple[Any, Request]:
 
 
 def plan_machine(args: argparse.Namespace, request: Request, cfg: Any) -> Machine:
-    """This machine as a run would find it (a private Ray cluster of its CPUs), or the GPU and host the flags give."""
+    """This machine as a run would find it (a private Ray cluster of its CPUs), or the GPU and host the flags give
+    (and the cores of the machine --calibration measured)."""
     import torch
 
     from megatrain.memory.plan import gpu_free_here
@@ -60,34 +60,11 @@ def plan_machine(args: argparse.Namespace, request: Request, cfg: Any) -> Machin
     cal = plan_calibration(args, on_gpu, request.config, cfg)
     gpu_free = int(args.gpu_gib * 2**30) if args.gpu_gib else (gpu_free_here() if on_gpu else None)
     gpu_name = cal.device if cal is not None else device_name("cuda") if cuda else "the GPU"
+    cores = (cal.cores if cal is not None else None) or os.cpu_count() or 1  # the calibrated machine's, if given
     return Machine(has_gpu=device.startswith("cuda") or cuda, gpus=torch.cuda.device_count() if cuda else 1,
-                   free_cpus=float(os.cpu_count() or 1), nodes=request.engine.nodes, gpu_free=gpu_free,
+                   free_cpus=float(cores), nodes=request.engine.nodes, gpu_free=gpu_free,
                    host_free=None if args.host_gib is None else int(args.host_gib * 2**30), calibration=cal,
                    gpu_name=gpu_name, link_gbps=args.link_gbps, nvme_gbps=nvme_rates(args))
-
-
-def fastest(args: argparse.Namespace, request: Request, machine: Machine, run: RunPlan, cfg: Any) -> Any:
-    """--optimizer-workers auto: the fastest predicted settings among those left auto (None: none fits)."""
-    from megatrain.perf.predict import choose
-    from pipelines.plan_prediction import prediction_flags
-
-    if run.lora is not None:
-        raise ConfigError("--optimizer-workers auto picks settings by the predicted step time of a whole model's "
-                          "update, which a LoRA run does not have; give --optimizer-workers a number with --lora.")
-    cal = machine.calibration
-    if cal is None:
-        raise ConfigError("--optimizer-workers auto picks the fastest predicted settings, which needs a "
-                          "calibration of this machine: run `megatrain calibrate` first.")
-    e = request.engine
-    budget = e.checkpoint_budget_gib
-    return choose(request.config, run.batch, run.seq, cal, optimizer_workers="auto", grads=e.grads,
-                  tile_tokens=e.tile_tokens, clipping=run.clipping, precision=e.precision, schedule=e.schedule,
-                  checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
-                  flags=prediction_flags(args, request.config, cal, cfg, run.on_gpu), resident=e.resident,
-                  keep_activations=e.keep_activations, resident_weights=e.resident_weights, name=run.model,
-                  bf16_copy=e.bf16_copy,
-                  on_gpu=run.on_gpu, gpu_free=machine.gpu_free, micro_batches=run.micro_batches, nodes=run.nodes,
-                  executors=run.executors, host_free=machine.host_free)
 
 
 def longest(request: Request, machine: Machine, run: RunPlan) -> int:
@@ -113,21 +90,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg, request = plan_request(args)
     machine = plan_machine(args, request, cfg)
-    run = shown = resolve(request, machine)
-    choice = fastest(args, request, machine, run, cfg) if args.optimizer_workers == "auto" else None
-    if choice is not None:  # that run's plan, its memory split for its own workers and placement
-        picked = replace(request.engine, optimizer_workers=choice.optimizer_workers, grads=choice.plan.grads,
-                         tile_tokens=choice.plan.tile_tokens)
-        request = replace(request, engine=picked)
-        shown = resolve(request, machine)
-    plan, cal = shown.memory, machine.calibration
-    prediction = plan_prediction(args, plan, request.config, cal, cfg, run.clipping, shown.optimizer_workers,
-                                 shown.executors)
+    run = resolve(request, machine)
+    plan, cal = run.memory, machine.calibration
+    prediction = plan_prediction(args, plan, request.config, cal, cfg, run.clipping, run.optimizer_workers,
+                                 run.executors)
     fits = (plan.host_problem() or plan.gpu_problem()) is None
-    most = longest(request, machine, shown)
+    most = longest(request, machine, run)
     if args.json:
-        out = _plan_json(plan, prediction, cal, most, fits, shown.optimizer_workers)
-        # run_plan: what `megatrain train` with these flags runs (without the search's pick), as its OUT/plan.json
+        out = _plan_json(plan, prediction, cal, most, fits, run.optimizer_workers)
+        # run_plan: what `megatrain train` with these flags runs, as its OUT/plan.json
         print(json.dumps({**out, "calibration": calibration_json(cal, args), "run_plan": run.to_dict()}, indent=2))
         return 0 if fits else 1
     print(plan.report())
@@ -139,10 +110,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     positions = request.config.max_position_embeddings
     print(f"longest sequence at batch {plan.batch} on {where}: {most} tokens"
           + (f" (the model has {positions} positions)" if most > positions else ""))
-    if choice is not None:
+    if args.optimizer_workers == "auto":  # what resolve decided, and how (the search's pick where it searched)
+        decided = next(note for note in run.notes if note.startswith("optimizer_workers auto"))
         tiles = "none" if plan.tile_tokens is None else plan.tile_tokens
-        print(f"fastest of {choice.tried} settings that fit: --optimizer-workers {choice.optimizer_workers} "
-              f"--grads {plan.grads} --tile-tokens {tiles}")
+        print(f"{decided} (--optimizer-workers {run.optimizer_workers} --grads {plan.grads} --tile-tokens {tiles})")
     if prediction is not None:
         print(prediction.report())
     if plan.tier is not None:  # its bytes, the disk's traffic per step and the step with the disk as a bound

@@ -18,7 +18,7 @@ from megatrain.memory.post_plan import with_reference
 from megatrain.memory.tier_plan import with_tier
 from megatrain.perf.compile_choice import CompileChoice, auto_on_gpu
 from megatrain.perf.disk_rates import disk_rates
-from megatrain.perf.predict import auto_optimizer_workers, step_time
+from megatrain.perf.predict import MAX_CALIBRATED_WORKERS, Choice, auto_optimizer_workers, choose, step_time
 from megatrain.run_plan import Machine, Request, RunPlan
 from pipelines.cluster import executor_device
 from pipelines.lora import lora_settings
@@ -38,7 +38,42 @@ def uses_gpu(device: str, has_gpu: bool) -> bool:
 def resolve(request: Request, machine: Machine) -> RunPlan:
     """The run's plan: what `request` left "auto" decided for `machine`; a setting the machine cannot follow is
     refused in one sentence. Its memory plan (RunPlan.memory) is not checked here: the Engine refuses what does not fit,
-    `megatrain plan` reports it."""
+    `megatrain plan` reports it. optimizer_workers "auto" on a GPU with a calibration: the fastest predicted settings
+    among those left auto (workers, where gradients wait, tiles), planned as the run they stand for."""
+    run = resolve_settings(request, machine)
+    choice = fastest(request, machine, run)
+    if choice is None:
+        return run
+    tiles = "none" if choice.plan.tile_tokens is None else choice.plan.tile_tokens
+    picked = replace(request.engine, optimizer_workers=choice.optimizer_workers, grads=choice.plan.grads,
+                     tile_tokens=choice.plan.tile_tokens)
+    run = resolve_settings(replace(request, engine=picked), machine)
+    note = (f"optimizer_workers auto: {choice.optimizer_workers} per node, grads {choice.plan.grads}, tiles {tiles}: "
+            f"the fastest predicted of {choice.tried} settings that fit")
+    return replace(run, notes=(note, *run.notes))
+
+
+def fastest(request: Request, machine: Machine, run: RunPlan) -> Choice | None:
+    """optimizer_workers "auto" on a GPU whose calibration is known (not a LoRA run: the predictor knows a whole
+    model's update): the fastest predicted run among the settings left auto, 1 .. the node's CPUs workers (None:
+    none fits, or no search)."""
+    e, cal = request.engine, machine.calibration
+    if e.optimizer_workers != "auto" or not run.on_gpu or cal is None or run.lora is not None:
+        return None
+    budget = e.checkpoint_budget_gib
+    flags = dict(link_gbps=machine.link_gbps or LINK_GBPS, speculate=e.speculate, clip_rate=request.clip_rate,
+                 compiled=run.compile)
+    return choose(request.config, run.batch, run.seq, cal, optimizer_workers="auto", grads=e.grads,
+                  tile_tokens=e.tile_tokens, clipping=run.clipping, precision=e.precision, schedule=e.schedule,
+                  checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30), flags=flags,
+                  resident=e.resident, keep_activations=e.keep_activations, resident_weights=e.resident_weights,
+                  name=run.model, bf16_copy=e.bf16_copy, on_gpu=True, gpu_free=machine.gpu_free,
+                  micro_batches=run.micro_batches, nodes=run.nodes, executors=run.executors,
+                  host_free=machine.host_free, max_workers=min(MAX_CALIBRATED_WORKERS, max(1, int(machine.free_cpus))))
+
+
+def resolve_settings(request: Request, machine: Machine) -> RunPlan:
+    """resolve's plan before the search, each auto decided by its own rule."""
     e, notes = request.engine, []
     lora = lora_settings(request.lora, request.adapter, request.config, e)  # one sentence on a bad setting
     on_gpu = uses_gpu(e.device, machine.has_gpu)

@@ -55,3 +55,19 @@ def test_plan_json_is_the_plan_the_run_writes(ray_session: None, calibrated: Non
     if "--resident" in flags:
         assert (ran["resident_units"], ran["kept_layers"], ran["tile_tokens"], ran["update"]) == (1, 1, None,
                                                                                                "speculative")
+
+
+def test_plan_optimizer_workers_auto_reports_the_plan_a_run_makes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --optimizer-workers auto` reports one decision, resolve's: on a calibrated GPU (the H100's, planned on
+    this machine) the fastest predicted settings, which are the run_plan's too (what `train` runs)."""
+    h100 = Path(__file__).resolve().parents[1] / "benchmarks" / "calibrations" / "h100-80gb-hbm3.json"
+    argv = ["plan", "--model", "7b", "--precision", "bf16", "--batch", "1", "--seq", "2048", "--micro-batches", "1",
+            "--device", "cuda", "--gpu-gib", "78.66", "--host-gib", "123.68", "--calibration", str(h100),
+            "--clip-rate", "1", "--compile", "on", "--optimizer-workers", "auto"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shown, run = out["plan"], out["run_plan"]
+    assert (shown["optimizer_workers"], shown["grads"], shown["tile_tokens"]) == (
+        run["optimizer_workers"], run["grads"], run["tile_tokens"])
+    assert main(argv) == 0
+    assert f"--optimizer-workers {run['optimizer_workers']} --grads {run['grads']}" in capsys.readouterr().out

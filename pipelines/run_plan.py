@@ -145,16 +145,31 @@ def memory_plan(request: Request, machine: Machine, e: EngineConfig, on_gpu: boo
         plan = pick_micro_batches(request.config, request.batch, request.seq, **settings)
     else:
         plan = plan_run(request.config, request.batch, request.seq, micro_batches=e.micro_batches, **settings)
-    # the NVMe tier's states out of the host's arena (nvme_states auto: the fewest kinds that make the host fit)
-    return with_tier(plan, request.config, e.nvme, e.nvme_states, machine.nvme_gbps or disk_rates(e.nvme))
+    if not e.nvme:
+        return plan
+    # the NVMe tier's states out of the host's arena (tier_plan.py with_tier: nvme_states auto, the shortest step
+    # predicted with the disk as a bound that fits); the fp32 masters only with the bf16 copy that streams instead
+    copied = None
+    if e.precision == "bf16" and e.bf16_copy == "auto" and e.lora is None and not plan.shadow_bytes:
+        copied = plan_run(request.config, plan.batch, request.seq, micro_batches=plan.micro_batches,
+                          **{**settings, "bf16_copy": "keep"})
+    return with_tier(plan, request.config, e.nvme, e.nvme_states, machine.nvme_gbps or disk_rates(e.nvme),
+                     copied=copied, step_time=predictor(request, machine, e, on_gpu, compiled))
 
 
 def split_by(request: Request, machine: Machine, e: EngineConfig, on_gpu: bool, compiled: bool) -> StepTime | None:
     """What the GPU's spare memory is split by where resident units and kept layers are both "auto" on a GPU: the step
     predicted on the machine's calibration; None without one (the plan then follows on_device.py's rule, and says so),
     or for a LoRA run (the predictor knows a whole model's update)."""
+    if not on_gpu or not e.resident == e.keep_activations == "auto":
+        return None
+    return predictor(request, machine, e, on_gpu, compiled)
+
+
+def predictor(request: Request, machine: Machine, e: EngineConfig, on_gpu: bool, compiled: bool) -> StepTime | None:
+    """The run's step predicted on the machine's calibration (None without one, or for a LoRA run)."""
     cal = machine.calibration
-    if not on_gpu or cal is None or e.lora is not None or not e.resident == e.keep_activations == "auto":
+    if cal is None or e.lora is not None:
         return None
     return step_time(request.config, cal, precision=e.precision, optimizer_workers=e.optimizer_workers,
                      clipping=request.optim.clipping, executors=e.executors, speculate=e.speculate,
@@ -166,7 +181,7 @@ def memory_notes(e: EngineConfig, plan: MemoryPlan, on_gpu: bool) -> tuple[list[
     resolved."""
     where = {"arena": "in the host arena", "stream": "in a ring of host slots",
              "device": f"on the {'GPU' if on_gpu else 'executor'} until the step ends"}[plan.grads]
-    notes = [f"gradients wait {where}", plan.bf16_copy_note, plan.resident_note, plan.kept.describe()]
+    notes = [f"gradients wait {where}", plan.bf16_copy_note, plan.tier_note, plan.resident_note, plan.kept.describe()]
     warnings = []
     if on_gpu and e.precision == "bf16" and plan.bf16_copy_note.endswith(NO_ROOM) and e.lora is None:
         warnings.append(f"no room on the host for a bf16 copy of the weights ({plan.arena_numel * 2 / 2**30:.1f} GiB): "

@@ -45,28 +45,64 @@ def test_plan_counts_every_parameter_and_allocates_nothing(name: str, tmp_path: 
         assert code == 0, out
 
 
-# nvme_states "auto" places the fewest kinds that make the host fit: GPT-OSS-120B fits 1,536 GiB with its moments
-# alone on disk (9.2 B per parameter left in the host: the fp32 masters, the held gradients, the staging); with its
-# held gradients there too, 5.6. Llama-3.1-405B needs its moments and masters there on 2 TiB (4.5). A run places moments
-# alone today (tests/test_nvme.py): the plan says so beside its report.
+# With an NVMe directory (its rates given), clipping on and fp32 masters: GPT-OSS-120B on the H200 box holds 5.6 B per
+# parameter in the host with its moments and held gradients on disk (asked for: `--nvme-states moments,grads`);
+# Llama-3.1-405B on 2 TiB fits only so, 4.3 B, and auto finds it (its fp32 masters stay in the host: a tf32 run streams
+# them; in bf16 they could go to disk only beside the bf16 copy, which the executor streams instead).
 NVME = {"gpt-oss-120b": ("1536", "moments,grads"), "llama-3.1-405b": ("2048", "auto")}
+
+
+def nvme_plan(name: str, host: str, states: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+              *flags: str) -> tuple[int, dict, Path]:
+    """(exit code, `megatrain plan --json`, the NVMe directory) of the model's plan on the H200 with that host."""
+    model, nvme = tmp_path / "model", tmp_path / "nvme"
+    model.mkdir(exist_ok=True)
+    nvme.mkdir(exist_ok=True)
+    (model / "config.json").write_text((REAL / f"{name}.json").read_text())
+    code = main(["plan", "--model", str(model), "--seq", "1024", "--batch", "1", "--device", "cuda", "--gpu-gib", "141",
+                 "--host-gib", host, "--nvme", str(nvme), "--nvme-gbps", "6,5", "--nvme-states", states, "--json",
+                 *flags])
+    return code, json.loads(capsys.readouterr().out), nvme
 
 
 @pytest.mark.parametrize("name", NVME)
 def test_plan_with_nvme_keeps_at_most_8_bytes_per_parameter_in_the_host(name: str, tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    host, states = NVME[name]
-    model, nvme = tmp_path / "model", tmp_path / "nvme"
-    model.mkdir()
-    nvme.mkdir()
-    (model / "config.json").write_text((REAL / f"{name}.json").read_text())
-    code = main(["plan", "--model", str(model), "--seq", "1024", "--batch", "1", "--device", "cuda", "--gpu-gib", "141",
-                 "--host-gib", host, "--nvme", str(nvme), "--nvme-gbps", "6,5", "--nvme-states", states, "--json"])
-    out = json.loads(capsys.readouterr().out)
-    plan = out["plan"]
+    """The plan fits at <= 8 B a parameter, and a run of it would place what the plan placed (the run plan that
+    `megatrain plan --json` prints, a run's OUT/plan.json, is made by the same resolve from the same memory plan)."""
+    code, out, nvme = nvme_plan(name, *NVME[name], tmp_path, capsys)
+    plan, run = out["plan"], out["run_plan"]
     assert code == 0 and out["fits"], out["problem"]
     assert round(plan["params"] / 1e9, 2) == PARAMS[name]
     assert plan["grads"] == "arena"  # clipping on: the gradients held until the global norm is known
     assert plan["tier"] is not None and plan["tier"]["directory"] == str(nvme)
+    assert set(plan["tier"]["names"]) == {"moments", "grads"}
     assert plan["host_total"] / plan["params"] <= 8, plan["host_total"] / plan["params"]
+    assert run["tier"]["names"] == plan["tier"]["names"] and run["shadow"] == (plan["shadow_bytes"] > 0)
     assert not any(nvme.iterdir())  # nothing written
+
+
+def test_nvme_auto_takes_the_shortest_step_with_the_disk_as_a_bound(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-OSS-120B on the H200 box, nvme_states auto: of the ways that fit 1,536 GiB, the one whose step predicted with
+    the disk as a bound is shortest among those a run places (the disk bounds every one: the least traffic), its
+    line naming what it beat. In bf16 (no room for the copy beside 16 B a parameter) the masters go to disk only with
+    the copy kept, which the executor then streams."""
+    from megatrain.memory.nvme import SUPPORTED
+    from megatrain.memory.tier_plan import KINDS
+
+    code, out, _ = nvme_plan("gpt-oss-120b", "1536", "auto", tmp_path, capsys)
+    plan = out["plan"]
+    names = tuple(plan["tier"]["names"])
+    assert code == 0 and out["fits"] and set(names) <= set(SUPPORTED)
+    assert out["run_plan"]["tier"]["names"] == list(names)
+    # the disk's share of a step: each kind's bytes read and written at 6 and 5 GB/s; moments 8 B a parameter each way,
+    # held gradients 4: the fewest bytes that fit of the kinds a run places
+    traffic = {"moments": 8, "grads": 4, "master": 4}
+    fits_alone = {"grads", "moments"}  # 1,536 GiB holds either kind's 16 - 4 or 16 - 8 B a parameter left
+    best = min((n for n in fits_alone if n in SUPPORTED), key=traffic.__getitem__)
+    assert names == (best,) and f"nvme_states auto: {best} " in plan["tier_note"]
+    assert set(KINDS) == set(traffic)
+    code, bf16, _ = nvme_plan("gpt-oss-120b", "1536", "master,moments,grads", tmp_path, capsys, "--precision", "bf16")
+    assert bf16["plan"]["shadow_bytes"] > 0 and bf16["run_plan"]["shadow"]  # the copy kept with the masters on disk
+    assert bf16["plan"]["host_total"] / bf16["plan"]["params"] <= 4  # the copy, the staging, the processes

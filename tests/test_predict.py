@@ -23,8 +23,9 @@ from pipelines.cli import main
 GiB = 2**30
 H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "calibrations" / "h100-80gb-hbm3.json"
 SEVEN_B = ModelConfig.from_name("7b")
+# the bf16 copy kept in every plan compared here, as before its rule (whether to keep it: test_bf16_copy.py)
 ON_H100 = dict(on_gpu=True, gpu_free=79 * GiB, host_free=125 * GiB, precision="bf16", optimizer_workers=8,
-               find_longest=False)
+               find_longest=False, bf16_copy="keep")
 
 
 def gpu_calibration() -> Calibration:
@@ -206,9 +207,8 @@ def test_the_spare_gpu_memory_goes_where_the_predicted_step_is_shortest() -> Non
     count the other order leaves (a count is placed first, the other auto in the rest), and the lines say why."""
     predicted = step_time(SEVEN_B, h100(), precision="bf16", optimizer_workers=8, compiled=True)
     for k in (16, 1):  # the units' bf16 weights a copy throughout (which way is the next test's), and the arena's
-        # bf16 copy of the weights kept in every plan compared (whether to keep it: test_bf16_copy.py)
-        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, resident_weights="copy", bf16_copy="keep",
-                       **ON_H100)
+        # bf16 copy of the weights kept in every plan compared (ON_H100)
+        plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, resident_weights="copy", **ON_H100)
         chosen = plan(resident="auto", keep_activations="auto", step_time=predicted)
         units = plan(resident="auto", keep_activations="none").resident_units
         layers = len(plan(resident="none", keep_activations="auto").kept.indices)

@@ -73,7 +73,8 @@ def test_store_writes_the_shadow_when_weights_change_outside_the_optimizer(tmp_p
 
 
 def _bf16_engine_run(device: str) -> list[float]:
-    with megatrain.Engine("tiny", optimizer_workers=1, precision="bf16", device=device, lr=1e-2) as engine:
+    with megatrain.Engine("tiny", optimizer_workers=1, precision="bf16", device=device, lr=1e-2,
+                          bf16_copy="keep") as engine:  # auto keeps none on the CPU path (test_bf16_copy.py)
         losses = [engine.step(_batch()) for _ in range(3)]
         assert all(loss == loss for loss in losses)
         engine.wait_for_updates()

@@ -24,9 +24,8 @@ otherwise the copy, unless "cast" is asked for.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from megatrain.config import ModelConfig
 from megatrain.memory.kept_activations import KeptLayers, plan_kept
@@ -36,7 +35,17 @@ from megatrain.memory.residency import Residency, choose_resident, margin
 if TYPE_CHECKING:
     from megatrain.memory.plan import MemoryPlan
 
-StepTime = Callable[["MemoryPlan"], float]  # a plan's predicted step, in seconds (megatrain/perf/predict.py: step_time)
+
+
+class StepTime(Protocol):
+    """A predictor of plans (megatrain/perf/predict.py: step_time): a plan's step in seconds, and how much of it the
+    weights' copies to the device leave exposed beyond the compute they overlap with."""
+
+    def __call__(self, plan: MemoryPlan) -> float: ...
+
+    def h2d_exposed(self, plan: MemoryPlan) -> float: ...
+
+
 AUTO = "auto"
 SPLITS = 8  # the kept layers' count from resident first to kept first, in at most this many steps
 # The rule's rates where no calibration predicts the split: the H100's as measured (benchmarks/RESULTS.md): a 7B
@@ -44,6 +53,7 @@ SPLITS = 8  # the kept layers' count from resident first to kept first, in at mo
 # in the 7B runs (3.0 to 3.2 G params/s on the H100 and the H200)
 NOMINAL_TFLOPS = {"bf16": 311.0, "tf32": 141.0, "fp32": 52.0}
 NOMINAL_POOL_GPARAMS = 3.1
+NOMINAL_H2D_GBPS = 55.0  # PCIe host to device from the registered arena (the H100's, DESIGN.md)
 
 
 def spare_budget(plan: MemoryPlan) -> int | None:

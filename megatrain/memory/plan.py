@@ -26,6 +26,7 @@ from megatrain.config import (
     ModelConfig,
     check_choice,
 )
+from megatrain.memory.copy_rule import BF16_COPY_RULE, pcie_bound
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
 from megatrain.memory.on_device import place_on_device
@@ -105,6 +106,7 @@ class MemoryPlan:
     tier: TierPlan | None = None  # the states kept on NVMe (megatrain/memory/tier_plan.py), out of the arena
     bf16_copy_note: str = ""  # bf16 runs: whether the arena keeps a bf16 copy of the weights, and why (plan_run)
     reference_bytes: int = 0  # GRPO's KL reference: the initial weights' segment, part of arena_bytes (post_plan.py)
+    tier_note: str = ""  # nvme_states auto: which states the tier holds, and why (megatrain/memory/tier_plan.py)
 
     @property
     def arena_host_bytes(self) -> int:
@@ -140,6 +142,11 @@ class MemoryPlan:
         if self.longest_seq == 0:
             return "; no sequence length fits this batch size here"
         return f"; the longest sequence that fits is {self.longest_seq} tokens (batch {self.batch})"
+
+    @property
+    def host_fits(self) -> bool:
+        """The arena fits /dev/shm and everything the host holds fits its memory (host_problem says why not)."""
+        return self.arena_host_bytes <= self.shm_free and self.host_total <= self.host_free
 
     def host_problem(self) -> str | None:
         if self.arena_host_bytes > self.shm_free:
@@ -226,7 +233,8 @@ class MemoryPlan:
         if self.on_gpu:
             lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
                          f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
-        lines += [note for note in (self.bf16_copy_note, self.resident_note, self.kept.describe()) if note]
+        lines += [note for note in (self.bf16_copy_note, self.tier_note, self.resident_note, self.kept.describe())
+                  if note]
         problem = self.host_problem() or self.gpu_problem()
         lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
         return "\n".join(lines)
@@ -319,36 +327,29 @@ LONGEST_SEQ_SEARCHED = 2**24
 
 
 NO_ROOM = "no room on the host for it"  # why a bf16 run that asked for "auto" has no bf16 copy: a warning
-
-
 def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | None = None, **overrides: Any
              ) -> MemoryPlan:
     """plan_one's plan, in bf16 runs with the bf16 copy of the weights (2 B a parameter on the host, half the bytes
-    on PCIe) as bf16_copy says: "keep" or "none" as asked; "auto" on a GPU with a predictor (step_time): the run
-    planned both ways, the copy kept only where the step predicted without it is longer (or only the run with it
-    fits); "auto" otherwise, today's rule: the copy wherever the host has room for it."""
+    on PCIe) as bf16_copy says: "keep" or "none" as asked; "auto" (BF16_COPY_RULE): the run planned both ways, the copy
+    kept where only the run with it fits, or where both fit and the fp32 weights' H2D would bound the step without it
+    (pcie_bound)."""
     s = replace(settings or RunSettings(), **overrides)
     check_choice("bf16_copy", s.bf16_copy, BF16_COPY)
     if s.precision != "bf16" or s.lora is not None:
         return plan_one(config, batch, seq, s)
-    if s.bf16_copy != AUTO or s.step_time is None or not s.on_gpu:
+    if s.bf16_copy != AUTO:
         plan = plan_one(config, batch, seq, s)
-        why = (f"bf16_copy = {s.bf16_copy}" if s.bf16_copy != AUTO else
-               "no calibration to predict by: kept where the host has room" if plan.shadow_bytes else
-               NO_ROOM)
         return replace(plan, bf16_copy_note=f"bf16 copy of the weights {'kept' if plan.shadow_bytes else 'none'}: "
-                                            f"{why}")
-    kept, dropped = (plan_one(config, batch, seq, replace(s, bf16_copy=c)) for c in (AUTO, "none"))
-    if not kept.shadow_bytes:
-        return replace(kept, bf16_copy_note=f"bf16 copy of the weights none: {NO_ROOM}")
+                                            f"bf16_copy = {s.bf16_copy}")
+    kept, dropped = (plan_one(config, batch, seq, replace(s, bf16_copy=c)) for c in ("keep", "none"))
     fits = [not (p.host_problem() or p.gpu_problem()) for p in (kept, dropped)]
-    with_copy, without = s.step_time(kept), s.step_time(dropped)
-    keep = fits[0] and (not fits[1] or with_copy < without)
-    times = f"{with_copy:.3f} s predicted with it, {without:.3f} s without"
-    why = ("only the run with it fits" if fits[0] and not fits[1] else
-           f"it shortens the predicted step ({times})" if keep else f"no shorter predicted step ({times})")
+    if fits[0] and fits[1]:
+        keep, why = pcie_bound(dropped, config, s)
+    else:
+        keep, why = fits[0], ("only the run with it fits (the fp32 weights' staging buffers do not fit the GPU)"
+                              if fits[0] else NO_ROOM)
     return replace(kept if keep else dropped,
-                   bf16_copy_note=f"bf16 copy of the weights {'kept' if keep else 'none'}: {why}")
+                   bf16_copy_note=f"bf16 copy of the weights {'kept' if keep else 'none'}: {why}; {BF16_COPY_RULE}")
 
 
 def plan_one(config: ModelConfig, batch: int, seq: int, s: RunSettings) -> MemoryPlan:

@@ -9,7 +9,7 @@ written as they land and read back for the update (4 B each way); a rollback rea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -18,20 +18,18 @@ from megatrain.memory.nvme import SUPPORTED
 from megatrain.model.layout import planned_unit_numels
 
 if TYPE_CHECKING:
+    from megatrain.memory.on_device import StepTime
     from megatrain.memory.plan import MemoryPlan
 
 GiB = 2**30
 KINDS = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
-AUTO_ORDER = ("moments", "master", "grads")  # what "auto" moves first: the most bytes for the least traffic first
 STAGED_UNITS = 3  # each worker's staging slots of its share of a unit (megatrain/memory/staging.py SLOTS)
 
 
 def tier_names(states: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """nvme_states as names of KINDS ("auto" is decided by `auto_names`)."""
-    if states == "all":
+    """nvme_states as names of KINDS ("auto" is decided by `with_tier`)."""
+    if states in ("all", "auto"):
         return tuple(KINDS)
-    if states == "auto":
-        return AUTO_ORDER
     names = tuple(states.split(",")) if isinstance(states, str) else tuple(states)
     bad = [n for n in names if n not in KINDS]
     if bad:
@@ -81,16 +79,16 @@ class TierPlan:
         kinds = ", ".join(f"{k} {n / GiB:.2f} GiB" for k, n in self.on_disk)
         lines = [f"nvme ({self.directory}): {kinds}; {self.staging_bytes / GiB:.2f} GiB staged in the arena",
                  f"NVMe per step: {self.read_bytes / GiB:.2f} GiB read, {self.write_bytes / GiB:.2f} GiB written"]
-        if self.problem():
-            lines.append(f"a run refuses it today: {self.problem()}")
         disk_s = self.seconds()
         if disk_s is None:
             lines.append("NVMe rates unknown: `megatrain calibrate --nvme PATH` or --nvme-gbps READ,WRITE")
-            return lines
-        lines[-1] += f" ({self.read_gbps:.2f} / {self.write_gbps:.2f} GB/s: {disk_s:.2f} s)"
-        if step_s is not None:
+        else:
+            lines[-1] += f" ({self.read_gbps:.2f} / {self.write_gbps:.2f} GB/s: {disk_s:.2f} s)"
+        if disk_s is not None and step_s is not None:
             lines.append(f"step predicted with the disk as a bound: {max(step_s, disk_s):.2f} s "
                          f"({'the disk' if disk_s > step_s else 'compute and PCIe'} bound; without it {step_s:.2f} s)")
+        if self.problem():
+            lines.append(f"a run refuses it today: {self.problem()}")
         return lines
 
 
@@ -111,42 +109,107 @@ def plan_tier(directory: str, names: tuple[str, ...], streamed_numel: int, grads
     return TierPlan(directory, names, tuple(on_disk), staging, traffic, traffic, *(rates or (None, None)))
 
 
-def auto_names(fits: Callable[[tuple[str, ...]], bool], states: str | tuple[str, ...] | list[str]
-               ) -> tuple[str, ...]:
-    """nvme_states "auto": nothing where the run fits without the tier, else the fewest kinds in AUTO_ORDER that make
-    it fit (all of them where none does); any other setting as given."""
-    names = tier_names(states)
-    if states != "auto":
-        return names
-    for count in range(len(AUTO_ORDER) + 1):
-        if fits(AUTO_ORDER[:count]):
-            return AUTO_ORDER[:count]
-    return AUTO_ORDER
+@dataclass(frozen=True)
+class TierOption:
+    """One way to place the tier: the plan with it, and what nvme_states "auto" ranks it by."""
+
+    plan: MemoryPlan
+    fits: bool  # host and GPU
+    supported: bool  # a run places it (TierPlan.problem)
+    disk_s: float | None  # the tier's share of a step at the disk's rates (None: rates unknown)
+    step_s: float | None  # the step predicted without the disk as a bound (None: no predictor)
+    traffic: int  # disk bytes a step, read and written
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.plan.tier.names if self.plan.tier is not None else ()
+
+    @property
+    def bound_s(self) -> float | None:
+        """The step predicted with the disk as a bound (None where the disk's rates are unknown)."""
+        return None if self.disk_s is None else max(self.step_s or 0.0, self.disk_s)
+
+    def rank(self) -> tuple[float, ...]:
+        """What auto takes the least of, in order: refused by a run, the step with the disk as a bound (the disk's
+        bytes where its rates are unknown), the step without it, the host's bytes."""
+        cost = self.bound_s if self.bound_s is not None else float(self.traffic)
+        return (float(not self.supported), cost, self.step_s or 0.0, float(self.plan.host_total))
+
+    def describe(self) -> str:
+        what = ",".join(self.names) or "none"
+        cost = f"{self.bound_s:.2f} s" if self.bound_s is not None else f"{self.traffic / GiB:.1f} GiB of disk traffic"
+        return f"{what} {cost}" + ("" if self.supported else " (a run refuses it today)")
+
+
+def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfig | None, directory: str,
+                 states: str | tuple[str, ...] | list[str], rates: tuple[float, float] | None = None,
+                 step_time: StepTime | None = None) -> list[TierOption]:
+    """The ways nvme_states allows (auto: nothing, or any set of KINDS whose every kind has bytes to move), each on
+    `plan`, or where it puts the fp32 masters on disk on `copied` (the same run with the bf16 copy of the weights,
+    which the executor streams instead of the masters; None: the run has no copy to stream, and auto does not put
+    them there)."""
+    largest = max(planned_unit_numels(config)) if config is not None else 0
+    if states == "auto":
+        sets = [names for count in range(len(KINDS) + 1) for names in itertools.combinations(KINDS, count)]
+    else:
+        sets = [tier_names(states)]
+    options = []
+    for names in sets:
+        base = copied if "master" in names and copied is not None and not plan.shadow_bytes else plan
+        if states == "auto" and "master" in names and not base.shadow_bytes:
+            continue
+        streamed = base.arena_numel - base.resident_params
+        grads = base.grads_bytes // 4 if base.grads == "arena" else 0
+        tier = plan_tier(directory, names, streamed, grads, largest, rates)
+        placed = {n for n in names if any(kind in KINDS[n] for kind, _ in tier.on_disk)}
+        if states == "auto" and placed != set(names):  # a kind with nothing to move: the smaller set covers it
+            continue
+        tiered = replace(base, tier=tier if tier.on_disk else None)
+        if base is not plan:
+            tiered = replace(tiered, bf16_copy_note="bf16 copy of the weights kept: the fp32 masters are on NVMe, and "
+                                                    "the executor streams the copy instead")
+        options.append(TierOption(tiered, tiered.host_fits and tiered.gpu_problem() is None,
+                                  tiered.tier is None or tiered.tier.problem() is None,
+                                  tier.seconds() if tier.on_disk else (0.0 if rates else None),
+                                  step_time(tiered) if step_time is not None else None,
+                                  tier.read_bytes + tier.write_bytes))
+    return options
 
 
 def with_tier(plan: MemoryPlan, config: ModelConfig | None, directory: str | None,
-              states: str | tuple[str, ...] | list[str], rates: tuple[float, float] | None = None) -> MemoryPlan:
+              states: str | tuple[str, ...] | list[str], rates: tuple[float, float] | None = None, *,
+              copied: MemoryPlan | None = None, step_time: StepTime | None = None) -> MemoryPlan:
     """`plan` with the NVMe tier of `states` in `directory` (None: no tier, the plan as it is); config None: the
-    staging left out (a hint's estimate)."""
+    staging left out (a hint's estimate). "auto" (tier_options' sets): of those a run places that fit the host and
+    the GPU, the shortest step predicted with the disk as a bound (`step_time`, the predictor, and the disk's `rates`;
+    without rates the fewest disk bytes a step), ties to the fewest host bytes; where none fits, the one that keeps
+    the fewest host bytes (the plan then says it does not fit). Its tier_note says which and what it beat."""
     if not directory:
         return plan
-    largest = max(planned_unit_numels(config)) if config is not None else 0
-    streamed = plan.arena_numel - plan.resident_params
-    grads = plan.grads_bytes // 4 if plan.grads == "arena" else 0
-
-    def tiered(names: tuple[str, ...]) -> MemoryPlan:
-        tier = plan_tier(directory, names, streamed, grads, largest, rates)
-        return replace(plan, tier=tier if tier.on_disk else None)
-
-    return tiered(auto_names(lambda names: tiered(names).host_problem() is None, states))
+    options = tier_options(plan, copied, config, directory, states, rates, step_time)
+    if states != "auto":
+        return options[0].plan
+    fitting = sorted((o for o in options if o.fits), key=TierOption.rank)
+    if not fitting:
+        leanest = min(options, key=lambda o: o.plan.host_total)
+        return replace(leanest.plan, tier_note=f"nvme_states auto: {','.join(leanest.names) or 'none'}, the fewest "
+                                               "host bytes; no way of placing the states fits")
+    best = fitting[0]
+    others = "; ".join(o.describe() for o in fitting[1:4])
+    why = ("a step predicted with the disk as a bound" if best.bound_s is not None else
+           "the fewest disk bytes a step (the disk's rates unknown: `megatrain calibrate --nvme PATH`)")
+    note = (f"nvme_states auto: {best.describe()}, of the ways that fit the host the shortest {why}"
+            + (f" (then {others})" if others else "")
+            + ("; none a run places today fits" if not best.supported else ""))
+    return replace(best.plan, tier_note=note)
 
 
 def nvme_hint(plan: MemoryPlan) -> str:
-    """For a refusal where the arena does not fit: the NVMe tier's states that would make it fit, if any."""
-    for count in range(1, len(AUTO_ORDER) + 1):
-        names = AUTO_ORDER[:count]
-        tiered = with_tier(plan, None, "NVMe", names)
-        if tiered.tier is not None and tiered.host_problem() is None:
-            return (f", or keep the {' and '.join(names)} on a local disk (--nvme PATH --nvme-states "
-                    f"{','.join(names)}: {tiered.tier.nvme_bytes / GiB:.1f} GiB there)")
-    return ""
+    """For a refusal where the arena does not fit: the NVMe tier's states that would make it fit, if any (auto's
+    choice by disk bytes: nothing is known of the disk)."""
+    tiered = with_tier(plan, None, "NVMe", "auto")
+    if tiered.tier is None or not tiered.host_fits:
+        return ""
+    names = tiered.tier.names
+    return (f", or keep the {' and '.join(names)} on a local disk (--nvme PATH --nvme-states "
+            f"{','.join(names)}: {tiered.tier.nvme_bytes / GiB:.1f} GiB there)")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -379,10 +378,28 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
                       fixed_source)
 
 
-def step_time(config: ModelConfig, cal: Calibration, **settings: Any) -> Callable[[MemoryPlan], float]:
-    """A plan's predicted step in seconds, by `predict` with these run settings (its keywords) on `cal`: what plan_run
-    (step_time=) chooses the split of the GPU's spare memory between resident units and kept layers by."""
-    return lambda plan: predict(plan, config, cal, **settings).step_s
+@dataclass(frozen=True)
+class StepPredictor:
+    """Plans predicted by `predict` with these run settings (its keywords) on `cal`: what plan_run (step_time=) chooses
+    by (the split of the GPU's spare memory between resident units and kept layers, the bf16 copy, the NVMe tier)."""
+
+    config: ModelConfig
+    cal: Calibration
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, plan: MemoryPlan) -> float:
+        """The plan's predicted step, in seconds."""
+        return predict(plan, self.config, self.cal, **self.settings).step_s
+
+    def h2d_exposed(self, plan: MemoryPlan) -> float:
+        """Seconds of the step's weight copies to the device beyond the forward's and the backward's compute they
+        overlap with (0 where compute hides them; 0 on the CPU path, which copies nothing)."""
+        return predict(plan, self.config, self.cal, **self.settings).exposed["h2d"]
+
+
+def step_time(config: ModelConfig, cal: Calibration, **settings: Any) -> StepPredictor:
+    """A plan's predicted step in seconds (and its exposed H2D), by `predict` with these run settings on `cal`."""
+    return StepPredictor(config, cal, settings)
 
 
 # ---- picking what was left to "auto" ----
@@ -458,4 +475,4 @@ def choose(config: ModelConfig, batch: int, seq: int, cal: Calibration, *, optim
     return best
 
 
-__all__ = ["Choice", "Prediction", "choose", "predict", "step_time"]
+__all__ = ["Choice", "Prediction", "StepPredictor", "choose", "predict", "step_time"]

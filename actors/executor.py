@@ -183,13 +183,16 @@ class GPUExecutor:
         return Evaluation(out.loss, out.tokens)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, expected_version: int,
-                 pending: list[ray.ObjectRef]) -> dict[str, Any]:
-        """New tokens for each prompt (megatrain/engine/generation.py) with the weights of update `expected_version`."""
+                 pending: list[ray.ObjectRef], first_row: int = 0, hold: bool = True) -> dict[str, Any]:
+        """New tokens for each prompt (megatrain/engine/generation.py) with the weights of update `expected_version`;
+        first_row: the first prompt's index among the call's (several executors share its prompts); hold: units kept
+        on the device for the call where they fit."""
         if self.generator is None:
             self.generator = Generator(self.executor)
         with self._pass_without_update(expected_version, adapters=False):  # the generator binds its adapters
-            out = self.generator.generate(prompts, sampling, self._waits(expected_version, pending))
-        return {"token_ids": out.token_ids, "finished": out.finished}
+            out = self.generator.generate(prompts, sampling, self._waits(expected_version, pending), first_row, hold)
+        return {"token_ids": out.token_ids, "finished": out.finished, "held_units": out.held_units,
+                "held_bytes": out.held_bytes}
 
     def logprobs(self, batch: dict[str, Any], expected_version: int, pending: list[ray.ObjectRef],
                  temperature: float, entropy: bool, reference: bool = False

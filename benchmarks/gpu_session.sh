@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_session.sh multi   # several GPUs (the lent machines have one): NCCL test, 7b at 1/2/4/8 executors
 #   bash benchmarks/gpu_session.sh lora    # issue #27: LoRA on a streamed bf16 base, 32b (Qwen2.5-32B's shape) at 1 x 4096
 #   bash benchmarks/gpu_session.sh defaults # issue #46: 7b bf16 at the default lr and warm-up (no --lr, --warmup-steps)
+#   bash benchmarks/gpu_session.sh generate # issue #45: generate tokens/s, 7b bf16, units held on the GPU vs streamed
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -36,8 +37,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  headline | tests | host | peers | big | long | long-1b | predict | multi | lora | defaults) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora|defaults" >&2
+  headline | tests | host | peers | big | long | long-1b | predict | multi | lora | defaults | generate) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora|defaults|generate" >&2
      exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
@@ -393,6 +394,15 @@ PY
 print("losses", " ".join(f"{v:.3f}" for v in l)); sys.exit(not (l[-1] < l[0] and max(l) < 1.1 * l[0]))' \
       "$WORK/run-7b-defaults/steps.jsonl"
     save "$WORK/logs/steps-7b-defaults.jsonl" "$WORK/run-7b-defaults/steps.jsonl"
+    ;;
+  generate)
+    prelude
+    # Issue #45: Engine.generate's tokens/s on a 7b bf16 model, 8 prompts x 128 tokens, 64 new tokens a row, greedy:
+    # with the units that fit the GPU kept there for the call (the whole 14 GB model on an 80+ GB GPU) and with every
+    # unit streamed for every token (predicted ~0.16-0.25 s a step: 14 GB over PCIe). Unrun: no GPU was lent the
+    # session that wrote it (2026-12-02).
+    step generate-7b 400 python3 benchmarks/generate.py --model 7b --precision bf16 --rows 8 --prompt 128 --new 64 \
+      --optimizer-workers 8 --out "$OUT/generate-7b.json"
     ;;
   multi)
     prelude

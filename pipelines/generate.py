@@ -9,7 +9,8 @@ generation_config.json's eos_token_id (one id or several), else config.json's.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from megatrain.config import ConfigError, ModelConfig
 from megatrain.data.tokenizers import Tokenizer, load_tokenizer
 from megatrain.engine.generation import Sampling
 
+log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
@@ -29,6 +31,10 @@ class Completions:
     token_ids: list[list[int]]
     finished: list[bool]
     texts: list[str] | None = None
+    # per executor that generated: the units it kept on its device for the call beyond the run's resident ones, and
+    # their bytes (megatrain/engine/generation.py)
+    held_units: list[list[int]] = field(default_factory=list)
+    held_bytes: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -64,10 +70,20 @@ def encoded(prompts: list[Prompt], tokenizer: Tokenizer | None) -> list[list[int
     return out
 
 
-def completions(prompt_ids: list[list[int]], out: dict[str, Any], tokenizer: Tokenizer | None) -> Completions:
-    """What the executor's generate returned, with the text of the new tokens where there is a tokenizer."""
-    texts = None if tokenizer is None else [tokenizer.decode(t) for t in out["token_ids"]]
-    return Completions(prompt_ids, out["token_ids"], out["finished"], texts)
+def split_rows(rows: int, executors: int) -> list[tuple[int, int]]:
+    """(first, end) of each executor's share of `rows` prompts, contiguous and as even as can be (none empty)."""
+    n = max(1, min(rows, executors))
+    bounds = [rows * k // n for k in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def completions(prompt_ids: list[list[int]], outs: list[dict[str, Any]], tokenizer: Tokenizer | None) -> Completions:
+    """What the executors' generate calls returned (their shares of the prompts, in order), with the text of the new
+    tokens where there is a tokenizer."""
+    token_ids = [t for out in outs for t in out["token_ids"]]
+    texts = None if tokenizer is None else [tokenizer.decode(t) for t in token_ids]
+    return Completions(prompt_ids, token_ids, [f for out in outs for f in out["finished"]], texts,
+                       [out["held_units"] for out in outs], [out["held_bytes"] for out in outs])
 
 
 # ---- megatrain generate ----
@@ -96,12 +112,15 @@ class Generating:
     """Engine.generate: pipelines/engine.py's Engine inherits it (its store, executor, updates and config)."""
 
     def generate(self, prompts: list[Prompt], max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, *, eos_token_ids: list[int] | None = None, tokenizer: Tokenizer | None = None
-                 ) -> Completions:
+                 seed: int = 0, *, eos_token_ids: list[int] | None = None, tokenizer: Tokenizer | None = None,
+                 hold_weights: bool = True) -> Completions:
         """Completions of a batch of prompts (texts, which the model's tokenizer encodes, or token-id lists) by the
         streamed model with the current weights, with a KV cache (megatrain/engine/generation.py): greedy where
-        temperature is 0, else sampled (top_p; seed: the same seed repeats the same tokens). A row ends at one of
-        eos_token_ids (None: the model's, from its generation_config.json or config.json) or after max_new_tokens."""
+        temperature is 0, else sampled (top_p; seed: the same seed repeats the same tokens, each prompt's drawn from a
+        generator of its own). A row ends at one of eos_token_ids (None: the model's, from its generation_config.json
+        or config.json) or after max_new_tokens. With several executors each generates a contiguous share of the
+        prompts, all at once: the same tokens as one would give. hold_weights: each executor keeps as many units on
+        its device for the call as fit beyond the resident ones (Completions.held_units; False: none)."""
         from pipelines.run_actors import get
 
         engine: Any = self
@@ -112,5 +131,13 @@ class Generating:
         sampling = Sampling(max_new_tokens, temperature, top_p, seed, eos)
         tokenizer = tokenizer or model_tokenizer(model_dir)
         ids = encoded(prompts, tokenizer)
-        out = get(engine.executor.generate.remote(ids, sampling, engine.updates_applied, engine.pending))
-        return completions(ids, out, tokenizer)
+        shares = split_rows(len(ids), len(engine.executors))
+        version, pending = engine.updates_applied, engine.pending
+        refs = [ex.generate.remote(ids[first:end], sampling, version, pending, first, hold_weights)
+                for ex, (first, end) in zip(engine.executors, shares, strict=False)]
+        out = completions(ids, get(refs), tokenizer)
+        if any(out.held_units):
+            log.info("generate: %s kept on the device for the call beyond the resident units (%s)",
+                     "; ".join(f"executor {k}: {len(h)} units" for k, h in enumerate(out.held_units)),
+                     ", ".join(f"{b / 2**30:.2f} GiB" for b in out.held_bytes))
+        return out

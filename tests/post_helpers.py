@@ -1,4 +1,5 @@
-"""What the post-training tests share (test_token_loss, test_dpo, test_grpo): transformers' per-token log-probs under
+"""What the post-training tests share (test_token_loss, test_dpo, test_grpo, test_generation*): transformers' greedy
+generate on left-padded prompts, transformers' per-token log-probs under
 autograd (TRL's own fused LM head in fp32, trl.trainer.utils.add_fused_lm_head; the plain log-softmax in fp64, where
 TRL's head computes in fp32), TRL's DPO and GRPO losses on them, and transformers' training on such a loss with
 torch.optim.AdamW, in fp32 and in fp64 (the exact run the fp32 runs are judged against), as tests/helpers.py's
@@ -60,6 +61,24 @@ def hf_logprobs(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, te
     valid = target != -100
     picked = logp.gather(2, target.clamp_min(0).unsqueeze(2)).squeeze(2) * valid
     return label_aligned(picked), label_aligned(-(logp.exp() * logp).sum(-1) * valid)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 100, 101, 17, 18, 19]]  # left-padded to 7 tokens
+
+
+def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int | None = None,
+              logits: list[torch.Tensor] | None = None) -> list[list[int]]:
+    """transformers' greedy generate on the prompts left-padded (with its attention mask): each row's new tokens, up
+    to and including its end-of-sequence token; the logits of every step appended to `logits`, where given."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                      output_logits=True, return_dict_in_generate=True)
+    if logits is not None:
+        logits.extend(out.logits)
+    rows = [r[longest:].tolist() for r in out.sequences]
+    return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
 
 def trl_dpo_loss(per_token_logps: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:

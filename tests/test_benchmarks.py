@@ -243,6 +243,7 @@ GPU_SESSION_COMMANDS = {
                   for k in (16, 1, 4))],
     "defaults": [WHEELS, "python3 -m pipelines.cli train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 "
                  "--micro-batches 4 --steps 20 --log-every 1 ", "python3 -c "],
+    "generate": [WHEELS, "python3 benchmarks/generate.py --model 7b --precision bf16 --rows 8 --prompt 128 --new 64 "],
     "multi": [WHEELS, "python3 -m pytest tests/test_gpu.py -m gpu -q -s -k two_gpu_executors",
               *(f"--peers megatrain --executors {n} --optimizer-workers 8 " for n in (1, 2, 4, 8))],
 }

@@ -26,6 +26,7 @@ from helpers import (
     rel_err,
 )
 from lora_helpers import lora_executor, peft_model, setup
+from post_helpers import PROMPTS, hf_greedy
 from transformers import GPT2Config, GptOssConfig, PretrainedConfig, Qwen3NextConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -46,23 +47,7 @@ from megatrain.store import ParameterStore
 from pipelines.cli import main
 from pipelines.generate import read_prompts
 
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 100, 101, 17, 18, 19]]  # left-padded to 7 tokens
 NEW = 10
-
-
-def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int | None = None,
-              logits: list[torch.Tensor] | None = None) -> list[list[int]]:
-    """transformers' greedy generate on the prompts left-padded (with its attention mask): each row's new tokens, up
-    to and including its end-of-sequence token; the logits of every step appended to `logits`, where given."""
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos,
-                      output_logits=True, return_dict_in_generate=True)
-    if logits is not None:
-        logits.extend(out.logits)
-    rows = [r[longest:].tolist() for r in out.sequences]
-    return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
 
 # native families (templates.DecoderLayer.cached; Gemma 2's soft-caps and Gemma 3's local and global layers:

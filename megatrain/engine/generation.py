@@ -9,6 +9,15 @@
               seeded generator); a row that picks the end-of-sequence token is done, and the batch stops once every
               row is, or after max_new_tokens
 
+Weights kept for the call: every new token streams every layer again, so where the device has room beyond the run's
+resident units, the KV cache and a margin (megatrain/memory/residency.py: held_for_generation, margin), the next
+units in forward order are copied onto it once at the start of the call and bound from there for every token, then
+released at its end (Generated.held_units says which). The CPU path holds none unless given a budget.
+
+Sampling draws each row from a generator of its own, seeded from the seed and the row's index among all the call's
+prompts (`first_row` + its row here): a prompt's tokens do not depend on which other prompts share its batch, so the
+prompts can be split among executors and the same seed gives the same tokens.
+
 Padding: a row's tokens take positions 0, 1, ... from its first real token (transformers' generate with left padding
 and an attention mask does the same), and no token attends to a padding key (ops.cached_sees). The layers' math
 knows nothing of the cache: it takes the earlier keys and values and gives back the new ones (templates.py); the
@@ -17,13 +26,15 @@ cache itself is here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatrain.config import ConfigError, MegatrainError, ModelConfig
 from megatrain.engine.weight_waits import NO_WAITS, ResidentCurrent, WeightWaits
+from megatrain.memory.residency import held_for_generation, margin
+from megatrain.model.layout import Unit
 from megatrain.model.templates import KV, next_token_logits
 
 if TYPE_CHECKING:
@@ -57,6 +68,8 @@ class Generated:
 
     token_ids: list[list[int]]
     finished: list[bool]
+    held_units: list[int] = field(default_factory=list)  # kept on the device for the call (beyond the resident)
+    held_bytes: int = 0
 
 
 class KVCache:
@@ -127,13 +140,18 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, positions
 
 
-def pick_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+def row_generators(seed: int, first_row: int, rows: int) -> list[torch.Generator]:
+    """One generator per row, seeded from `seed` and the row's index among all the call's prompts."""
+    return [torch.Generator().manual_seed((seed * 1_000_003 + first_row + r) % 2**63) for r in range(rows)]
+
+
+def pick_next(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
     """The next token of each row [batch] (host) from fp32 logits [batch, vocab]: their argmax where greedy, else a
-    draw from the softmax of sampling_scores, as transformers samples."""
+    draw from the softmax of sampling_scores, as transformers samples, each row from its own generator."""
     if sampling.temperature == 0.0:
         return logits.argmax(-1).cpu()
-    scores = sampling_scores(logits.float().cpu(), sampling)
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+    probs = sampling_scores(logits.float().cpu(), sampling).softmax(-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
 
 
 def sampling_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -158,19 +176,44 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
                                  "check the tokenizer matches the model.")
 
 
+class HeldUnits:
+    """Units copied onto the device once for a generate call (the compute dtype), bound from there for every token."""
+
+    def __init__(self, ex: Executor, indices: list[int], waits: WeightWaits):
+        self.streams, self.tensors = ex.streams, {}
+        for index in indices:
+            unit = ex.layout.units[index]
+            waits.wait(unit)  # the update in, then copied once
+            self.tensors[index] = ex._to_device(unit.range_of(ex.weights), ex.dtype)
+        self.bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def holds(self, unit: Unit) -> bool:
+        return unit.index in self.tensors
+
+    def weights(self, unit: Unit) -> dict[str, torch.Tensor]:
+        flat = self.tensors[unit.index]
+        self.streams.compute_uses(flat)
+        return unit.bind(flat)
+
+
 class Generator:
     """Generation on an Executor's pipeline: its weight buffers, embedding rows, resident units and head (a LoRA run's:
-    the frozen base streamed, its adapters beside it)."""
+    the frozen base streamed, its adapters beside it). budget: device bytes the call may hold weights in beyond the
+    resident units (None: on a GPU what is free less the KV cache and a margin; on the CPU path none)."""
 
-    def __init__(self, executor: Executor):
-        self.ex = executor
+    def __init__(self, executor: Executor, budget: int | None = None):
+        self.ex, self.budget = executor, budget
+        self.held: HeldUnits | None = None
         arch = executor.arch if executor.lora is None else executor.lora.architecture.arch  # a LoRA run's family's
         if not hasattr(arch, "cached_layer"):
             raise MegatrainError(f"generation is not implemented for {executor.config.model_type}'s layers in "
                                  "megatrain; generate with transformers instead.")
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, waits: WeightWaits = NO_WAITS) -> Generated:
-        """New tokens for each prompt (token ids), the weights read once `waits` says they are current."""
+    def generate(self, prompts: list[list[int]], sampling: Sampling, waits: WeightWaits = NO_WAITS,
+                 first_row: int = 0, hold: bool = True) -> Generated:
+        """New tokens for each prompt (token ids), the weights read once `waits` says they are current; first_row: the
+        index of the first of these prompts among all the call's (the rows' sampling seeds); hold False: no unit kept
+        for the call beyond the resident ones (every token streams the rest, as before: for a comparison)."""
         ex = self.ex
         check_prompts(prompts, ex.config.vocab_size)
         if len(ex.resident):
@@ -178,25 +221,49 @@ class Generator:
         pad = ex.config.pad_token_id if ex.config.pad_token_id is not None else 0
         ids, positions = left_padded(prompts, pad)
         capacity = ids.shape[1] + sampling.max_new_tokens
-        check_cache_fits(ex.config, len(prompts), capacity, ex.dtype, device_free(ex.device))
+        free = device_free(ex.device)
+        check_cache_fits(ex.config, len(prompts), capacity, ex.dtype, free)
         cache = KVCache(len(ex.layout.layers), len(prompts), capacity)
-        generator = torch.Generator().manual_seed(sampling.seed)
+        generators = row_generators(sampling.seed, first_row, len(prompts))
         ex.slots.invalidate()  # the optimizer may have rewritten the arena since the buffers were filled
         out: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        with torch.no_grad():
-            logits = self._run(ids, positions, cache, waits)
-            for number in range(sampling.max_new_tokens):
-                tokens = pick_next(logits, sampling, generator)
-                for row, token in enumerate(tokens.tolist()):
-                    if not done[row]:
-                        out[row].append(token)
-                        done[row] = token in sampling.eos_token_ids
-                if all(done) or number == sampling.max_new_tokens - 1:
-                    break
-                positions = positions[:, -1:] + 1  # every row's last token is a real one from the first new token on
-                logits = self._run(tokens[:, None], positions, cache, waits)
-        return Generated(out, done)
+        kv = cache_bytes(ex.config, len(prompts), capacity, ex.dtype)
+        self.held = HeldUnits(ex, self._to_hold(free, kv) if hold else [], waits)
+        try:
+            with torch.no_grad():
+                self._decode(ids, positions, cache, waits, sampling, generators, out, done)
+            return Generated(out, done, sorted(self.held.tensors), self.held.bytes)
+        finally:
+            self.held = None  # the device memory goes back to the allocator
+
+    def _to_hold(self, free: int | None, kv_bytes: int) -> list[int]:
+        """Which units to keep on the device for the call (held_for_generation): within `budget` where given, else
+        what the GPU has free beyond the KV cache, less the plan's margin."""
+        ex = self.ex
+        budget = self.budget
+        if budget is None:
+            room = 0 if free is None else free - kv_bytes
+            budget = room - margin(room) if room > 0 else 0
+        tied = all(t.name != "lm_head.weight" for t in ex.layout.head.slots)  # then the table is the head's matrix
+        element = torch.empty((), dtype=ex.dtype).element_size()
+        return held_for_generation([u.numel for u in ex.layout.units], len(ex.on_device), budget, element,
+                                   skip=() if tied else (ex.layout.embed.index,))
+
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, waits: WeightWaits,
+                sampling: Sampling, generators: list[torch.Generator], out: list[list[int]], done: list[bool]) -> None:
+        """The prefill, then one new token a row at a time into `out` until each row is `done` or max_new_tokens."""
+        logits = self._run(ids, positions, cache, waits)
+        for number in range(sampling.max_new_tokens):
+            tokens = pick_next(logits, sampling, generators)
+            for row, token in enumerate(tokens.tolist()):
+                if not done[row]:
+                    out[row].append(token)
+                    done[row] = token in sampling.eos_token_ids
+            if all(done) or number == sampling.max_new_tokens - 1:
+                break
+            positions = positions[:, -1:] + 1  # every row's last token is a real one from the first new token on
+            logits = self._run(tokens[:, None], positions, cache, waits)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, waits: WeightWaits) -> torch.Tensor:
         """Every layer on new tokens ids [b, n] at `positions`, their keys and values into the cache; the fp32 logits
@@ -209,7 +276,7 @@ class Generator:
         rows, _, row_of_token = ex.embedding.gather(ids)
         x = ex.embedding.embedded(rows, row_of_token)
         for i, unit in enumerate(layers):
-            slot, w = ex.slots.acquire(unit)
+            slot, w = (-1, self.held.weights(unit)) if self._held(unit) else ex.slots.acquire(unit)
             w = w if ex.lora is None else ex.lora.bind(unit, w, ex.resident, ex._to_device)  # the adapters beside
             x, new = ex.arch.cached_layer(i)(x, w, cache.past(i), *batch.layer_args(i))  # type: ignore[attr-defined]
             ex.slots.release(slot)
@@ -219,21 +286,30 @@ class Generator:
         cache.advance()
         return self._logits(x[:, -1], waits)
 
+    def _held(self, unit: Unit) -> bool:
+        return self.held is not None and self.held.holds(unit)
+
     def _fetch(self, i: int, waits: WeightWaits, keep: object) -> None:
         ex = self.ex
+        if self._held(ex.layout.layers[i]):
+            return
         waits.wait(ex.layout.layers[i])
         ex.slots.fetch(ex.layout.layers[i], keep=keep)  # type: ignore[arg-type]
+
+    def _whole(self, unit: Unit, waits: WeightWaits) -> dict[str, torch.Tensor]:
+        """The head's (or a tied head's table's) weights: held for the call, or copied in whole."""
+        if self._held(unit):
+            return self.held.weights(unit)  # type: ignore[union-attr]
+        waits.wait(unit)
+        return unit.bind(self.ex.slots.take_whole(unit))
 
     def _logits(self, x: torch.Tensor, waits: WeightWaits) -> torch.Tensor:
         """The head on the last layer's output at one position per row [b, hidden]: fp32 logits [b, vocab]."""
         ex = self.ex
-        head_unit, embed_unit = ex.layout.head, ex.layout.embed
-        waits.wait(head_unit)
-        head_w = head_unit.bind(ex.slots.take_whole(head_unit))
+        head_w = self._whole(ex.layout.head, waits)
         lm_head = head_w.get("lm_head.weight")
         if lm_head is None:  # tied: the embedding table is the output projection
-            waits.wait(embed_unit)
-            lm_head = embed_unit.bind(ex.slots.take_whole(embed_unit))["embed_tokens.weight"]
+            lm_head = self._whole(ex.layout.embed, waits)["embed_tokens.weight"]
         others = {name: t for name, t in head_w.items() if name != "lm_head.weight"}
         return next_token_logits(x, ex.arch.final_norm, others, lm_head, ex.arch.logit_softcap,
                                  getattr(ex.arch, "logits", None))

@@ -79,6 +79,23 @@ class Residency:
                 f"CPU pool{weights}; {self.why}")
 
 
+def held_for_generation(numels: list[int], first: int, budget: int, element_bytes: int, skip: tuple[int, ...] = ()
+                        ) -> list[int]:
+    """The units a generate call keeps on the device for the whole call, beyond the run's resident ones: from unit
+    `first` on in forward order (those in `skip` stream as in a step: an untied embedding, whose rows alone cross), as
+    many as `budget` bytes hold at `element_bytes` a weight (weights alone, in the compute dtype: generation takes no
+    gradient and no update). Each saves its bytes of PCIe per new token."""
+    held, used = [], 0
+    for index in range(first, len(numels)):
+        if index in skip:
+            continue
+        if used + numels[index] * element_bytes > budget:
+            break
+        held.append(index)
+        used += numels[index] * element_bytes
+    return held
+
+
 def margin(room: int) -> int:
     """What stays free of `room`, the device bytes the plan leaves beyond the pipeline (MARGIN_*)."""
     return max(MARGIN_BYTES, int(MARGIN_FRACTION * room))

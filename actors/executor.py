@@ -108,6 +108,8 @@ class GPUExecutor:
         # updates handed out as gradients land in the backward are final only when nothing must be known first (the
         # step's norm, other executors' slices of each unit); otherwise they are speculative where the driver asks
         self.final_updates = not plan.updates_after_step
+        # the NVMe tier holds the gradients: one the workers do not update beside the backward leaves the arena (stow)
+        self.stows = plan.tier is not None and "grads" in plan.tier.kinds
         self.generator: Generator | None = None  # made at the first generate
 
     def device(self) -> str:
@@ -315,8 +317,11 @@ class _Handout:
                 self.skipped_units.append(unit.index)
                 self.issued.extend(w.mark_skipped.remote(unit.index, step) for w in workers)
             return
-        if speculation is None:
-            return  # the update waits for the step's norm: the driver starts it after this step
+        if speculation is None:  # the update waits for the step's norm: the driver starts it after this step
+            if self.owner.stows:
+                self.issued.extend(w.stow.remote(unit.index, step, None, self.owner.executors_per_node)
+                                   for w in workers)
+            return
         self.landed_sq += norm_sq
         self.stopped = self.stopped or not (np.isfinite(self.landed_sq) and  # the step will be skipped, or it clips
                                             clip_coefficient(self.landed_sq**0.5, speculation.max_grad_norm) == 1.0)
@@ -326,6 +331,9 @@ class _Handout:
                                                     self.owner.executors_per_node) for w in workers))
         elif self.owner.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
             self.issued.extend(w.mark_skipped.remote(unit.index, step) for w in workers)
+        elif self.owner.stows:
+            self.issued.extend(w.stow.remote(unit.index, step, speculation.attempt, self.owner.executors_per_node)
+                               for w in workers)
 
 
 def _raise_failed(refs: list[ray.ObjectRef]) -> None:

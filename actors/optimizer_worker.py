@@ -5,9 +5,10 @@ Who calls what: the executor, as a unit's gradient lands, `update_unit` (clippin
 is final) or `speculate` (the update beside the backward, which the driver validates once the step's norm is
 known); the driver after the step `apply` (every unit, forward order: the serial update, or the validation's
 redo of what clipped), or with a non-finite gradient `put_back`; with grads = "device" the executor's
-`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again. Units the executor
-keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `put_back` leave them:
-the executor updates them there."""
+`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again; where the NVMe tier
+holds the gradients, the executor `stow`s each landed one the workers do not update beside the backward. Units the
+executor keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `put_back` leave
+them: the executor updates them there."""
 
 from __future__ import annotations
 
@@ -93,13 +94,17 @@ class OptimizerWorker:
 
     def mark_skipped(self, unit: int, step: int) -> list[Span]:
         """Leaves `unit` as it is for update `step` (non-finite gradient) without stalling the executor."""
-        self.shard.publish(unit, step + 1)
+        self.shard.mark_skipped(unit, step)
         return []
+
+    def stow(self, unit: int, step: int, attempt: int | None, parts: int = 1) -> list[Span]:
+        """A unit's gradient landed and waits for the step's norm: the NVMe tier takes this worker's shard of it out of
+        the arena, once `parts` executors' slices of it have landed (AdamWShard.stow)."""
+        return self._timed(unit, step, lambda: "stow" if self.shard.stow(unit, step, attempt, parts) else None)
 
     def flush(self) -> None:
         """The NVMe tier's writes behind on disk (before a checkpoint or anything else reads the state files)."""
-        if self.shard.stager is not None:
-            self.shard.stager.flush()
+        self.shard.flush()
 
     def numel(self) -> int:
         return self.shard.numel

@@ -301,7 +301,10 @@ class ParameterStore:
                                shard=self.node)
         if self.tier is not None:  # the moments to disk and out of RAM
             self.tier.written()
-        self.arena.grads.zero_()
+        if self.tier is not None and "grads" in self.tier.kinds:
+            self.tier.zero(("grads",))
+        else:
+            self.arena.grads.zero_()
         self.set_version(int(state.get("updates_applied", 0)))
         return state
 

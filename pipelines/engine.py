@@ -267,7 +267,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         if not self.updates_after_step:
             self.pending = out.updates
         elif speculation is None or not out.updates:  # the serial update: nothing was handed out in the backward
-            self.pending = self.actors.update(self.updates_applied, coef) if finite else []
+            get(out.updates)  # but the NVMe tier's gradients stowed as they landed: on their way before the update
+            self.pending = self.actors.update(self.updates_applied, coef) if finite else self.actors.flush_tier()
             update = "serial"
         else:
             update = self._validate(out, finite, coef, speculation.attempt)

@@ -173,6 +173,7 @@ class Recovery:
                     raise
                 dead_workers = [-1]
         run.pending = []
+        actors.flush_tier()  # the NVMe tier's I/O done, its read-ahead dropped: nothing stale read from it after
         versions = settled_range(actors.version_range)  # once updates already queued at the workers have finished
         consistent = not dead_workers and versions == (run.updates_applied, run.updates_applied)
         actors.executors = actors.new_executors()

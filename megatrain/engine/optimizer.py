@@ -95,6 +95,7 @@ class _Piece:
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     shadow: list[torch.Tensor]  # bf16 copies of params (bf16 runs), rewritten after each update
+    staged: list[torch.Tensor]  # the gradient where the NVMe tier stages it back (grads: where the executor landed it)
 
     @property
     def numel(self) -> int:
@@ -110,7 +111,9 @@ class AdamWShard:
                  stager: UnitStager | None = None):
         """`node`: the part of each unit this node updates, whose moments are packed in `exp_avg`/`exp_avg_sq`
         (several nodes); by default the whole model, moments at the weights' offsets. piece_numel: a multiple of
-        ALIGN. stager: the states this shard keeps on NVMe, brought into their arena ranges around each pass."""
+        ALIGN. stager: the states this shard keeps on NVMe, brought into their arena ranges around each pass; where it
+        holds the gradients, a gradient is stowed to disk once read beside the backward, or as it lands where it is not
+        (`stow`), and staged back for the update that reads it later."""
         assert piece_numel % ALIGN == 0, "pieces must be cut where the fused kernel's result does not change"
         self.layout, self.optim, self.worker, self.num_workers = layout, optim, worker, num_workers
         self.node = node or NodeShard.build(layout)
@@ -129,6 +132,9 @@ class AdamWShard:
         self.attempt: int | None = None
         self.speculated: set[int] = set()
         self.arrivals: dict[int, int] = {}
+        self.landing: tuple[int, int | None] | None = None  # (step, try) the arrivals are of
+        self.stowing: set[int] = set()  # units of it some executor stowed (not updated beside the backward)
+        self.stowed: set[int] = set()  # units whose gradient is on disk (staged back for its update), not in the arena
 
     def _pieces(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[list[_Piece], list[_Piece]]:
         """The unit's shard as pieces of at most piece_numel elements per decay group: a tensor longer than that is
@@ -143,10 +149,12 @@ class AdamWShard:
                 end = min(b, start + self.piece_numel)
                 group = pieces[0 if slot.decay else 1]
                 if not group or group[-1].numel + end - start > self.piece_numel:
-                    group.append(_Piece([], [], [], [], []))
+                    group.append(_Piece([], [], [], [], [], []))
                 piece, at = group[-1], unit.offset + start
                 piece.params.append(tensors["params"][at : unit.offset + end])
                 piece.grads.append(grads[start:end])
+                staged = self._staged_grads(unit, lo, start, end)
+                piece.staged.append(grads[start:end] if staged is None else staged)
                 piece.exp_avg.append(self._moments(unit, tensors, "exp_avg", lo, start, end))
                 piece.exp_avg_sq.append(self._moments(unit, tensors, "exp_avg_sq", lo, start, end))
                 if shadow is not None:
@@ -161,15 +169,23 @@ class AdamWShard:
             return self.stager.view(kind, unit.index)[start - lo : end - lo]
         return self.node.moments(unit, tensors[kind], start, end)
 
+    def _staged_grads(self, unit: Unit, lo: int, start: int, end: int) -> torch.Tensor | None:
+        """[start, end) of the unit's gradient in its staging slot where the NVMe tier holds it (None: it does not)."""
+        if self.stager is None or not self.stager.holds(unit.index, "grads"):
+            return None
+        return self.stager.view("grads", unit.index)[start - lo : end - lo]
+
     # ---- the pass ----
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:
         """Applies update number `step` (0-based) to this worker's shard of one unit; returns seconds taken."""
         return self._pass(unit_index, step, clip_coef, undo=False, update=True)
 
-    def _pass(self, unit_index: int, step: int, clip_coef: float, undo: bool, update: bool) -> float:
+    def _pass(self, unit_index: int, step: int, clip_coef: float, undo: bool, update: bool, keep: bool = False
+              ) -> float:
         """One pass over the unit's shard, piece by piece: `undo` takes the coefficient-1 update number `step` out
         (closed form), `update` applies it with `clip_coef`; then the shadow. The unit's version is step + 1 after
-        an update, step after an undo alone."""
+        an update, step after an undo alone. keep: the gradient stays wanted after the pass (an update beside the
+        backward, which the step's validation may take back)."""
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
@@ -177,27 +193,46 @@ class AdamWShard:
         # filled there: torch.tensor(value, device=...) copies from pageable memory and waits for the stream, so each
         # resident unit's update would wait for the one before it and the executor could queue nothing meanwhile
         steps = torch.full((), float(step + 1), device=self.device)
+        # the gradient comes back from disk where it was stowed, else it is where it landed (beside the backward: keep)
+        staged = unit_index in self.stowed and not keep
         if self.stager is not None:
-            self.stager.take(unit_index)
+            self.stager.take(unit_index, skip=() if staged else ("grads",))
         for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
             for piece in pieces:
+                grads = piece.staged if staged else piece.grads
                 if undo:
-                    self._undo(piece, step, lr, weight_decay)
+                    self._undo(piece, grads, step, lr, weight_decay)
                 if update:
                     if clip_coef < 1.0:
-                        torch._foreach_mul_(piece.grads, clip_coef)
-                    torch._fused_adamw_(piece.params, piece.grads, piece.exp_avg, piece.exp_avg_sq, [],
+                        torch._foreach_mul_(grads, clip_coef)
+                    torch._fused_adamw_(piece.params, grads, piece.exp_avg, piece.exp_avg_sq, [],
                                         [steps] * len(piece.params), lr=lr, beta1=beta1, beta2=beta2,
                                         weight_decay=weight_decay, eps=self.optim.eps, amsgrad=False,
                                         maximize=False)
                 if piece.shadow:
                     torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
-        if self.stager is not None:
-            self.stager.give(unit_index)  # behind: the version is published before the states are back on disk
-        self.publish(unit_index, step + 1 if update else step)
+        self._after_pass(unit_index, step + 1 if update else step, staged, keep)
         return time.perf_counter() - t0
 
-    def _undo(self, piece: _Piece, step: int, lr: float, weight_decay: float) -> None:
+    def _after_pass(self, unit_index: int, version: int, staged: bool, keep: bool) -> None:
+        """The states written behind and the version published; where the tier holds the gradient and it is still in
+        the arena, it leaves: stowed (`keep`), the version published only once its range is punched out (before the
+        executor lands the next step's gradient there), or dropped (a final update)."""
+        stager = self.stager
+        if stager is None or staged or not stager.holds(unit_index, "grads"):
+            self.stowed.discard(unit_index)
+            if stager is not None:
+                stager.give(unit_index)  # behind: the version is published before the states are back on disk
+            self.publish(unit_index, version)
+        elif keep:
+            self.stowed.add(unit_index)
+            stager.give(unit_index, stow=True, then=lambda: self.publish(unit_index, version))
+        else:
+            stager.drop(unit_index)
+            stager.give(unit_index)
+            self.publish(unit_index, version)
+
+    def _undo(self, piece: _Piece, grads: list[torch.Tensor], step: int, lr: float, weight_decay: float) -> None:
         """The fused kernel's update number `step` with clip coefficient 1, inverted from what it left and the
         gradient: p = (p' + lr / bc1 * m' / (sqrt(v' / bc2) + eps)) / (1 - lr wd), m = (m' - (1-b1) g) / b1,
         v = max(0, (v' - (1-b2) g^2) / b2); after update number 0 the moments were zero."""
@@ -212,8 +247,8 @@ class AdamWShard:
             torch._foreach_zero_(piece.exp_avg)
             torch._foreach_zero_(piece.exp_avg_sq)
             return
-        torch._foreach_lerp_(piece.exp_avg, piece.grads, -(1.0 - beta1) / beta1)  # m' (1 + w) - w g, w = (1-b1)/b1
-        torch._foreach_addcmul_(piece.exp_avg_sq, piece.grads, piece.grads, -(1.0 - beta2))
+        torch._foreach_lerp_(piece.exp_avg, grads, -(1.0 - beta1) / beta1)  # m' (1 + w) - w g, w = (1-b1)/b1
+        torch._foreach_addcmul_(piece.exp_avg_sq, grads, grads, -(1.0 - beta2))
         torch._foreach_div_(piece.exp_avg_sq, beta2)
         torch._foreach_clamp_min_(piece.exp_avg_sq, 0.0)  # rounding must not leave a negative second moment
 
@@ -225,15 +260,53 @@ class AdamWShard:
     # ---- the update beside the backward ----
     def speculate(self, unit_index: int, step: int, attempt: int, parts: int = 1) -> bool:
         """Update number `step` with clip coefficient 1 of a unit whose gradient landed, in try `attempt` of the step,
-        once `parts` executors' slices of it have (each calls this); True if this call updated it."""
-        if attempt != self.attempt:  # a new try: what an earlier one (a failed one) recorded does not hold
-            self.attempt, self.speculated, self.arrivals = attempt, set(), {}
-        self.arrivals[unit_index] = self.arrivals.get(unit_index, 0) + 1
-        if self.arrivals[unit_index] < parts:
+        once `parts` executors' slices of it have (each calls this); True if this call updated it. Where an executor
+        stowed its slice instead (the units it landed so far clip), the unit waits for the step's norm."""
+        if not self._landed(unit_index, step, attempt, parts) or unit_index in self.speculated:
             return False
-        self.update(unit_index, step)
+        if unit_index in self.stowing:
+            self._stow(unit_index)
+            return False
+        self._pass(unit_index, step, 1.0, undo=False, update=True, keep=True)
         self.speculated.add(unit_index)
         return True
+
+    def stow(self, unit_index: int, step: int, attempt: int | None, parts: int = 1) -> bool:
+        """A unit's gradient landed for update number `step` (try `attempt`; None: the serial update) and is not
+        updated beside the backward: once `parts` executors' slices of it have, the NVMe tier takes it out of the
+        arena until its update reads it back. True if this call stowed it."""
+        if not self._landed(unit_index, step, attempt, parts, stow=True):
+            return False
+        self._stow(unit_index)
+        return True
+
+    def _landed(self, unit_index: int, step: int, attempt: int | None, parts: int, stow: bool = False) -> bool:
+        """Counts an executor's slice of the unit's gradient in; True once all `parts` of the try have landed."""
+        if (step, attempt) != self.landing:  # a new try: what an earlier one (a failed one) recorded does not hold
+            self.landing, self.arrivals, self.stowing, self.stowed = (step, attempt), {}, set(), set()
+            self.attempt, self.speculated = attempt, set()
+        if stow:
+            self.stowing.add(unit_index)
+        self.arrivals[unit_index] = self.arrivals.get(unit_index, 0) + 1
+        return self.arrivals[unit_index] >= parts
+
+    def _stow(self, unit_index: int) -> None:
+        if self.stager is not None and self.stager.holds(unit_index, "grads"):
+            self.stager.stow(unit_index)
+            self.stowed.add(unit_index)
+
+    def mark_skipped(self, unit_index: int, step: int) -> None:
+        """Leaves the unit as it is for update `step` (its gradient, not finite, leaves the arena unread)."""
+        if self.stager is not None and self.stager.holds(unit_index, "grads"):
+            self.stager.drop(unit_index)
+        self.publish(unit_index, step + 1)
+
+    def flush(self) -> None:
+        """The NVMe tier's writes behind on disk (the versions they publish with them), nothing staged, and no record
+        of the landings so far: what the tier moved is where it goes, before anything else reads the state files."""
+        if self.stager is not None:
+            self.stager.flush()
+        self.landing, self.arrivals, self.stowing, self.stowed = None, {}, set(), set()
 
     def was_speculated(self, unit_index: int, attempt: int | None) -> bool:
         return attempt is not None and attempt == self.attempt and unit_index in self.speculated
@@ -258,6 +331,9 @@ class AdamWShard:
         if speculated:
             self._pass(unit_index, step, 1.0, undo=True, update=False)
             self.speculated.discard(unit_index)
+        elif self.stager is not None:  # a gradient stowed is out of the arena before the next step lands one there
+            self.stager.wait(unit_index)
+            self.stowed.discard(unit_index)
         self.publish(unit_index, step)
         if self.issued is not None:  # nothing of this step is handed out any more (the queue depth reads it)
             self.issued[unit_index] = step
@@ -266,6 +342,8 @@ class AdamWShard:
     def unpublish(self, step: int) -> None:
         """Every unit's version back to `step` (from step + 1, where it was updated beside the backward): nothing
         reads the weights of a unit until its clipped update replaced the speculative one."""
+        if self.stager is not None:  # no version the tier publishes once a gradient is on disk comes after this
+            self.stager.flush()
         if self.versions is not None:
             self.versions[:, self.worker].clamp_(max=step)
 

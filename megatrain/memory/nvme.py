@@ -246,11 +246,11 @@ class StateFiles:
             os.close(fd)
         self.fds = {}
 
-    def zero(self) -> None:
-        """Every file back to zeros (the moments before the first step), without writing them."""
-        for kind, nbytes in self.handle.files:
-            if nbytes:
-                punch_out(self.handle.path(kind), 0, nbytes)
+    def zero(self, kind: str | None = None) -> None:
+        """Every file (`kind`'s) back to zeros (the moments before the first step), without writing them."""
+        for name, nbytes in self.handle.files:
+            if nbytes and kind in (None, name):
+                punch_out(self.handle.path(name), 0, nbytes)
 
     def unlink(self) -> None:
         shutil.rmtree(self.handle.directory, ignore_errors=True)
@@ -387,8 +387,9 @@ def wait_all(futures: Iterable[Future]) -> None:
 
 # ---- what a run puts on NVMe ----
 # nvme_states names (megatrain/memory/tier_plan.py KINDS) this build places on NVMe: the GPU streams the fp32 masters
-# from the arena, and the held gradients wait there
-SUPPORTED = ("moments",)
+# from the arena
+SUPPORTED = ("moments", "grads")
+KINDS = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
 
 
 @dataclass(frozen=True)
@@ -404,14 +405,16 @@ class TierSpec:
 
 
 def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int = 0, nodes: int = 1,
-                 lora: bool = False) -> TierSpec | None:
+                 lora: bool = False, grads: str = "arena") -> TierSpec | None:
     """The run's tier of the nvme_states the plan placed (`names`; what this build cannot place, the memory plan's
-    check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here."""
+    check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here. grads: where the
+    gradients wait (EngineConfig.grads, resolved): only those held in the arena go to disk, a ring's or the device's
+    leave as they are read."""
     if not nvme or not names:
         return None
     if nodes > 1 or lora:
         raise MegatrainError("the NVMe tier holds a whole model's Adam moments on one node; run on one node without "
                              "LoRA (whose moments are small) or drop --nvme.")
     check_directory(nvme)
-    kinds = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
-    return TierSpec(str(Path(nvme).resolve()), names, tuple(k for n in names for k in kinds[n]), resident_units)
+    kinds = tuple(k for n in names for k in KINDS[n] if k != "grads" or grads == "arena")
+    return TierSpec(str(Path(nvme).resolve()), names, kinds, resident_units) if kinds else None

@@ -11,7 +11,7 @@ its write.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -28,6 +28,8 @@ AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM whil
 # (the backward's order and the update's) never share one
 SLOTS = 3
 STAGE_PREFIX = "stage_"  # the arena's staging segment of a kind on NVMe: stage_exp_avg, ...
+# kinds another process lands in their own arena range (the executor's gradients), written to disk from there
+LANDING = ("grads",)
 
 
 @dataclass(frozen=True)
@@ -48,42 +50,49 @@ def unit_extents(bounds: dict[int, tuple[int, int]], kinds: tuple[str, ...], ele
 class UnitStager:
     """Moves `extents` (per unit) between `files` and memory: each extent's own range of the arena segment of its kind
     (`tensors`, punched out at `paths` once written), or where `slots` is given, the unit's slot of the staging segments
-    `tensors` hold (stage_<kind>: SLOTS ranges of `slot_numel` elements from element `slot_base`), kept allocated."""
+    `tensors` hold (stage_<kind>: SLOTS ranges of `slot_numel` elements from element `slot_base`), kept allocated.
+
+    Kinds in `landing` (an optimizer worker's held gradients) are placed twice: another process (the executor) lands
+    them in their own arena range, from where `stow` writes them to disk and punches the range out; `take` reads them
+    back into the unit's slot, and `give` never writes them (nothing reads a gradient after its update)."""
 
     def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], paths: dict[str, Path] | None,
-                 extents: dict[int, list[Extent]], ahead: int = AHEAD, slot_numel: int = 0, slot_base: int = 0):
+                 extents: dict[int, list[Extent]], ahead: int = AHEAD, slot_numel: int = 0, slot_base: int = 0,
+                 landing: tuple[str, ...] = ()):
         self.files, self.extents, self.ahead, self.paths = files, extents, ahead, paths
-        self.slotted = slot_numel > 0
+        self.slotted, self.landing = slot_numel > 0, landing
         self.memory: dict[int, list[torch.Tensor]] = {}  # unit -> the byte view each of its extents moves through
+        self.ranges: dict[int, list[torch.Tensor | None]] = {}  # unit -> each extent's own arena range (where it lands)
         for unit, parts in extents.items():
-            views = []
-            for e in parts:
-                if self.slotted:
-                    at = (slot_base + (unit % SLOTS) * slot_numel) * 4
-                    views.append(tensors[STAGE_PREFIX + e.kind].view(torch.uint8)[at : at + e.end - e.start])
-                else:
-                    views.append(tensors[e.kind].view(torch.uint8)[e.start : e.end])
-            self.memory[unit] = views
+            # a slotted stager's other kinds have no range of theirs here (their arena range stays empty)
+            self.ranges[unit] = [tensors[e.kind].view(torch.uint8)[e.start : e.end]
+                                 if e.kind in landing or not self.slotted else None for e in parts]
+            at = (slot_base + (unit % SLOTS) * slot_numel) * 4
+            self.memory[unit] = [tensors[STAGE_PREFIX + e.kind].view(torch.uint8)[at : at + e.end - e.start]
+                                 if self.slotted else view for e, view in zip(parts, self.ranges[unit], strict=True)]
         self.io: dict[int, Future] = {}  # unit -> its last read or write
-        self.staged: set[int] = set()  # units whose states are in memory (read, or being read)
+        self.staged: dict[int, set[str]] = {}  # unit -> the kinds of it in memory (read, or being read)
         self.occupant: dict[int, int] = {}  # slot -> the unit whose states it holds or is writing
         self.taken: int | None = None
         self.last: int | None = None
+        self.skip: frozenset[str] = frozenset()  # the kinds the last take left out (its read ahead leaves them too)
 
-    def holds(self, unit: int) -> bool:
-        return unit in self.extents
+    def holds(self, unit: int, kind: str | None = None) -> bool:
+        return unit in self.extents and (kind is None or any(e.kind == kind for e in self.extents[unit]))
 
     def view(self, kind: str, unit: int) -> torch.Tensor:
         """The fp32 memory the unit's extent of `kind` is staged in (what the optimizer's pieces are views of)."""
         e = next(i for i, x in enumerate(self.extents[unit]) if x.kind == kind)
         return self.memory[unit][e].view(torch.float32)
 
-    def take(self, unit: int) -> None:
-        """Returns once the unit's states are in memory; reads the foreseen next one ahead."""
+    def take(self, unit: int, skip: tuple[str, ...] = ()) -> None:
+        """Returns once the unit's states (but the kinds in `skip`) are in memory; reads the foreseen next one ahead."""
         if unit not in self.extents:
             return
-        if unit not in self.staged:
-            self._read(unit)
+        self.skip = frozenset(skip)
+        missing = self._kinds(unit) - self.staged.get(unit, set())
+        if missing:
+            self._read(unit, missing)
         self.io[unit].result()
         self.taken = unit
         guess = None if self.last is None else unit + (unit - self.last)
@@ -91,15 +100,33 @@ class UnitStager:
         if (self.ahead and guess is not None and guess in self.extents and guess not in self.staged
                 and not (self.slotted and guess % SLOTS == unit % SLOTS)):
             self._drop_unused(keep=unit)
-            self._read(guess)
+            self._read(guess, self._kinds(guess))
 
-    def give(self, unit: int, changed: bool = True) -> None:
-        """The pass over the unit is done: its states are written behind (`changed`) and leave memory."""
+    def give(self, unit: int, changed: bool = True, stow: bool = False, then: Callable[[], None] | None = None
+             ) -> None:
+        """The pass over the unit is done: its states are written behind (`changed`) and leave memory; `stow`: its
+        landing kinds are written from their arena ranges as well (`stow`); `then` runs once all is on disk."""
         if unit not in self.extents:
             return
         self.taken = None
-        self.staged.discard(unit)
-        self.io[unit] = self._write(unit) if changed else self._release(unit)
+        kinds = self.staged.pop(unit, set()) - set(self.landing) if changed else set()
+        self.io[unit] = self._write(unit, kinds, stow, then)
+
+    def stow(self, unit: int, then: Callable[[], None] | None = None) -> None:
+        """The unit's landing kinds from their arena ranges to disk, the ranges punched out after (then `then`)."""
+        if self.holds(unit):
+            self.io[unit] = self._write(unit, set(), True, then, claim=False)
+
+    def wait(self, unit: int) -> None:
+        """What is under way for the unit is done."""
+        if self.holds(unit):
+            self._wait(unit, claim=False)
+
+    def drop(self, unit: int) -> None:
+        """The unit's landing kinds leave their arena ranges unwritten (a final update read them there)."""
+        if self.holds(unit):
+            self._wait(unit, claim=False)
+            self._punch_ranges(unit, set(self.landing))
 
     def flush(self) -> None:
         """Every write on disk and nothing left staged: what another process reads of the files is current."""
@@ -118,62 +145,77 @@ class UnitStager:
     # ---- whole ranges, for the store ----
     def bring_in(self) -> None:
         """Every extent into the arena (a checkpoint reads them there); `send_out` ends it."""
-        for unit in self.extents:
-            if unit not in self.staged:
-                self._read(unit)
+        for unit, parts in self.extents.items():
+            missing = {e.kind for e in parts} - self.staged.get(unit, set())
+            if missing:
+                self._read(unit, missing)
         for unit in self.extents:
             self.io[unit].result()
 
     def send_out(self, changed: bool = True) -> None:
         """Every extent to disk (`changed`) and out of the arena."""
-        for unit in self.extents:
-            self.staged.discard(unit)
-            self.io[unit] = self._write(unit) if changed else self._release(unit)
+        for unit, parts in self.extents.items():
+            self.staged.pop(unit, None)
+            self.io[unit] = self._write(unit, {e.kind for e in parts} if changed else set(), False)
         self.flush()
 
     # ---- I/O ----
-    def _wait(self, unit: int) -> None:
-        """What was under way for the unit, and in its slot for the unit there before it, is done."""
+    def _kinds(self, unit: int) -> set[str]:
+        return {e.kind for e in self.extents[unit]} - self.skip
+
+    def _wait(self, unit: int, claim: bool = True) -> None:
+        """What was under way for the unit, and (`claim`: it is about to use its slot) in its slot for the unit there
+        before it, is done."""
         before = self.io.get(unit)
         if before is not None:
             before.result()  # its write: a read must not overtake it
-        if self.slotted:
+        if self.slotted and claim:
             slot = unit % SLOTS
             other = self.occupant.get(slot)
             if other is not None and other != unit:
-                if other in self.staged:  # read ahead and never taken: nothing to write
-                    self.staged.discard(other)
+                self.staged.pop(other, None)  # read ahead and never taken: nothing to write
                 if other in self.io:
                     self.io.pop(other).result()
             self.occupant[slot] = unit
 
-    def _read(self, unit: int) -> None:
+    def _read(self, unit: int, kinds: set[str]) -> None:
         self._wait(unit)
-        self.staged.add(unit)
+        self.staged.setdefault(unit, set()).update(kinds)
         self.io[unit] = all_of([self.files.read(e.kind, e.start, view)
-                                for e, view in zip(self.extents[unit], self.memory[unit], strict=True)])
+                                for e, view in zip(self.extents[unit], self.memory[unit], strict=True)
+                                if e.kind in kinds])
 
-    def _write(self, unit: int) -> Future:
-        self._wait(unit)
+    def _write(self, unit: int, kinds: set[str], stow: bool, then: Callable[[], None] | None = None,
+               claim: bool = True) -> Future:
+        """Writes the unit's `kinds` from memory (and with `stow` its landing kinds from their arena ranges); once on
+        disk, what left RAM is punched out and `then` runs."""
+        self._wait(unit, claim)
+        landed = set(self.landing) if stow else set()
         parts = [self.files.write(e.kind, e.start, view)
-                 for e, view in zip(self.extents[unit], self.memory[unit], strict=True)]
-        return all_of(parts, then=lambda: self._punch(unit))
+                 for e, view in zip(self.extents[unit], self.memory[unit], strict=True) if e.kind in kinds]
+        parts += [self.files.write(e.kind, e.start, view)
+                  for e, view in zip(self.extents[unit], self.ranges[unit], strict=True) if e.kind in landed]
 
-    def _release(self, unit: int) -> Future:
-        self._wait(unit)
-        return all_of([], then=lambda: self._punch(unit))
+        def done() -> None:
+            self._punch_ranges(unit, landed if self.slotted else {e.kind for e in self.extents[unit]})
+            if then is not None:
+                then()
 
-    def _punch(self, unit: int) -> None:
-        if self.slotted or self.paths is None:  # a slot keeps its pages for the next unit
+        return all_of(parts, then=done)
+
+    def _punch_ranges(self, unit: int, kinds: set[str]) -> None:
+        """The unit's arena ranges of `kinds` give their pages back (a slot keeps its pages for the next unit)."""
+        if self.paths is None:
             return
         for e in self.extents[unit]:
-            punch_out(self.paths[e.kind], e.start, e.end - e.start)
+            if e.kind in kinds:
+                punch_out(self.paths[e.kind], e.start, e.end - e.start)
 
     def _drop_unused(self, keep: int | None) -> None:
         """Read-ahead units never taken leave memory (unchanged: nothing to write)."""
         for unit in [u for u in self.staged if u != keep and u != self.taken]:
-            self.staged.discard(unit)
-            self.io[unit] = self._release(unit)
+            self.staged.pop(unit)
+            self.io[unit] = self._write(unit, set(), False)
 
     def close(self) -> None:
         try:
@@ -200,7 +242,9 @@ def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int
     """A worker's stager over `bounds` (unit -> [start, end) elements of its share) of the run's state files, through
     its SLOTS slots of `slot_numel` elements from element `slot_base` of the arena's staging segments."""
     extents = unit_extents({u: b for u, b in bounds.items() if u >= tier.from_unit}, tier.kinds())
-    return UnitStager(StateFiles.open(tier), arena.tensors, None, extents, slot_numel=slot_numel, slot_base=slot_base)
+    landing = tuple(k for k in tier.kinds() if k in LANDING)
+    return UnitStager(StateFiles.open(tier), arena.tensors, {k: arena.handle.path(k) for k in landing}, extents,
+                      slot_numel=slot_numel, slot_base=slot_base, landing=landing)
 
 
 class StoreTier:
@@ -211,8 +255,10 @@ class StoreTier:
         self.files = StateFiles.create(spec.root, sizes, run_id=arena.handle.run_id, threads=spec.threads,
                                        from_unit=spec.from_unit)
         arena.handle = replace(arena.handle, tier=self.files.handle)  # what workers open the files by
-        paths = {kind: arena.handle.path(kind) for kind in spec.kinds}
-        extents = unit_extents({u: b for u, b in bounds.items() if u >= spec.from_unit}, spec.kinds)
+        # a checkpoint holds no gradients: the store moves the other kinds, and only zeroes those
+        kept = tuple(k for k in spec.kinds if k not in LANDING)
+        paths = {kind: arena.handle.path(kind) for kind in kept}
+        extents = unit_extents({u: b for u, b in bounds.items() if u >= spec.from_unit}, kept)
         self.stager = UnitStager(self.files, arena.tensors, paths, extents)
         self.arena, self.kinds = arena, spec.kinds
 
@@ -229,13 +275,13 @@ class StoreTier:
         """The arena's ranges of the states were written (a checkpoint loaded): to disk and out of RAM."""
         self.stager.send_out(changed=True)
 
-    def zero(self) -> None:
-        """The states back to zeros in the arena and on disk, touching no page."""
+    def zero(self, kinds: tuple[str, ...] | None = None) -> None:
+        """The states (of `kinds`, by default all) back to zeros in the arena and on disk, touching no page."""
         self.stager.flush()
-        for kind in self.kinds:
+        for kind in self.kinds if kinds is None else [k for k in kinds if k in self.kinds]:
             t = self.arena.tensors[kind]
             punch_out(self.arena.handle.path(kind), 0, t.numel() * t.element_size())
-        self.files.zero()
+            self.files.zero(kind)
 
     def close(self) -> None:
         try:

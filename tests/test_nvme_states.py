@@ -1,0 +1,159 @@
+"""Every kind of state a run can put on NVMe, in a run: bit for bit the host-memory run (losses, final weights and
+moments), with the held gradients stowed to disk as they land or once read beside the backward and staged back for
+the rollback, the serial update and put_back; and the stager's two placements of a gradient (its own arena range,
+where the executor lands it, and a staging slot, where it comes back) without Ray.
+
+Settings are combined into few runs (each Engine start is seconds here): steps that clip and steps that do not (with
+speculate "auto" a clipped step's successor updates serially), micro-batches summed in the arena, a resident unit,
+two executors, the simulated asynchronous streams, a resume from host memory into NVMe and back, a killed worker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import test_nvme
+import torch
+from test_nvme import NUMEL, allocated, assert_same, checkpoint_state
+
+from megatrain.memory.nvme import StateFiles, _aligned_buffer
+from megatrain.memory.staging import SLOTS, STAGE_PREFIX, UnitStager, unit_extents
+
+# tests/test_nvme.py's fixtures: the state files' directory (checked empty after), a sparse /dev/shm segment
+nvme_dir, shm_segment = test_nvme.nvme_dir, test_nvme.shm_segment
+
+ENGINE = dict(lr=1e-2, weight_decay=0.1, warmup_steps=1, total_steps=6, optimizer_workers=2, precision="fp32",
+              device="cpu", seed=0, batch_size=8, seq_len=24, metrics=False)
+# every step's gradient norm here is 1.3 to 1.5 (tests/test_nvme.py): 1.42 clips some steps and not others
+MIXED = 1.42
+
+
+def test_landed_gradients_are_stowed_from_their_range_and_staged_back_into_a_slot(
+        tmp_path: Path, shm_segment: tuple[Path, torch.Tensor]) -> None:
+    """A worker's stager of moments and gradients: the gradient lands in its own range (the first half of the
+    segment), `stow` writes it from there and punches the range out, `take` brings it back into the unit's slot
+    (beside the moments, which live only in slots), `give` writes the moments and never the gradient, `drop` punches a
+    gradient unwritten; a take that skips the gradient (an update beside the backward reads it where it landed) and
+    its read ahead leave it on disk."""
+    path, seg = shm_segment
+    half = NUMEL // 2  # four units of 1024 elements: their gradients' ranges; the slots after
+    tensors = {"grads": seg[:half], STAGE_PREFIX + "grads": seg[half : half + SLOTS * 1024],
+               STAGE_PREFIX + "exp_avg": _aligned_buffer(SLOTS * 1024 * 4).view(torch.float32)}
+    files = StateFiles.create(tmp_path, {"grads": half * 4, "exp_avg": half * 4})
+    units = {u: (u * 1024, (u + 1) * 1024) for u in range(4)}
+    stager = UnitStager(files, tensors, {"grads": path}, unit_extents(units, ("grads", "exp_avg")), slot_numel=1024,
+                        landing=("grads",))
+    try:
+        for u in range(4):  # the executor lands each unit's gradient, the worker stows it
+            tensors["grads"][u * 1024 : (u + 1) * 1024] = float(u + 1)
+            stager.stow(u)
+        stager.flush()
+        assert not tensors["grads"].any() and allocated(path) <= (NUMEL - half) * 4  # only the slots hold pages
+        for u in range(4):  # the serial update's order: each gradient back in its slot, the moments beside it
+            stager.take(u)
+            assert torch.equal(stager.view("grads", u), torch.full((1024,), float(u + 1)))
+            stager.view("exp_avg", u).fill_(10.0 + u)
+            stager.view("grads", u).mul_(0.5)  # a clip scale: never written back
+            stager.give(u)
+        tensors["grads"][:1024] = 7.0
+        stager.take(0, skip=("grads",))  # beside the backward: the moments only, the gradient where it landed
+        assert torch.equal(stager.view("exp_avg", 0), torch.full((1024,), 10.0))
+        stager.give(0, stow=True)
+        tensors["grads"][1024:2048] = 9.0
+        stager.drop(1)  # read where it landed by a final update: out unwritten
+        stager.flush()
+        check = {k: torch.from_file(str(files.handle.path(k)), size=half, dtype=torch.float32).view(4, 1024)[:, 0]
+                 for k in ("grads", "exp_avg")}
+        assert torch.equal(check["grads"], torch.tensor([7.0, 2.0, 3.0, 4.0]))
+        assert torch.equal(check["exp_avg"], torch.tensor([10.0, 11.0, 12.0, 13.0]))
+        assert not tensors["grads"].any()
+    finally:
+        stager.close()
+        files.unlink()
+
+
+# ---- the Engine ----
+
+def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, save_after: int | None = None,
+          kill_worker_at: int | None = None, **settings: object) -> tuple[list[float], dict[str, torch.Tensor], list]:
+    """Steps on `batches` (after loading `resume_from`; a checkpoint `tmp/after-N` after step `save_after`; a worker
+    SIGKILLed as step `kill_worker_at` hands out its update); the losses, the final checkpoint's tensors and how each
+    step's update ran."""
+    from helpers import kill_once_updates_are_handed_out, worker_pids
+
+    import megatrain
+    from pipelines.logprobs import batch_of
+
+    out = tmp / f"ckpt-{uuid.uuid4().hex[:6]}"
+    with megatrain.Engine(directory, **{**ENGINE, **settings}) as engine:
+        if resume_from is not None:
+            engine.load_checkpoint(resume_from)
+        losses, updates = [], []
+        for i, (ids, labels) in enumerate(batches):
+            if i == kill_worker_at:
+                kill_once_updates_are_handed_out(engine, worker_pids(engine)[-1])
+            result = engine.step_batch(batch_of(ids, labels))
+            losses.append(result.loss)
+            updates.append(result.update)
+            if i == save_after:
+                engine.save_checkpoint(tmp / f"after-{i + 1}")
+        if settings.get("nvme"):  # the streamed units' states on disk: none of them, nor a gradient, in /dev/shm
+            engine.wait_for_updates()
+            resident = sum(u.numel * 4 for u in engine.actors.layout.units[:engine.plan.resident_units])
+            for kind in engine.actors.tier.kinds:
+                assert allocated(engine.handle.path(kind)) <= resident, kind
+            assert kill_worker_at is None or engine.restarts == 1
+        engine.save_checkpoint(out)
+    return losses, checkpoint_state(out), updates
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_grad_norm=MIXED, speculate="auto", micro_batches=2, batch_size=4, schedule="per-micro-batch",
+         resident=1, device="cpu-async:3", nvme_states="moments,grads"),
+    dict(max_grad_norm=MIXED, speculate="on", executors=2, nvme_states="moments,grads", kill_worker_at=1),
+    pytest.param(dict(max_grad_norm=1.0, speculate="off", micro_batches=2, batch_size=4,
+                      nvme_states="moments,grads"), marks=pytest.mark.slow),
+    pytest.param(dict(max_grad_norm=None, grads="arena", nvme_states="moments,grads"), marks=pytest.mark.slow),
+], ids=["fp32-auto-per-micro-batch-resident-simulated-streams", "fp32-speculate-two-executors-killed-worker",
+        "fp32-serial-layer-major", "fp32-clipping-off-final-updates"])
+def test_held_gradients_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, nvme_dir: Path,
+                                                  settings: dict) -> None:
+    """The host-memory run saves a checkpoint after its first step; the NVMe run resumes from it (host memory into
+    NVMe) and ends with the same bytes. The steps clip and do not: beside the backward the updates stand or roll back
+    (their gradients read back from disk), and after a clipped step (speculate auto) the serial update reads them; a
+    worker killed as the driver hands out a step's update is replaced, the checkpoint restored and the steps since
+    replayed."""
+    from helpers import rows
+
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3, 4)]
+    host = {k: v for k, v in settings.items() if k not in ("nvme_states", "kill_worker_at")}
+    want = train(directory, tmp_path, batches, save_after=0, **host)
+    got = train(directory, tmp_path, batches[1:], resume_from=tmp_path / "after-1", nvme=nvme_dir, **settings)
+    assert got[2] == want[2][1:], (got[2], want[2])
+    assert_same(got[:2], (want[0][1:], want[1]))
+    if settings["max_grad_norm"] == MIXED:  # auto: a step after one that clipped updates serially
+        assert {"rolled back", {"on": "speculated", "auto": "serial"}[settings["speculate"]]} <= set(want[2]), want[2]
+
+
+@pytest.mark.slow
+def test_an_nvme_run_resumes_into_host_memory_and_back(ray_session: None, micro_llama, tmp_path: Path,
+                                                       nvme_dir: Path) -> None:
+    from helpers import rows
+
+    _, directory = micro_llama
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    settings = dict(max_grad_norm=MIXED, speculate="auto")
+    runs = [tmp_path / name for name in ("first", "second", "third")]
+    for run in runs:
+        run.mkdir()
+    want = train(directory, tmp_path, batches, **settings)
+    first = train(directory, runs[0], batches[:1], save_after=0, nvme=nvme_dir, nvme_states="moments,grads",
+                  **settings)
+    second = train(directory, runs[1], batches[1:2], resume_from=runs[0] / "after-1", save_after=0, **settings)
+    third = train(directory, runs[2], batches[2:], resume_from=runs[1] / "after-1", nvme=nvme_dir,
+                  nvme_states="moments,grads", **settings)
+    assert first[0] + second[0] + third[0] == want[0]
+    assert_same(third[:2], (third[0], want[1]))

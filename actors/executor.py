@@ -33,7 +33,7 @@ from megatrain.engine.reference import initial_weights
 from megatrain.engine.weight_waits import NO_WAITS, VersionWaits
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
-from megatrain.memory.plan import gpu_free_here
+from megatrain.memory.plan import cap_gpu_memory, gpu_free_here
 from megatrain.memory.post_plan import REFERENCE_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.versions import VersionTable
@@ -63,6 +63,8 @@ class GPUExecutor:
         exit_on_sigterm()
         self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
         self.layout = training_layout(config, plan.lora)  # what trains: a LoRA run's adapters
+        if plan.gpu_memory is not None and plan.device.startswith("cuda"):  # gpu_memory_gib: the plan fits in it
+            cap_gpu_memory(plan.gpu_memory)
         self.dp = None
         if plan.world > 1:
             device = torch.device("cuda" if plan.device.startswith("cuda") else "cpu")

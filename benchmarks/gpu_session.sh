@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh lora    # issue #27: LoRA on a streamed bf16 base, 32b (Qwen2.5-32B's shape) at 1 x 4096
 #   bash benchmarks/gpu_session.sh defaults # issue #46: 7b bf16 at the default lr and warm-up (no --lr, --warmup-steps)
 #   bash benchmarks/gpu_session.sh generate # issue #45: generate tokens/s, 7b bf16, units held on the GPU vs streamed
+#   bash benchmarks/gpu_session.sh capped  # issue #44: 7b bf16 with the GPU held to 10 GiB (an RTX 3080's), tokens/s
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
 # On the device machine: the run tool carries `.whl` (see benchmarks/README.md, "On the GPU machine") and the
@@ -37,8 +38,8 @@ BUDGET_S=${BUDGET_S:-520}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 case "$PART" in
-  headline | tests | host | peers | big | long | long-1b | predict | multi | lora | defaults | generate) ;;
-  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora|defaults|generate" >&2
+  headline | tests | host | peers | big | long | long-1b | predict | multi | lora | defaults | generate | capped) ;;
+  *) echo "usage: [DRY_RUN=1] bash benchmarks/gpu_session.sh headline|tests|host|peers|big|long|long-1b|predict|multi|lora|defaults|generate|capped" >&2
      exit 2 ;;
 esac
 if [[ $DRY_RUN == 1 ]]; then
@@ -403,6 +404,21 @@ print("losses", " ".join(f"{v:.3f}" for v in l)); sys.exit(not (l[-1] < l[0] and
     # session that wrote it (2026-12-02).
     step generate-7b 400 python3 benchmarks/generate.py --model 7b --precision bf16 --rows 8 --prompt 128 --new 64 \
       --optimizer-workers 8 --out "$OUT/generate-7b.json"
+    ;;
+  capped)
+    prelude
+    # Issue #44: the 7B in bf16 with clipping, its GPU held to 10 GiB (--gpu-memory-gib: the plan fits in it, the
+    # executor's allocator is capped there), as on an RTX 3080; the plan first, then 8 steps of 4 x 2048 tokens, and
+    # tokens/s from steps.jsonl (steps 3-). The allocator's cap test alongside.
+    step cap-test 60 python3 -m pytest tests/test_gpu_memory.py -m gpu -q
+    step plan-7b-capped 60 "${MEGATRAIN[@]}" plan --model 7b --precision bf16 --batch-size 1 --seq-len 2048 \
+      --micro-batches 4 --optimizer-workers 8 --gpu-memory-gib 10
+    step train-7b-capped 330 "${MEGATRAIN[@]}" train --model 7b --precision bf16 --batch-size 1 --seq-len 2048 \
+      --micro-batches 4 --steps 8 --log-every 1 --optimizer-workers 8 --gpu-memory-gib 10 --checkpoint-every 0 \
+      --no-save-final --out "$WORK/run-7b-capped"
+    step tokens-7b-capped 30 python3 -c 'import json, sys; s = [json.loads(x) for x in open(sys.argv[1])][2:]
+print("tokens/s", sum(r["tokens"] for r in s) / sum(r["step_time"] for r in s))' "$WORK/run-7b-capped/steps.jsonl"
+    save "$WORK/logs/steps-7b-capped.jsonl" "$WORK/run-7b-capped/steps.jsonl"
     ;;
   multi)
     prelude

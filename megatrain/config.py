@@ -384,6 +384,7 @@ class EngineConfig:
     resident_weights: str = "auto"  # RESIDENT_WEIGHTS; resolved to "copy" or "cast" by the memory plan
     keep_activations: int | str = "auto"  # auto | none | all | N top layers not recomputed (memory/kept_activations.py)
     bf16_copy: str = "auto"  # BF16_COPY; resolved to "keep" or "none" by the memory plan
+    gpu_memory_gib: float | None = None  # the run's GPU held to this many GiB (the plan's and the allocator's cap)
     # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is kept
     # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
     lora: Any = None
@@ -421,6 +422,9 @@ class EngineConfig:
         check_resident(self.resident)
         check_choice("resident_weights", self.resident_weights, RESIDENT_WEIGHTS)
         check_choice("bf16_copy", self.bf16_copy, BF16_COPY)
+        cap = self.gpu_memory_gib
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0):
+            raise ConfigError(f"gpu_memory_gib must be a positive number of GiB (unset: the whole GPU), got {cap!r}.")
         check_resident(self.keep_activations, "keep_activations", ("auto", "none", "all"), "layers")
         check_device(self.device)
         check_choice("lora_base_dtype", self.lora_base_dtype, ("bf16", "fp32"))

@@ -141,6 +141,7 @@ class RunPlan:
     arena_bytes: int = 0
     host_bytes: int = 0
     gpu_bytes: int = 0
+    gpu_memory: int | None = None  # the executor's GPU held to this many bytes (gpu_memory_gib); None: all of it
     notes: tuple[str, ...] = field(default=(), compare=False)  # what the plan decided and why, for the log
     warnings: tuple[str, ...] = field(default=(), compare=False)
     memory: MemoryPlan | None = field(default=None, compare=False, repr=False)  # its bytes, tier by tier

@@ -110,6 +110,9 @@ def _add_on_device_flags(p: argparse.ArgumentParser) -> None:
                    help="bf16: the resident units' bf16 weights for compute are a copy kept on the GPU (copy, 2 B a "
                         "parameter) or cast from their fp32 weights at each use (cast: more units fit); auto: the "
                         "faster predicted where this GPU is calibrated, else copy")
+    p.add_argument("--gpu-memory-gib", "--gpu-memory", dest="gpu_memory_gib", type=float, metavar="GIB",
+                   help="hold the run's GPU to this many GiB: the plan fits in it and the executor's allocator is "
+                        "capped at it (e.g. 10: an RTX 3080's memory on a larger GPU)")
     p.add_argument("--bf16-copy", choices=BF16_COPY,
                    help="bf16: a bf16 copy of the weights in the host arena (keep: 2 B a parameter, half the PCIe "
                         "bytes) or none (fp32 weights cast on the GPU); auto: kept only where the step predicted "

@@ -43,6 +43,7 @@ class EngineOptions:
     keep_activations: int | str = "auto"
     resident_weights: str = "auto"
     bf16_copy: str = "auto"
+    gpu_memory_gib: float | None = None  # the GPU held to this many GiB (plan and allocator)
     nvme: str | Path | None = None
     nvme_states: Any = "auto"
     reference: bool = False  # the initial weights kept for Engine.logprobs(reference=True) (GRPO's KL reference)

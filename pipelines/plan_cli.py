@@ -21,7 +21,8 @@ PLAN_FLAGS = {"model": "model", "data.batch_size": "batch", "data.seq_len": "seq
               "schedule": "schedule", "nodes": "nodes", "executors": "executors", "resident": "resident",
               "lora": "lora", "keep_activations": "keep_activations", "resident_weights": "resident_weights",
               "lora_base_dtype": "lora_base_dtype", "speculate": "speculate", "compile": "compile", "nvme": "nvme",
-              "nvme_states": "nvme_states", "bf16_copy": "bf16_copy"}
+              "nvme_states": "nvme_states", "bf16_copy": "bf16_copy",
+              "gpu_memory_gib": "gpu_memory_gib"}
 
 
 def plan_request(args: argparse.Namespace) -> tuple[Any, Request]:

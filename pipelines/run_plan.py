@@ -39,7 +39,9 @@ def resolve(request: Request, machine: Machine) -> RunPlan:
     """The run's plan: what `request` left "auto" decided for `machine`; a setting the machine cannot follow is
     refused in one sentence. Its memory plan (RunPlan.memory) is not checked here: the Engine refuses what does not fit,
     `megatrain plan` reports it. optimizer_workers "auto" on a GPU with a calibration: the fastest predicted settings
-    among those left auto (workers, where gradients wait, tiles), planned as the run they stand for."""
+    among those left auto (workers, where gradients wait, tiles), planned as the run they stand for. gpu_memory_gib:
+    the GPU's free memory taken as at most that much (held_to)."""
+    machine = held_to(machine, request.engine.gpu_memory_gib)
     run = resolve_settings(request, machine)
     choice = fastest(request, machine, run)
     if choice is None:
@@ -51,6 +53,14 @@ def resolve(request: Request, machine: Machine) -> RunPlan:
     note = (f"optimizer_workers auto: {choice.optimizer_workers} per node, grads {choice.plan.grads}, tiles {tiles}: "
             f"the fastest predicted of {choice.tried} settings that fit")
     return replace(run, notes=(note, *run.notes))
+
+
+def held_to(machine: Machine, gpu_memory_gib: float | None) -> Machine:
+    """The machine with its GPU's free memory min(free, the cap) (the cap where free is not known)."""
+    if gpu_memory_gib is None:
+        return machine
+    cap = int(gpu_memory_gib * 2**30)
+    return replace(machine, gpu_free=cap if machine.gpu_free is None else min(machine.gpu_free, cap))
 
 
 def fastest(request: Request, machine: Machine, run: RunPlan) -> Choice | None:
@@ -96,6 +106,10 @@ def resolve_settings(request: Request, machine: Machine) -> RunPlan:
     if e.reference:  # GRPO's KL reference: the initial weights' segment in the arena (a LoRA run's: its base)
         memory = with_reference(memory, request.config, e.precision)
     more, warnings = memory_notes(e, memory, on_gpu)
+    held = int(e.gpu_memory_gib * 2**30) if on_gpu and e.gpu_memory_gib is not None else None
+    if held is not None:
+        more.append(f"the GPU held to {e.gpu_memory_gib:g} GiB (gpu_memory_gib): the plan fits in it and the "
+                    "executor's allocator is capped there")
     clipping = request.optim.clipping
     after_step = clipping or memory.grads == "device" or world > 1
     update = "final" if not after_step else {"off": "serial", "on": "speculative", "auto": "unless-clipped"}[
@@ -112,7 +126,7 @@ def resolve_settings(request: Request, machine: Machine) -> RunPlan:
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
         tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units, machine.nodes,
                           lora is not None, memory.grads),
-        arena_bytes=memory.arena_bytes, reference=e.reference and lora is None,
+        arena_bytes=memory.arena_bytes, reference=e.reference and lora is None, gpu_memory=held,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,
         memory=memory)
 

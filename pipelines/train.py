@@ -85,6 +85,7 @@ class TrainConfig:
     resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
     resident_weights: str = "auto"  # bf16: their compute weights a copy or cast at each use (EngineConfig)
     bf16_copy: str = "auto"  # bf16: a bf16 copy of the weights in the arena: auto | keep | none (EngineConfig)
+    gpu_memory_gib: float | None = None  # the GPU held to this many GiB (EngineConfig.gpu_memory_gib)
     nvme: str | None = None  # a directory on a local disk for the NVMe tier (EngineConfig.nvme)
     nvme_states: str | list[str] = "auto"  # what lives there: auto | all | a list of master, moments, grads
     keep_activations: int | str = "auto"  # top layers not recomputed: auto | none | all | N (EngineConfig)
@@ -227,7 +228,7 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
              "optimizer_workers", "precision", "device", "grads", "compile", "seed", "loss_chunk_tokens", "address",
              "max_nonfinite_steps", "trace", "tile_tokens", "checkpoint_budget_gib", "micro_batches", "schedule",
              "executors", "nodes", "speculate", "resident", "lora", "lora_base_dtype", "adapter", "keep_activations",
-             "resident_weights", "bf16_copy", "nvme", "nvme_states")
+             "resident_weights", "bf16_copy", "gpu_memory_gib", "nvme", "nvme_states")
     return {n: getattr(cfg, n) for n in names} | {
         "total_steps": cfg.steps if cfg.decay else None, "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
 

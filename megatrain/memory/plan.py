@@ -473,6 +473,17 @@ def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int
         low, high = (mid, high) if fits(mid) else (low, mid)
 
 
+def cap_gpu_memory(cap: int) -> float:
+    """Holds this process's CUDA allocator to `cap` bytes less the CUDA context (which the plan counts in the GPU's
+    total and the allocator does not): the fraction of the device's memory it is held to."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    fraction = max(0.0, min(1.0, (cap - CUDA_CONTEXT) / total))
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
 def gpu_free_here() -> int | None:
     """Free bytes on this process's GPU (creating a CUDA context), or None without a usable one."""
     try:

@@ -214,12 +214,19 @@ OPTIM = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, warmup_step
 
 def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim: dict = OPTIM,
                  dtype: torch.dtype = torch.float32, no_decay: Callable[[str], Any] | None = None,
-                 attention: str | None = "eager") -> tuple[list[float], dict]:
+                 attention: str | None = "eager", loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+                 scale: float = 1.0, model: Callable[[torch.dtype], torch.nn.Module] | None = None
+                 ) -> tuple[list[float], dict]:
     """transformers' model trained by torch.optim.AdamW (norms and biases not decayed, or the parameters whose
     names `no_decay` accepts) on HF's cosine schedule; `dtype` float64 gives the exact result that fp32 runs are
-    judged against (parameters returned in fp32). A batch is (ids, labels) or (ids, labels, position_ids)."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=attention, dtype=dtype)
-    named = list(model.named_parameters())
+    judged against (parameters returned in fp32). A batch is (ids, labels) or (ids, labels, position_ids), or what
+    `loss(model, batch)` takes (default: transformers' cross-entropy). scale: the loss differentiated is scaled by it
+    (1 +- 2^-20: the same training rounded differently; AdamW and clipping take the scale out), the losses returned
+    are not. model(dtype): the model to train (default: hf_dir's); only its parameters that require a gradient train
+    and are returned (a PEFT model's adapters, by the names PEFT saves them under)."""
+    model = model(dtype) if model is not None else AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation=attention, dtype=dtype)
+    named = [(n.replace(".default.", "."), p) for n, p in model.named_parameters() if p.requires_grad]
     if dtype == torch.float64 and any(".experts." in n for n, _ in named):
         model.set_experts_implementation("eager")  # torch's grouped matmul has no fp64 kernel
     if no_decay is None:
@@ -230,18 +237,23 @@ def hf_reference(hf_dir: Path, batches: list, max_grad_norm: float | None, optim
                             lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
     sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     losses = []
-    for ids, labels, *positions in batches:
-        # use_cache=False: how transformers reads packed position_ids in training (see test_long_context.py)
-        loss = model(input_ids=ids, labels=labels, position_ids=positions[0] if positions else None,
-                     use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
+    for batch in batches:
+        value = (loss or cross_entropy)(model, batch)
+        (value * scale).backward()
+        losses.append(value.item())
         if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad()
     return losses, {n: p.detach().float().clone() for n, p in named}
+
+
+def cross_entropy(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """transformers' loss of (ids, labels) or (ids, labels, position_ids): use_cache=False is how transformers reads
+    packed position_ids in training (see test_long_context.py)."""
+    ids, labels, *positions = batch
+    return model(input_ids=ids, labels=labels, position_ids=positions[0] if positions else None, use_cache=False).loss
 
 
 def train_engine(hf_dir: Path, batches: list, workers: int, max_grad_norm: float | None = 1.0, grads: str = "auto",

@@ -11,16 +11,21 @@ the lines of trl 1.16.0 they follow."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_rel
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from helpers import FAMILIES, build_hf_model, hf_reference, max_rel
+from transformers import Phi3Config
 from trl.trainer.utils import add_fused_lm_head
+
+import megatrain
+from megatrain.post.dpo import Pair, pair_batch
+from megatrain.post.grpo import group_advantages
 
 # (ids, labels, fields) of one step
 Step = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -45,6 +50,26 @@ def trl_logprobs(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
     valid = target != -100
     picked = logp.gather(2, target.clamp_min(0).unsqueeze(2)).squeeze(2) * valid
     return picked, -(logp.exp() * logp).sum(-1) * valid
+
+
+def trl_peft_model(hf: torch.nn.Module, adapters: Any, dtype: torch.dtype = torch.float32, temperature: float = 1.0
+                   ) -> torch.nn.Module:
+    """PEFT's LoRA (`adapters`: megatrain.lora.Adapters) on a copy of transformers' model in `dtype`, as TRL's trainers
+    make it: in fp32 TRL's fused LM head added first (add_fused_lm_head: "add the head before wrapping the model with
+    PEFT"), at `temperature`, for trl_logprobs."""
+    import peft
+    from peft.utils import set_peft_model_state_dict
+
+    base = copy.deepcopy(hf).to(dtype)
+    if dtype == torch.float32:
+        add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+    lora = adapters.lora
+    model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                      target_modules=list(lora.target_modules),
+                                                      use_rslora=lora.use_rslora))
+    assert not set_peft_model_state_dict(model, {n: t.to(dtype) for n, t in adapters.tensors.items()}).unexpected_keys
+    model._trl_temperature = temperature  # the head trl_logprobs would add is there
+    return model
 
 
 def label_aligned(trl: torch.Tensor) -> torch.Tensor:
@@ -79,6 +104,70 @@ def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], new: int, eos: int 
         logits.extend(out.logits)
     rows = [r[longest:].tolist() for r in out.sequences]
     return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+
+
+# the post-training tests' models: a native one (Llama) and one of the generic path (Phi-3)
+VOCAB = 128
+PHI3 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            num_hidden_layers=2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+MODELS = {"llama": FAMILIES["llama-gqa"], "phi3-generic": lambda: Phi3Config(**PHI3)}
+# GRPO's rollout batches: 2 prompts x GROUP completions, PROMPT + COMPLETION tokens, sampled at TEMPERATURE
+PROMPT, COMPLETION, GROUP, TEMPERATURE = 6, 10, 3, 0.9
+
+
+def post_model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[torch.nn.Module, megatrain.api.Model]]:
+    """(transformers' model, megatrain's of the same weights in this process) of MODELS[request.param]: a test module's
+    fixture as `model_case = pytest.fixture(scope="module", params=list(MODELS))(post_model_case)`."""
+    hf = build_hf_model(MODELS[request.param]())
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    with megatrain.from_pretrained(directory, loss_chunk_tokens=7) as model:
+        yield hf, model
+
+
+def pairs_batch(seed: int, hf: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, completion mask, reference log-probs) of 3 pairs of uneven lengths, the reference the model's
+    own sequence log-probs moved by noise (so the log-ratios differ from 0 both ways)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(2, VOCAB, (n,), generator=gen).tolist()
+
+    pairs = [Pair(tokens(4), tokens(6), tokens(3)), Pair(tokens(7), tokens(2), tokens(5)),
+             Pair(tokens(3), tokens(8), tokens(8))]
+    ids, labels, mask = pair_batch(pairs, pad_id=0)
+    with torch.no_grad():
+        own = trl_logprobs(copy.deepcopy(hf), ids, labels)[0].sum(1)
+    return ids, labels, mask, own + torch.randn(own.shape, generator=gen)
+
+
+def rollout_batch(seed: int, hf: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
+                                                         dict[str, torch.Tensor]]:
+    """(ids, labels, megatrain's fields aligned with the labels, TRL's inputs on the completion) of 2 prompts x GROUP
+    completions of uneven lengths (right-padded), old and reference log-probs off the model's by noise (some ratios
+    clip at either side)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * GROUP
+    prompts = torch.randint(2, VOCAB, (2, PROMPT), generator=gen).repeat_interleave(GROUP, dim=0)
+    completion = torch.randint(2, VOCAB, (rows, COMPLETION), generator=gen)
+    lengths = torch.tensor([10, 7, 3, 10, 5, 1])
+    completion_mask = (torch.arange(COMPLETION)[None, :] < lengths[:, None]).float()
+    completion = completion.where(completion_mask.bool(), 0)
+    ids = torch.cat([prompts, completion], 1)
+    labels = ids.where(torch.cat([torch.zeros(rows, PROMPT), completion_mask], 1).bool(), -100)
+    with torch.no_grad():
+        current = trl_logprobs(copy.deepcopy(hf), ids, labels, TEMPERATURE)[0][:, -COMPLETION:]
+    old = (current + 0.25 * torch.randn(current.shape, generator=gen)) * completion_mask
+    ref = (current + 0.3 * torch.randn(current.shape, generator=gen)) * completion_mask
+    advantages = group_advantages(torch.rand(rows, generator=gen), GROUP)
+    trl_inputs = {"completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+                  "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}
+    pad = torch.zeros(rows, PROMPT)
+    fields = {"mask": torch.cat([pad, completion_mask], 1), "advantages": advantages,
+              "old_logps": torch.cat([pad, old], 1), "ref_logps": torch.cat([pad, ref], 1),
+              "num_items": completion_mask.sum()}
+    return ids, labels, fields, trl_inputs
 
 
 def trl_dpo_loss(per_token_logps: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
@@ -130,31 +219,17 @@ def trl_grpo_loss(per_token_logps: torch.Tensor, inputs: dict[str, torch.Tensor]
 
 def hf_train(hf_dir: Path, steps: list[Step], loss: LossOf, dtype: torch.dtype = torch.float32,
              max_grad_norm: float | None = 1.0, temperature: float = 1.0, optim: dict[str, Any] = OPTIM,
-             scale: float = 1.0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' model trained on `loss` of its TRL-aligned log-probs (trl_logprobs) by torch.optim.AdamW (norms
-    and biases not decayed) on HF's cosine schedule, as the Engine's defaults; floating fields cast to `dtype`.
-    Parameters returned in fp32. scale: the loss differentiated is scaled by it (1 +- 2^-20: the same training,
-    rounded differently; AdamW and clipping take the scale out), the losses returned are not."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=dtype)
-    named = list(model.named_parameters())
-    no_decay = [p for n, p in named if n.endswith("norm.weight") or n.endswith(".bias")]
-    decay = [p for n, p in named if not (n.endswith("norm.weight") or n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
-    sched = get_cosine_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
-    losses = []
-    for ids, labels, fields in steps:
-        logp, entropy = trl_logprobs(model, ids, labels, temperature)
-        value = loss(logp, entropy, {k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
-        (value * scale).backward()
-        losses.append(value.item())
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().float().clone() for n, p in named}
+             scale: float = 1.0, model: Callable[[torch.dtype], torch.nn.Module] | None = None
+             ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """helpers.hf_reference (transformers' model, or model(dtype): a PEFT model's adapters, trained by
+    torch.optim.AdamW on HF's cosine schedule, as the Engine's defaults) on `loss` of its TRL-aligned log-probs
+    (trl_logprobs), floating fields cast to `dtype`."""
+    def step_loss(m: torch.nn.Module, step: Step) -> torch.Tensor:
+        ids, labels, fields = step
+        logp, entropy = trl_logprobs(m, ids, labels, temperature)
+        return loss(logp, entropy, {k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
+
+    return hf_reference(hf_dir, steps, max_grad_norm, optim, dtype, loss=step_loss, scale=scale, model=model)
 
 
 def assert_trains_as_transformers(ours: tuple[list[float], dict[str, torch.Tensor]], hf_dir: Path,

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_matches, build_hf_model, run_cli
+from helpers import assert_matches, build_hf_model, run_cli
 from post_helpers import (
+    MODELS,
     OPTIM,
     assert_trains_as_transformers,
     example_main,
+    pairs_batch,
+    post_model_case,
     tiny_chat_model,
     trl_dpo_loss,
     trl_logprobs,
 )
-from transformers import Phi3Config
 
 import megatrain
 from megatrain.config import ConfigError
@@ -34,27 +35,8 @@ from megatrain.post.dpo import DPOLoss, Pair, encode_pair, pair_batch
 from pipelines.dpo import CACHE, DPOConfig, reference_logps, split
 from pipelines.logprobs import batch_of
 
-VOCAB, BETA = 128, 0.3
-PHI3 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-            num_hidden_layers=2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
-MODELS = {"llama": FAMILIES["llama-gqa"], "phi3-generic": lambda: Phi3Config(**PHI3)}
+BETA = 0.3
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "post"
-
-
-def pairs_batch(seed: int, hf: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, labels, completion mask, reference log-probs) of 3 pairs of uneven lengths, the reference the model's
-    own sequence log-probs moved by noise (so the log-ratios differ from 0 both ways)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(2, VOCAB, (n,), generator=gen).tolist()
-
-    pairs = [Pair(tokens(4), tokens(6), tokens(3)), Pair(tokens(7), tokens(2), tokens(5)),
-             Pair(tokens(3), tokens(8), tokens(8))]
-    ids, labels, mask = pair_batch(pairs, pad_id=0)
-    with torch.no_grad():
-        own = trl_logprobs(copy.deepcopy(hf), ids, labels)[0].sum(1)
-    return ids, labels, mask, own + torch.randn(own.shape, generator=gen)
 
 
 def test_pairs_in_trl_formats_become_rows() -> None:
@@ -76,14 +58,7 @@ def test_pairs_in_trl_formats_become_rows() -> None:
         encode_pair({"prompt": "a", "chosen": "b"}, tok, None)
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[torch.nn.Module, megatrain.api.Model]]:
-    hf = build_hf_model(MODELS[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    with megatrain.from_pretrained(directory, loss_chunk_tokens=7) as model:
-        yield hf, model
+model_case = pytest.fixture(scope="module", params=list(MODELS))(post_model_case)
 
 
 def test_gradients_match_trl_loss(model_case) -> None:

@@ -8,14 +8,24 @@ transformers + TRL's loss + torch.optim.AdamW judged against fp64; the trainer s
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_matches, build_hf_model, rel_err
-from post_helpers import OPTIM, assert_trains_as_transformers, hf_logprobs, trl_grpo_loss, trl_logprobs
-from transformers import Phi3Config
+from helpers import assert_matches, build_hf_model, rel_err
+from post_helpers import (
+    COMPLETION,
+    GROUP,
+    MODELS,
+    OPTIM,
+    TEMPERATURE,
+    assert_trains_as_transformers,
+    hf_logprobs,
+    post_model_case,
+    rollout_batch,
+    trl_grpo_loss,
+    trl_logprobs,
+)
 from trl.trainer.utils import nanstd
 
 import megatrain
@@ -24,11 +34,7 @@ from megatrain.engine.token_loss import TokenLoss
 from megatrain.post.grpo import LOSS_TYPES, GRPOLoss, group_advantages
 from pipelines.logprobs import batch_of
 
-VOCAB, PROMPT, COMPLETION, GROUP = 128, 6, 10, 3
-PHI3 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-            num_hidden_layers=2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
-MODELS = {"llama": FAMILIES["llama-gqa"], "phi3-generic": lambda: Phi3Config(**PHI3)}
-TEMPERATURE, EPS_LOW, EPS_HIGH, BETA = 0.9, 0.2, 0.28, 0.04
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 
 
 def test_group_advantages_match_trl() -> None:
@@ -46,42 +52,7 @@ def test_group_advantages_match_trl() -> None:
         group_advantages(rewards, GROUP, "rank")
 
 
-def rollout_batch(seed: int, hf: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
-                                                         dict[str, torch.Tensor]]:
-    """(ids, labels, megatrain's fields aligned with the labels, TRL's inputs on the completion) of 2 prompts x GROUP
-    completions of uneven lengths (right-padded), old and reference log-probs off the model's by noise (some ratios
-    clip at either side)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * GROUP
-    prompts = torch.randint(2, VOCAB, (2, PROMPT), generator=gen).repeat_interleave(GROUP, dim=0)
-    completion = torch.randint(2, VOCAB, (rows, COMPLETION), generator=gen)
-    lengths = torch.tensor([10, 7, 3, 10, 5, 1])
-    completion_mask = (torch.arange(COMPLETION)[None, :] < lengths[:, None]).float()
-    completion = completion.where(completion_mask.bool(), 0)
-    ids = torch.cat([prompts, completion], 1)
-    labels = ids.where(torch.cat([torch.zeros(rows, PROMPT), completion_mask], 1).bool(), -100)
-    with torch.no_grad():
-        current = trl_logprobs(copy.deepcopy(hf), ids, labels, TEMPERATURE)[0][:, -COMPLETION:]
-    old = (current + 0.25 * torch.randn(current.shape, generator=gen)) * completion_mask
-    ref = (current + 0.3 * torch.randn(current.shape, generator=gen)) * completion_mask
-    advantages = group_advantages(torch.rand(rows, generator=gen), GROUP)
-    trl_inputs = {"completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
-                  "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}
-    pad = torch.zeros(rows, PROMPT)
-    fields = {"mask": torch.cat([pad, completion_mask], 1), "advantages": advantages,
-              "old_logps": torch.cat([pad, old], 1), "ref_logps": torch.cat([pad, ref], 1),
-              "num_items": completion_mask.sum()}
-    return ids, labels, fields, trl_inputs
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[torch.nn.Module, megatrain.api.Model]]:
-    hf = build_hf_model(MODELS[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    with megatrain.from_pretrained(directory, loss_chunk_tokens=7) as model:
-        yield hf, model
+model_case = pytest.fixture(scope="module", params=list(MODELS))(post_model_case)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -122,7 +93,8 @@ def test_bad_settings_are_one_sentence() -> None:
 def test_engine_three_steps_match_trl_loss_and_adamw(ray_session: None, tmp_path: Path) -> None:
     """The Engine on dapo with the KL term, old log-probs and a temperature: its log-probs and entropies of the initial
     weights against transformers' log-softmax (1e-5), then 3 steps against transformers + TRL's log-probs and loss +
-    torch.optim.AdamW, judged against fp64 (other loss types: slow)."""
+    torch.optim.AdamW, judged against fp64 (other loss types: slow); the reference's log-probs after them are the
+    initial ones bit for bit (Engine(reference=True): megatrain/engine/reference.py)."""
     _three_steps("dapo", tmp_path)
 
 
@@ -137,11 +109,17 @@ def _three_steps(loss_type: str, tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     loss = GRPOLoss(loss_type, EPS_LOW, EPS_HIGH, BETA, max_completion_length=COMPLETION)
     batches = [rollout_batch(10 + seed, hf) for seed in range(3)]
-    with megatrain.Engine(tmp_path, optimizer_workers=1, precision="fp32", device="cpu", **OPTIM) as engine:
+    with megatrain.Engine(tmp_path, optimizer_workers=1, precision="fp32", device="cpu", reference=True,
+                          **OPTIM) as engine:
         logp, entropy = engine.logprobs(batches[0][0], batches[0][1], temperature=TEMPERATURE, entropy=True)
         results = [engine.step_batch(batch_of(ids, labels, loss=loss, temperature=TEMPERATURE, entropy=True,
                                               fields=fields)) for ids, labels, fields, _ in batches]
         params = engine.parameters()
+        # the KL reference (megatrain/engine/reference.py): after the steps, the initial weights' log-probs bit for bit
+        assert engine.run_plan.reference and engine.plan.reference_bytes == 4 * engine.plan.arena_numel
+        now = engine.logprobs(batches[0][0], batches[0][1], temperature=TEMPERATURE)
+        ref = engine.logprobs(batches[0][0], batches[0][1], temperature=TEMPERATURE, reference=True)
+    assert torch.equal(ref, logp) and rel_err(now, logp) > 1e-4
     with torch.no_grad():  # Engine.logprobs of the initial weights: transformers' log-softmax at the labels
         want_logp, want_entropy = hf_logprobs(hf, batches[0][0], batches[0][1], TEMPERATURE)
     assert rel_err(logp, want_logp) <= 1e-5 and rel_err(entropy, want_entropy) <= 1e-5

@@ -16,7 +16,6 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from megatrain.config import PRESETS, ConfigError, ModelConfig, is_hub_name
 from megatrain.distributed.node_exchange import NodeGroup
 from megatrain.io import checkpoint as ckpt
 from megatrain.io.hub import hub_model
+from megatrain.io.slot_io import IN_PLACE, SlotIO
 from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_tensors, write_adapters
 from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
@@ -82,15 +82,16 @@ def for_each_unit(layout: ModelLayout, work: Callable[[Unit], None]) -> None:
         list(pool.map(work, layout.units))  # list(): re-raises a unit's failure here
 
 
-def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
+def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int, io: SlotIO = IN_PLACE) -> None:
     """HF Llama init: matrices ~ N(0, initializer_range), norms 1 (the family's norm_init), biases 0; one generator
-    per unit so each unit's values do not depend on the others (nor on the order the threads take them in)."""
+    per unit so each unit's values do not depend on the others (nor on the order the threads take them in). io: where
+    a unit's weights are written (the NVMe tier's: through a buffer of one unit per thread)."""
     std = layout.config.initializer_range
     norm = getattr(layout.config.family, "norm_init", 1.0)  # Gemma's (1 + w) norms start at 0
 
-    def init_unit(unit: Unit) -> None:
+    def init_unit(flat: torch.Tensor, unit: Unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
-        for name, t in unit.bind(unit.range_of(params)).items():
+        for name, t in unit.bind(flat).items():
             if name.endswith("norm.weight"):
                 t.fill_(norm)
             elif name.endswith(".bias"):
@@ -98,7 +99,7 @@ def init_weights(layout: ModelLayout, params: torch.Tensor, seed: int) -> None:
             else:
                 t.normal_(0.0, std, generator=gen)
 
-    for_each_unit(layout, init_unit)
+    for_each_unit(layout, lambda unit: io.fill(unit.range_of(params), lambda flat: init_unit(flat, unit)))
 
 
 class ParameterStore:
@@ -165,9 +166,9 @@ class ParameterStore:
         model, weights = (self.layout, self.arena.params) if frozen is None else (frozen, self.arena.frozen)
         if base or frozen is None:
             if self.source_dir is not None:
-                self.kept = ckpt.load_hf_weights(self.source_dir, model, weights)
+                self.kept = ckpt.load_hf_weights(self.source_dir, model, weights, self.io)
             else:
-                init_weights(model, weights, self.seed)
+                init_weights(model, weights, self.seed, self.io)
         if frozen is not None:
             adapters = initial_adapters(self.layout, self.seed, self.adapter)
             write_adapters(self.layout, self.arena.params, adapters, str(self.adapter or "the initial adapters"))
@@ -180,7 +181,7 @@ class ParameterStore:
         """After the weights were written other than by the optimizer (which keeps the shadow itself)."""
         if SHADOW_SEGMENT in self.arena.tensors:
             shadow, params = self.arena.tensors[SHADOW_SEGMENT], self.arena.params
-            for_each_unit(self.layout, lambda unit: unit.range_of(shadow).copy_(unit.range_of(params)))
+            for_each_unit(self.layout, lambda unit: unit.range_of(shadow).copy_(self.io.read(unit.range_of(params))))
 
     def reinitialize(self) -> None:
         """Back to the state before the first step: initial weights, zero moments, version 0."""
@@ -188,9 +189,14 @@ class ParameterStore:
         for name in ("grads", "exp_avg", "exp_avg_sq"):
             if self.tier is None or name not in self.tier.kinds:
                 self.arena.tensors[name].zero_()
-        if self.tier is not None:
-            self.tier.zero()
+        if self.tier is not None:  # the weights were written again above
+            self.tier.zero(("grads", "exp_avg", "exp_avg_sq"))
         self.set_version(0)
+
+    @property
+    def io(self) -> SlotIO:
+        """How the store reads and writes the arena's states: in place, or those on NVMe in their state files."""
+        return self.tier.io if self.tier is not None else IN_PLACE
 
     @property
     def handle(self) -> ArenaHandle:
@@ -219,7 +225,8 @@ class ParameterStore:
         """An HF model directory; a LoRA run's: its adapter in PEFT's format, or with `merge` the base with the
         adapter merged in (an HF model directory)."""
         if self.layout.frozen is None:
-            return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept)
+            return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept,
+                                io=self.io)
         if merge:
             tensors = merged_tensors(self.layout, self.arena.frozen, self.arena.params, self.kept)
             return ckpt.save_hf(Path(directory), self.layout.frozen, self.arena.frozen, extra_files or [],
@@ -252,16 +259,16 @@ class ParameterStore:
             if self.layout.frozen is not None:  # the adapter, as PEFT loads it; the frozen base is the model's own
                 self._write_adapter(directory)
             else:
-                ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept))
+                ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept),
+                                   io=self.io)
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        with self.tier.states_in_arena() if self.tier is not None else nullcontext():
-            self._write_moments(directory)
+        self._write_moments(directory)
 
     def _write_moments(self, directory: Path) -> None:
         if self.node.nodes == 1:
             moments = (ckpt.hf_tensors(self.layout, self.arena.exp_avg, "exp_avg.")
                        + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
-            ckpt.write_sharded(directory, "optimizer", moments)
+            ckpt.write_sharded(directory, "optimizer", moments, io=self.io)
         else:
             ckpt.write_moment_part(directory, self.layout, self.node, self.arena.exp_avg, self.arena.exp_avg_sq)
 
@@ -287,7 +294,7 @@ class ParameterStore:
         opt_files = [] if parts else ckpt.weight_files(directory, "optimizer")
         if frozen is None:
             kept: dict[str, torch.Tensor] = {}
-            ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept)
+            ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept, io=self.io)
             self.kept = kept
         else:
             write_adapters(self.layout, self.arena.params, adapters, str(directory))
@@ -298,9 +305,7 @@ class ParameterStore:
         else:
             for name, flat in moments.items():
                 ckpt.load_into(self.layout, flat, opt_files, prefix=f"{name}.", where=str(directory),
-                               shard=self.node)
-        if self.tier is not None:  # the moments to disk and out of RAM
-            self.tier.written()
+                               shard=self.node, io=self.io)
         if self.tier is not None and "grads" in self.tier.kinds:
             self.tier.zero(("grads",))
         else:

@@ -416,7 +416,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         """HF name -> copy of the current fp32 weights (a LoRA run's: its adapters', by PEFT name)."""
         self.wait_for_updates()
         self._write_back_resident()
-        return {k: v.clone() for k, v in self.actors.layout.hf_views(self.actors.arena.params).items()}
+        return dict(self.actors.weights())
 
     # ---- stop ----
     def shutdown(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from actors.executor import GPUExecutor
 from actors.optimizer_worker import OptimizerWorker
@@ -25,7 +27,8 @@ from megatrain.engine.optimizer import Speculation
 from megatrain.io.checkpoint import check_save_target
 from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import Arena, ArenaHandle, remove_stale_segments
-from megatrain.memory.nvme import TierSpec
+from megatrain.memory.nvme import StateFiles, TierSpec
+from megatrain.memory.staging import TierReader
 from megatrain.memory.versions import VersionTable
 from megatrain.run_plan import RunPlan
 from pipelines.cluster import NodePlacement
@@ -121,6 +124,23 @@ class RunActors:
         if self.tier is not None:
             get([w.flush.remote() for w in self.workers])
         return []
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, a copy of its current fp32 weight) one tensor at a time (a LoRA run's adapters, by PEFT name),
+        read where they live: the driver's map of the arena, or the NVMe tier's state file (once flushed:
+        Engine.wait_for_updates)."""
+        views = self.layout.hf_views(self.arena.params)
+        if self.tier is None or "params" not in self.tier.kinds:
+            yield from ((k, v.clone()) for k, v in views.items())
+            return
+        units = self.layout.units
+        first = units[self.tier.from_unit].offset if self.tier.from_unit < len(units) else self.layout.numel
+        files = StateFiles.open(self.arena.handle.tier, threads=1)
+        try:
+            reader = TierReader(files, self.arena.tensors, ("params",), first)
+            yield from ((k, reader.read(v).clone()) for k, v in views.items())
+        finally:
+            files.close()
 
     def new_worker(self, index: int) -> Any:
         """Optimizer worker `index` of the run: worker index % n of node index // n."""

@@ -125,7 +125,7 @@ def resolve_settings(request: Request, machine: Machine) -> RunPlan:
         clipping=clipping, loss_chunk_tokens=e.loss_chunk_tokens, seed=e.seed, lora=lora,
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
         tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units, machine.nodes,
-                          lora is not None, memory.grads),
+                          lora is not None, memory.grads, memory.shadow_bytes > 0),
         arena_bytes=memory.arena_bytes, reference=e.reference and lora is None, gpu_memory=held,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,
         memory=memory)

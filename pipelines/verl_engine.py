@@ -220,8 +220,7 @@ class MegatrainVerlEngine(BaseEngine):
         made as it is asked for, so the sync holds one tensor beside the arena, never the whole model."""
         self.engine.wait_for_updates()
         self.engine._write_back_resident()
-        views = self.engine.actors.layout.hf_views(self.engine.actors.arena.params)
-        return ((name, view.clone()) for name, view in views.items()), None
+        return self.engine.actors.weights(), None
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None, **kwargs: Any) -> None:

@@ -304,9 +304,10 @@ def test_a_run_refuses_what_it_cannot_place_on_nvme_yet(tmp_path: Path) -> None:
     from megatrain.memory.nvme import resolve_tier
     from megatrain.memory.tier_plan import plan_tier
 
-    tier = plan_tier(str(tmp_path), ("moments", "master"), 4096, 0, 1024)
-    assert "master cannot be placed on NVMe by a run yet" in tier.problem()
-    assert plan_tier(str(tmp_path), ("moments",), 4096, 0, 1024).problem() is None
+    assert plan_tier(str(tmp_path), ("moments", "master", "grads"), 4096, 0, 1024).problem() is None
+    with pytest.raises(MegatrainError, match="no bf16 copy to stream instead"):
+        resolve_tier(str(tmp_path), ("master", "moments"), copy=False)
+    assert resolve_tier(str(tmp_path), ("grads",), grads="stream") is None  # a ring's gradients leave as read
     with pytest.raises(MegatrainError, match="tmpfs"):
         resolve_tier("/dev/shm", ("moments",))
     with pytest.raises(ConfigError, match="nvme_states must be"):

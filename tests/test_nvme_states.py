@@ -1,7 +1,9 @@
 """Every kind of state a run can put on NVMe, in a run: bit for bit the host-memory run (losses, final weights and
-moments), with the held gradients stowed to disk as they land or once read beside the backward and staged back for
-the rollback, the serial update and put_back; and the stager's two placements of a gradient (its own arena range,
-where the executor lands it, and a staging slot, where it comes back) without Ray.
+moments, the export and Engine.parameters), with the fp32 masters (bf16 runs, which stream the bf16 copy), the Adam
+moments and the held gradients on disk: a gradient stowed as it lands or once read beside the backward and staged
+back for the rollback, the serial update and put_back; the store's init, loads, checkpoints and exports one tensor at a
+time through the state files. And the stager's two placements of a gradient (its own arena range, where the executor
+lands it, and a staging slot, where it comes back) without Ray.
 
 Settings are combined into few runs (each Engine start is seconds here): steps that clip and steps that do not (with
 speculate "auto" a clipped step's successor updates serially), micro-batches summed in the arena, a resident unit,
@@ -106,19 +108,28 @@ def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = 
                 assert allocated(engine.handle.path(kind)) <= resident, kind
             assert kill_worker_at is None or engine.restarts == 1
         engine.save_checkpoint(out)
-    return losses, checkpoint_state(out), updates
+        engine.save_pretrained(out / "final")
+        weights = engine.parameters()
+    state = checkpoint_state(out)
+    final = checkpoint_state(out / "final")  # the export, read unit by unit from where the weights live
+    assert final.keys() == {k for k in state if k.startswith("model/")} == {f"model/{k}" for k in weights}
+    for k, v in final.items():
+        assert torch.equal(v, state[k]) and torch.equal(weights[k.removeprefix("model/")], v), k
+    return losses, state, updates
 
 
 @pytest.mark.parametrize("settings", [
     dict(max_grad_norm=MIXED, speculate="auto", micro_batches=2, batch_size=4, schedule="per-micro-batch",
-         resident=1, device="cpu-async:3", nvme_states="moments,grads"),
+         resident=1, device="cpu-async:3", precision="bf16", bf16_copy="keep", nvme_states="all"),
     dict(max_grad_norm=MIXED, speculate="on", executors=2, nvme_states="moments,grads", kill_worker_at=1),
     pytest.param(dict(max_grad_norm=1.0, speculate="off", micro_batches=2, batch_size=4,
                       nvme_states="moments,grads"), marks=pytest.mark.slow),
+    pytest.param(dict(max_grad_norm=MIXED, speculate="on", micro_batches=2, batch_size=4, precision="bf16",
+                      bf16_copy="keep", nvme_states="all", kill_worker_at=1), marks=pytest.mark.slow),
     pytest.param(dict(max_grad_norm=None, grads="arena", nvme_states="moments,grads"), marks=pytest.mark.slow),
-], ids=["fp32-auto-per-micro-batch-resident-simulated-streams", "fp32-speculate-two-executors-killed-worker",
-        "fp32-serial-layer-major", "fp32-clipping-off-final-updates"])
-def test_held_gradients_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, nvme_dir: Path,
+], ids=["bf16-all-auto-per-micro-batch-resident-simulated-streams", "fp32-speculate-two-executors-killed-worker",
+        "fp32-serial-layer-major", "bf16-all-speculate-layer-major-killed-worker", "fp32-clipping-off-final-updates"])
+def test_states_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_path: Path, nvme_dir: Path,
                                                   settings: dict) -> None:
     """The host-memory run saves a checkpoint after its first step; the NVMe run resumes from it (host memory into
     NVMe) and ends with the same bytes. The steps clip and do not: beside the backward the updates stand or roll back
@@ -145,15 +156,38 @@ def test_an_nvme_run_resumes_into_host_memory_and_back(ray_session: None, micro_
 
     _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
-    settings = dict(max_grad_norm=MIXED, speculate="auto")
+    settings = dict(max_grad_norm=MIXED, speculate="auto", precision="bf16", bf16_copy="keep")
     runs = [tmp_path / name for name in ("first", "second", "third")]
     for run in runs:
         run.mkdir()
     want = train(directory, tmp_path, batches, **settings)
-    first = train(directory, runs[0], batches[:1], save_after=0, nvme=nvme_dir, nvme_states="moments,grads",
-                  **settings)
+    first = train(directory, runs[0], batches[:1], save_after=0, nvme=nvme_dir, nvme_states="all", **settings)
     second = train(directory, runs[1], batches[1:2], resume_from=runs[0] / "after-1", save_after=0, **settings)
     third = train(directory, runs[2], batches[2:], resume_from=runs[1] / "after-1", nvme=nvme_dir,
-                  nvme_states="moments,grads", **settings)
+                  nvme_states="all", **settings)
     assert first[0] + second[0] + third[0] == want[0]
     assert_same(third[:2], (third[0], want[1]))
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_an_nvme_run_leaves_nothing_in_shared_memory_or_the_nvme_directory(tmp_path: Path,
+                                                                                   nvme_dir: Path) -> None:
+    """tests/test_pipeline.py's Ctrl-C, with every state on NVMe: the run's state directory goes with its arena (the
+    nvme_dir fixture checks it is empty after)."""
+    import os
+    import signal
+
+    from helpers import dead_segments
+    from test_pipeline import megatrain as cli
+
+    before = dead_segments()
+    proc = cli("train", "--steps", "5000", "--log-every", "1", "--optimizer-workers", "1", "--precision", "bf16",
+               "--bf16-copy", "keep", "--nvme", str(nvme_dir), "--nvme-states", "all", cwd=tmp_path)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: the whole foreground group
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted: shared memory released" in out
+    assert dead_segments() <= before, "the run left shared memory behind"

@@ -151,22 +151,24 @@ class AdamWShard:
                 if not group or group[-1].numel + end - start > self.piece_numel:
                     group.append(_Piece([], [], [], [], [], []))
                 piece, at = group[-1], unit.offset + start
-                piece.params.append(tensors["params"][at : unit.offset + end])
+                piece.params.append(self._state(unit, tensors, "params", lo, start, end))
                 piece.grads.append(grads[start:end])
                 staged = self._staged_grads(unit, lo, start, end)
                 piece.staged.append(grads[start:end] if staged is None else staged)
-                piece.exp_avg.append(self._moments(unit, tensors, "exp_avg", lo, start, end))
-                piece.exp_avg_sq.append(self._moments(unit, tensors, "exp_avg_sq", lo, start, end))
+                piece.exp_avg.append(self._state(unit, tensors, "exp_avg", lo, start, end))
+                piece.exp_avg_sq.append(self._state(unit, tensors, "exp_avg_sq", lo, start, end))
                 if shadow is not None:
                     piece.shadow.append(shadow[at : unit.offset + end])
         return pieces
 
-    def _moments(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int
-                 ) -> torch.Tensor:
-        """[start, end) of the unit's moment `kind`: in the arena, or in the unit's staging slot where on NVMe (the
-        shard from `lo` on)."""
-        if self.stager is not None and self.stager.holds(unit.index):
+    def _state(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int
+               ) -> torch.Tensor:
+        """[start, end) of the unit's weights or moment `kind`: in the arena (a moment: at the node's packing), or in
+        the unit's staging slot where on NVMe (the shard from `lo` on)."""
+        if self.stager is not None and self.stager.holds(unit.index, kind):
             return self.stager.view(kind, unit.index)[start - lo : end - lo]
+        if kind == "params":
+            return tensors[kind][unit.offset + start : unit.offset + end]
         return self.node.moments(unit, tensors[kind], start, end)
 
     def _staged_grads(self, unit: Unit, lo: int, start: int, end: int) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from megatrain.config import ConfigError, MegatrainError, ModelConfig
 from megatrain.io import mxfp4
+from megatrain.io.slot_io import IN_PLACE, SlotIO
 from megatrain.model.layout import ModelLayout, NodeShard
 
 SHARD_BYTES = 4 * 2**30
@@ -43,8 +44,8 @@ class CheckpointError(MegatrainError):
 
 # ---- safetensors writing ----
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
-                      ) -> None:
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
+                      io: SlotIO = IN_PLACE) -> None:
     items = [(name, t.detach().contiguous().cpu()) for name, t in tensors]
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -57,9 +58,8 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], m
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, t in items:
-            if t.numel():
-                f.write(memoryview(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()).cast("B"))
+        for t in (io.read(t) for _, t in items if t.numel()):  # each read where it lives (io) as it is written
+            f.write(memoryview(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -78,16 +78,16 @@ def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tu
 
 
 def write_sharded(directory: Path, stem: str, tensors: list[tuple[str, torch.Tensor]],
-                  limit: int = SHARD_BYTES) -> None:
+                  limit: int = SHARD_BYTES, io: SlotIO = IN_PLACE) -> None:
     """HF's layout: `<stem>.safetensors`, or numbered shards plus `<stem>.safetensors.index.json`."""
     shards = _shards(tensors, limit)
     if len(shards) == 1:
-        write_safetensors(directory / f"{stem}.safetensors", shards[0])
+        write_safetensors(directory / f"{stem}.safetensors", shards[0], io=io)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
         fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(directory / fname, shard)
+        write_safetensors(directory / fname, shard, io=io)
         for name, t in shard:
             weight_map[name] = fname
             total += t.numel() * t.element_size()
@@ -164,7 +164,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "",
               tensors: Iterable[tuple[str, torch.Tensor]] | None = None, shard: NodeShard | None = None,
-              kept: dict[str, torch.Tensor] | None = None) -> None:
+              kept: dict[str, torch.Tensor] | None = None, io: SlotIO = IN_PLACE) -> None:
     """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes. `tensors`:
     the (name, tensor) pairs to load, if not those of `files` as stored. `shard`: `flat` holds only a node's part of
     each unit, packed (Adam moments on one of several nodes): each tensor's elements in that part are copied.
@@ -202,10 +202,10 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
                                   "not a floating-point type; the file is not a model checkpoint.")
         if shard is None:
             start = unit.offset + slot.offset
-            mxfp4.copy_into(flat[start : start + slot.numel].view(slot.shape), t)
+            io.fill(flat[start : start + slot.numel].view(slot.shape), lambda dst, t=t: mxfp4.copy_into(dst, t))
         elif (mine := shard.overlap(unit, slot.offset, slot.offset + slot.numel)) is not None:
-            a, b = mine
-            shard.moments(unit, flat, a, b).copy_(mxfp4.dense(t).reshape(-1)[a - slot.offset : b - slot.offset])
+            part = mxfp4.dense(t).reshape(-1)[mine[0] - slot.offset : mine[1] - slot.offset]
+            io.fill(shard.moments(unit, flat, *mine), lambda dst, part=part: dst.copy_(part))
         seen.add(hf_name)
     missing = sorted(set(slots) - seen) + sorted(passthrough - set(kept or {}))
     if missing:
@@ -214,7 +214,7 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
                               "the checkpoint is incomplete or its config.json describes another model.")
     if tied_head is not None:
         unit, slot = slots["model.embed_tokens.weight"]
-        embed = flat[unit.offset + slot.offset : unit.offset + slot.offset + slot.numel].view(slot.shape)
+        embed = io.read(flat[unit.offset + slot.offset : unit.offset + slot.offset + slot.numel].view(slot.shape))
         if not (tied_head.is_floating_point() and tuple(tied_head.shape) == slot.shape
                 and torch.equal(tied_head.to(embed.dtype), embed)):
             # loading would silently drop a separately trained head (transformers keeps the two apart)
@@ -231,7 +231,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_hf(directory)
 
 
-def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) -> dict[str, torch.Tensor]:
+def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor, io: SlotIO = IN_PLACE
+                    ) -> dict[str, torch.Tensor]:
     """Loads the HF directory's weights into `params`; returns the pass-through tensors, as stored."""
     files = weight_files(directory, "model")
     tensors = None
@@ -241,7 +242,7 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor) 
         stored = mxfp4.decoded(directory, iter_safetensors_lazy(files))  # GPT-OSS as published: MXFP4 experts
         tensors = checkpoint_tensors(layout.config.hf_config, stored)
     kept: dict[str, torch.Tensor] = {}
-    load_into(layout, params, files, where=str(directory), tensors=tensors, kept=kept)
+    load_into(layout, params, files, where=str(directory), tensors=tensors, kept=kept, io=io)
     return kept
 
 
@@ -262,7 +263,7 @@ def is_weight_file(name: str, stem: str = "model") -> bool:
 
 def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
             shard_bytes: int = SHARD_BYTES, kept: dict[str, torch.Tensor] | None = None,
-            tensors: list[tuple[str, torch.Tensor]] | None = None) -> Path:
+            tensors: list[tuple[str, torch.Tensor]] | None = None, io: SlotIO = IN_PLACE) -> Path:
     """Writes an HF directory (config.json, safetensors weights and the pass-through tensors `kept`, copies of
     extra_files) atomically. tensors: the weights to write by HF name, where they are not `params` (a LoRA run's
     base with its adapters merged in).
@@ -274,7 +275,7 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        write_sharded(tmp, "model", tensors or model_tensors(layout, params, kept), shard_bytes)
+        write_sharded(tmp, "model", tensors or model_tensors(layout, params, kept), shard_bytes, io)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))

@@ -214,13 +214,16 @@ def _map(handle: ArenaHandle) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _parse_owner(name: str) -> tuple[int, int] | None:
-    # PREFIX-run_id-pid-start-segment: read from the right, since a user's run id may contain dashes
+def parse_owner(name: str, segment: bool = True) -> tuple[int, int] | None:
+    """(pid, start time) of the process that owns a file named PREFIX-run_id-pid-start-segment (an arena segment), or
+    with segment=False PREFIX-run_id-pid-start (the NVMe tier's state directory); None for any other name. Read from
+    the right, since a user's run id may contain dashes."""
     parts = name.split("-")
-    if len(parts) < 5 or parts[0] != PREFIX:
+    tail = 1 if segment else 0
+    if len(parts) < 4 + tail or parts[0] != PREFIX:
         return None
     try:
-        return int(parts[-3]), int(parts[-2])
+        return int(parts[-2 - tail]), int(parts[-1 - tail])
     except ValueError:
         return None
 
@@ -231,11 +234,11 @@ def list_segments(directory: Path | str | None = None) -> list[Path]:
         return []
     # only names an arena writes (prefix-run-pid-start-segment): never someone else's megatrain-* file
     return sorted(p for p in directory.iterdir()
-                  if p.name.startswith(PREFIX + "-") and _parse_owner(p.name) is not None and p.is_file())
+                  if p.name.startswith(PREFIX + "-") and parse_owner(p.name) is not None and p.is_file())
 
 
 def segment_owner_alive(path: Path) -> bool:
-    owner = _parse_owner(path.name)
+    owner = parse_owner(path.name)
     if owner is None:
         return False
     pid, start = owner

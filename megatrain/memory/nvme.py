@@ -3,9 +3,10 @@
 A run keeps the kinds of state the plan puts on NVMe (fp32 masters, Adam m and v, held gradients: the arena's segment
 names) in one file per kind under `<nvme>/megatrain-<run>-<pid>-<start>/`, laid out element for element as the arena's
 segment of that kind, so a unit's range (4 KiB aligned, megatrain/model/layout.py ALIGN) is the same range in both.
-The arena itself is the staging buffer: a worker reads its share of a unit straight into the arena's range of it
-(O_DIRECT into a MAP_SHARED /dev/shm mapping works), updates it there in place, writes it back and punches the range's
-pages out of /dev/shm again, so only the units in flight hold RAM.
+The arena is the staging buffer (megatrain/memory/staging.py): a worker reads its share of a unit into its staging
+slots there (O_DIRECT into a MAP_SHARED /dev/shm mapping works), updates it in place and writes it back; a gradient is
+written from the arena range it landed in, whose pages are then punched out of /dev/shm, so only the units in flight
+hold RAM.
 
 Direct I/O because the page cache would quietly keep what the tier was meant to take out of RAM (mmap, numpy.memmap and
 torch.from_file all go through it); tmpfs accepts O_DIRECT since Linux 6.6 and keeps the data in RAM, so it is refused
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import MegatrainError
-from megatrain.memory.arena import PREFIX, process_start_time
+from megatrain.memory.arena import PREFIX, parse_owner, process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -307,28 +308,18 @@ def all_of(parts: list[Future], then: Callable[[], None] | None = None) -> Futur
 
 
 # ---- stale runs ----
-def _parse_owner(name: str) -> tuple[int, int] | None:
-    parts = name.split("-")
-    if len(parts) < 4 or parts[0] != PREFIX:
-        return None
-    try:
-        return int(parts[-2]), int(parts[-1])
-    except ValueError:
-        return None
-
-
 def list_state_dirs(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _parse_owner(p.name) is not None)
+    return sorted(p for p in root.iterdir() if p.is_dir() and parse_owner(p.name, segment=False) is not None)
 
 
 def remove_stale_state_dirs(root: str | Path, everything: bool = False) -> list[Path]:
     """Removes the state directories under `root` whose owner process is gone (all of megatrain's: everything)."""
     removed = []
     for path in list_state_dirs(root):
-        pid, start = _parse_owner(path.name) or (0, 0)
+        pid, start = parse_owner(path.name, segment=False) or (0, 0)
         if everything or process_start_time(pid) != start:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -386,9 +377,9 @@ def wait_all(futures: Iterable[Future]) -> None:
 
 
 # ---- what a run puts on NVMe ----
-# nvme_states names (megatrain/memory/tier_plan.py KINDS) this build places on NVMe: the GPU streams the fp32 masters
-# from the arena
-SUPPORTED = ("moments", "grads")
+# nvme_states names (megatrain/memory/tier_plan.py KINDS) this build places on NVMe; the fp32 masters only where the
+# executor streams a bf16 copy of them (resolve_tier)
+SUPPORTED = ("master", "moments", "grads")
 KINDS = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
 
 
@@ -405,16 +396,22 @@ class TierSpec:
 
 
 def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int = 0, nodes: int = 1,
-                 lora: bool = False, grads: str = "arena") -> TierSpec | None:
+                 lora: bool = False, grads: str = "arena", copy: bool = True) -> TierSpec | None:
     """The run's tier of the nvme_states the plan placed (`names`; what this build cannot place, the memory plan's
     check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here. grads: where the
     gradients wait (EngineConfig.grads, resolved): only those held in the arena go to disk, a ring's or the device's
-    leave as they are read."""
+    leave as they are read. copy: the executor streams a bf16 copy of the weights (bf16 precision, a bf16 copy kept),
+    which the optimizer writes beside each update: the masters then need not be in the arena."""
     if not nvme or not names:
         return None
     if nodes > 1 or lora:
         raise MegatrainError("the NVMe tier holds a whole model's Adam moments on one node; run on one node without "
                              "LoRA (whose moments are small) or drop --nvme.")
+    if "master" in names and not copy:
+        raise MegatrainError("the fp32 master weights cannot live on NVMe in this run: the executor streams them "
+                             "from host memory, as there is no bf16 copy to stream instead (precision fp32/tf32, or "
+                             "bf16_copy none); set precision = \"bf16\" with bf16_copy = \"keep\", or leave master "
+                             "out of nvme_states.")
     check_directory(nvme)
     kinds = tuple(k for n in names for k in KINDS[n] if k != "grads" or grads == "arena")
     return TierSpec(str(Path(nvme).resolve()), names, kinds, resident_units) if kinds else None

@@ -1,26 +1,27 @@
-"""The arena as the NVMe tier's staging buffer: a unit's NVMe-resident states brought into its arena range before the
-optimizer's pass over it and sent back behind it, no Ray.
+"""The arena as the NVMe tier's staging buffer: a unit's NVMe-resident states brought into staging slots in the arena
+before the optimizer's pass over it and sent back behind it, no Ray.
 
-Each process that moves states (an optimizer worker its shard of every unit, the parameter store whole units for a
-checkpoint) has one UnitStager over its extents. `take(u)` returns once u's states are in the arena (read ahead where
-the order was foreseen); `give(u)` writes them behind and, once on disk, punches their pages out of /dev/shm. The order
-is foreseen from the last two units taken: the backward takes L-1, L-2, ..., the serial update and the rollback
-0, 1, ...; a wrong guess costs one read. All I/O of a unit goes through its own future, so a read of it never overtakes
-its write.
+Each optimizer worker has one UnitStager over its shard of every unit. `take(u)` returns once u's states are in its
+slot (read ahead where the order was foreseen); `give(u)` writes them behind. The order is foreseen from the last two
+units taken: the backward takes L-1, L-2, ..., the serial update and the rollback 0, 1, ...; a wrong guess costs one
+read. All I/O of a unit goes through its own future, so a read of it never overtakes its write. Held gradients land
+in their own arena range (the executor writes there): `stow` writes them from there and punches the range's pages out
+of /dev/shm, `take` brings them back into a slot. The parameter store reads and writes the states on disk one tensor
+at a time (TierReader: init, loads, checkpoints, exports), never a whole kind in RAM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from megatrain.io.slot_io import SlotIO
 from megatrain.memory.arena import Arena
-from megatrain.memory.nvme import StateFiles, TierHandle, TierSpec, all_of, punch_out
+from megatrain.memory.nvme import MAX_ALIGN, StateFiles, TierHandle, TierSpec, all_of, punch_out
 from megatrain.model.layout import ALIGN, ModelLayout
 
 AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM while it waits
@@ -248,36 +249,24 @@ def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int
 
 
 class StoreTier:
-    """The parameter store's side of the tier: owns the state files, and moves whole units for checkpoints."""
+    """The parameter store's side of the tier: owns the state files, and reads and writes the states on disk one tensor
+    at a time (SlotIO: init, loads, checkpoints, exports), never a whole kind in RAM."""
 
     def __init__(self, spec: TierSpec, arena: Arena, bounds: dict[int, tuple[int, int]]):
         sizes = {k: arena.tensors[k].numel() * arena.tensors[k].element_size() for k in spec.kinds}
         self.files = StateFiles.create(spec.root, sizes, run_id=arena.handle.run_id, threads=spec.threads,
                                        from_unit=spec.from_unit)
         arena.handle = replace(arena.handle, tier=self.files.handle)  # what workers open the files by
-        # a checkpoint holds no gradients: the store moves the other kinds, and only zeroes those
-        kept = tuple(k for k in spec.kinds if k not in LANDING)
-        paths = {kind: arena.handle.path(kind) for kind in kept}
-        extents = unit_extents({u: b for u, b in bounds.items() if u >= spec.from_unit}, kept)
-        self.stager = UnitStager(self.files, arena.tensors, paths, extents)
         self.arena, self.kinds = arena, spec.kinds
+        first = bounds.get(spec.from_unit, (max((b for _, b in bounds.values()), default=0),))[0]
+        self.reader = TierReader(self.files, arena.tensors, spec.kinds, first)
+        self.io = self.reader.slot_io()
 
-    @contextmanager
-    def states_in_arena(self) -> Iterator[None]:
-        """The states in their arena ranges while the block reads them (a checkpoint), out again after."""
-        self.stager.bring_in()
-        try:
-            yield
-        finally:
-            self.stager.send_out(changed=False)
-
-    def written(self) -> None:
-        """The arena's ranges of the states were written (a checkpoint loaded): to disk and out of RAM."""
-        self.stager.send_out(changed=True)
+    def holds(self, kind: str) -> bool:
+        return kind in self.kinds
 
     def zero(self, kinds: tuple[str, ...] | None = None) -> None:
         """The states (of `kinds`, by default all) back to zeros in the arena and on disk, touching no page."""
-        self.stager.flush()
         for kind in self.kinds if kinds is None else [k for k in kinds if k in self.kinds]:
             t = self.arena.tensors[kind]
             punch_out(self.arena.handle.path(kind), 0, t.numel() * t.element_size())
@@ -285,6 +274,52 @@ class StoreTier:
 
     def close(self) -> None:
         try:
-            self.stager.close()
+            self.files.close()
         finally:
             self.files.unlink()
+
+
+class TierReader:
+    """Views of the arena's segments of the kinds on NVMe, read from and written to the state files instead (from
+    element `first` on: the units before it are resident, their states in the arena), one tensor at a time through an
+    aligned buffer of its size; any process that opened the files can (the store, the driver)."""
+
+    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], kinds: tuple[str, ...], first: int):
+        self.files, self.tensors, self.kinds, self.first = files, tensors, kinds, first
+
+    def _where(self, view: torch.Tensor) -> tuple[str, int] | None:
+        """(kind, byte offset) of a view of a segment on NVMe, past the resident units; None where in the arena."""
+        for kind in self.kinds:
+            seg = self.tensors[kind]
+            at = view.data_ptr() - seg.data_ptr()
+            if self.first * seg.element_size() <= at < seg.numel() * seg.element_size():
+                return kind, at
+        return None
+
+    def read(self, view: torch.Tensor) -> torch.Tensor:
+        where = self._where(view)
+        if where is None:
+            return view
+        buf = _aligned(view.numel() * view.element_size())
+        self.files.read(where[0], where[1], buf).result()
+        return buf[: view.numel() * view.element_size()].view(view.dtype).view(view.shape)
+
+    def fill(self, view: torch.Tensor, write: Callable[[torch.Tensor], None]) -> None:
+        where = self._where(view)
+        if where is None:
+            write(view)
+            return
+        buf = _aligned(view.numel() * view.element_size())  # zeros past the view: the alignment padding between slots
+        write(buf[: view.numel() * view.element_size()].view(view.dtype).view(view.shape))
+        self.files.write(where[0], where[1], buf).result()
+
+    def slot_io(self) -> SlotIO:
+        return SlotIO(self.read, self.fill)
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """A zeroed byte buffer of `nbytes` rounded up to the direct I/O alignment, at an aligned address."""
+    size = -(-nbytes // MAX_ALIGN) * MAX_ALIGN
+    raw = torch.zeros(size + MAX_ALIGN, dtype=torch.uint8)
+    at = (-raw.data_ptr()) % MAX_ALIGN
+    return raw[at : at + size]

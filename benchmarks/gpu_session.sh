@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_session.sh multi   # several GPUs (the lent machines have one): NCCL test, 7b at 1/2/4/8 executors
 #   bash benchmarks/gpu_session.sh lora    # issue #27: LoRA on a streamed bf16 base, 32b (Qwen2.5-32B's shape) at 1 x 4096
 #   bash benchmarks/gpu_session.sh defaults # issue #46: 7b bf16 at the default lr and warm-up (no --lr, --warmup-steps)
-#   bash benchmarks/gpu_session.sh generate # issue #45: generate tokens/s, 7b bf16, units held on the GPU vs streamed
+#   bash benchmarks/gpu_session.sh generate # issue #45: tests/test_gpu_post.py; generate tokens/s, 7b bf16, held vs streamed
 #   bash benchmarks/gpu_session.sh capped  # issue #44: 7b bf16 with the GPU held to 10 GiB (an RTX 3080's), tokens/s
 #   DRY_RUN=1 bash benchmarks/gpu_session.sh PART   # print the commands, run nothing (works anywhere)
 #
@@ -402,6 +402,7 @@ print("losses", " ".join(f"{v:.3f}" for v in l)); sys.exit(not (l[-1] < l[0] and
     # with the units that fit the GPU kept there for the call (the whole 14 GB model on an 80+ GB GPU) and with every
     # unit streamed for every token (predicted ~0.16-0.25 s a step: 14 GB over PCIe). Unrun: no GPU was lent the
     # session that wrote it (2026-12-02).
+    step post-gpu-tests 120 python3 -m pytest tests/test_gpu_post.py -m gpu -q -s
     step generate-7b 400 python3 benchmarks/generate.py --model 7b --precision bf16 --rows 8 --prompt 128 --new 64 \
       --optimizer-workers 8 --out "$OUT/generate-7b.json"
     ;;

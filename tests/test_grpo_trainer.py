@@ -16,6 +16,7 @@ from post_helpers import EXAMPLES, example_main, tiny_chat_model
 from transformers import AutoModelForCausalLM
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.memory.plan import plan_run
 from megatrain.memory.post_plan import post_plan
 from megatrain.model.layout import planned_unit_numels
 from pipelines.grpo import load_rewards
@@ -87,6 +88,14 @@ def test_plan_says_what_each_mode_adds() -> None:
     assert "rollout KV cache" in run.output and "KL to the initial policy" in run.output, run.output
     with pytest.raises(ConfigError, match="--post must be one of dpo, grpo"):
         post_plan(config, "ppo", 1, 1)
+    # what a generate call keeps on the GPU beyond the resident units: all but the (untied) embedding where it has
+    # room, none without room beyond the plan, nothing said off a GPU
+    roomy = plan_run(config, 32, 80, precision="bf16", on_gpu=True, gpu_free=2**40, host_free=2**40)
+    held = post_plan(config, "grpo", 32, 80, "bf16", run=roomy).held
+    assert held == (config.num_layers + 1, 2 * sum(list(planned_unit_numels(config))[1:]))
+    full = plan_run(config, 32, 80, precision="bf16", on_gpu=True, gpu_free=roomy.gpu_total, host_free=2**40)
+    assert post_plan(config, "grpo", 32, 80, "bf16", run=full).held == (0, 0)
+    assert post_plan(config, "grpo", 32, 80, "bf16", run=plan_run(config, 32, 80, on_gpu=False)).held is None
 
 
 def test_post_training_metrics_reach_the_ray_metrics(ray_session: None, tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ reference   the reference's log-probs: a forward per batch without gradients, wi
             their own (REFERENCE_SEGMENT, made at the start: 2 B a parameter in bf16 runs, else 4; `with_reference`
             adds it to the run's plan); a LoRA run's reference is its base with the adapters off: nothing more
 rollout     the KV cache of a rollout batch on the device (megatrain/engine/generation.py): keys and values of
-            every layer, [rows, kv_heads, seq, head_dim] each, in the compute dtype, beside the weight buffers
+            every layer, [rows, kv_heads, seq, head_dim] each, in the compute dtype, beside the weight buffers; and
+            the units each generate call keeps on the GPU beyond the resident ones, in what the GPU has free beyond
+            the run's plan and the cache, less the margin (residency.py: held_for_generation)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.memory.residency import held_for_generation, margin
 from megatrain.model.layout import planned_unit_numels
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ class PostPlan:
     kv_cache_bytes: int  # rollout: on the device while generating (GRPO)
     reference_bytes: int  # GRPO's KL term: the initial weights' arena segment, in host memory
     room: int | None = None  # host bytes free beside the run's plan (None: not known)
+    held: tuple[int, int] | None = None  # rollout: (units, bytes) a generate call keeps on the GPU (None: not known)
 
     def report(self) -> str:
         lines = [f"post-training ({self.mode}, {self.rows} rows x {self.seq} tokens):",
@@ -80,6 +84,9 @@ class PostPlan:
         if self.mode == "grpo":
             lines.append(f"  rollout KV cache: {_mib(self.kv_cache_bytes)} on the device while generating (beside the "
                          "weight buffers and resident units; the step's activations are not alive then)")
+            if self.held is not None:
+                lines.append(f"  rollout weights: {self.held[0]} more units kept on the GPU for each generate call "
+                             f"({_mib(self.held[1])}), the rest streamed for every new token")
             if self.reference_bytes:
                 lines.append(f"  KL to the initial policy: the initial weights in an arena segment of their own, "
                              f"{_mib(self.reference_bytes)} in host memory, streamed by the executor for the "
@@ -108,7 +115,22 @@ def post_plan(config: ModelConfig, mode: str, rows: int, seq: int, precision: st
     room = None  # beside the run without the segment
     if run is not None:
         room = min(run.host_free - run.host_total, run.shm_free - run.arena_host_bytes) + run.reference_bytes
-    return PostPlan(mode, rows, seq, per_token, reference, kv, segment, room)
+    return PostPlan(mode, rows, seq, per_token, reference, kv, segment, room,
+                    rollout_held(config, run, kv, precision) if mode == "grpo" else None)
+
+
+def rollout_held(config: ModelConfig, run: MemoryPlan | None, kv_bytes: int, precision: str) -> tuple[int, int] | None:
+    """(units, bytes) a rollout's generate call keeps on the GPU beyond the run's resident units: what the GPU has free
+    beyond the run's plan and the KV cache, less the margin (Generator's rule); None off a GPU or where its free
+    memory is not known."""
+    if run is None or not run.on_gpu or run.gpu_free is None:
+        return None
+    room = run.gpu_free - run.gpu_total - kv_bytes
+    numels = list(planned_unit_numels(config))
+    element = 2 if precision == "bf16" else 4
+    held = held_for_generation(numels, run.resident_units, room - margin(room) if room > 0 else 0, element,
+                               skip=() if config.tie_embeddings else (0,))
+    return len(held), sum(numels[i] for i in held) * element
 
 
 def _mib(n: int) -> str:

@@ -30,9 +30,9 @@ from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_ten
 from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
-from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.arena import FP32_SEGMENTS, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.buffers import ARENA, Buffer, arena_segments
 from megatrain.memory.post_plan import REFERENCE_SEGMENT
-from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.memory.staging import StoreTier, stage_segments
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
@@ -143,21 +143,22 @@ class ParameterStore:
         column, the update whose weights every node has, see NodeGroup.sync_weights), issued (per unit, the updates
         handed out: what is issued and not applied is a worker's queue), the resident flags (1 where the executor
         keeps a unit on its device and updates it there: megatrain/engine/resident.py), the bf16 copy, the frozen
-        base."""
-        plan, units = self.plan, len(self.layout.units)
-        columns = plan.optimizer_workers + (plan.nodes > 1)
-        extra = [("versions", "int64", units * columns), ("issued", "int64", units), (RESIDENT_SEGMENT, "int64", units)]
-        if plan.shadow:
-            extra.append((SHADOW_SEGMENT, "bfloat16", self.layout.numel))
-        if plan.tier is not None:  # each optimizer worker's slots the NVMe tier's states are staged in
-            extra += stage_segments(self.layout, plan.tier.kinds, plan.tier.from_unit, plan.optimizer_workers)
-        if self.layout.frozen is not None:
-            extra.append((FROZEN_SEGMENT, BASE_DTYPES[plan.lora_base_dtype], self.layout.frozen.numel))
-        if plan.reference is not None and self.layout.frozen is None:  # GRPO's KL reference: the initial weights
-            extra.append((REFERENCE_SEGMENT, plan.reference, self.layout.numel))
-        return Arena.create(self.layout.numel, run_id=run_id, extra_segments=tuple(extra),
-                            grads_numel=self.grad_layout.numel, moments_numel=self.node.numel,
-                            sparse=plan.tier.kinds if plan.tier is not None else ())
+        base, GRPO's KL reference (the initial weights): the rows of megatrain/memory/buffers.py's arena_segments,
+        which the memory plan sums too."""
+        plan, frozen = self.plan, self.layout.frozen
+        staging = ()  # each optimizer worker's slots the NVMe tier's states are staged in
+        if plan.tier is not None:
+            staging = tuple(Buffer(name, ARENA, numel, dtype) for name, dtype, numel in
+                            stage_segments(self.layout, plan.tier.kinds, plan.tier.from_unit, plan.optimizer_workers))
+        segments = arena_segments(self.layout.numel, self.grad_layout.numel, self.node.numel,
+                                  units=len(self.layout.units), columns=plan.optimizer_workers + (plan.nodes > 1),
+                                  shadow=plan.shadow, frozen_numel=0 if frozen is None else frozen.numel,
+                                  frozen_dtype=BASE_DTYPES[plan.lora_base_dtype], staging=staging,
+                                  reference=plan.reference if frozen is None else None)
+        return Arena.create(self.layout.numel, run_id=run_id, grads_numel=self.grad_layout.numel,
+                            moments_numel=self.node.numel, sparse=plan.tier.kinds if plan.tier is not None else (),
+                            extra_segments=tuple((b.name, b.dtype, b.numel) for b in segments
+                                                 if b.name not in FP32_SEGMENTS))
 
     def _init_params(self, base: bool = True) -> None:
         """The model's weights from its directory (or initialised); a LoRA run's into the frozen segment (base False:

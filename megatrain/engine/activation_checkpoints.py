@@ -8,7 +8,8 @@ the rest in host memory.
               starts bringing the one below too, so that it crosses while layer l computes (two transfer
               buffers, like the weights')
 
-Checkpoints are kept in the compute dtype (bf16 in bf16 runs). The accounting (`kept_bytes`,
+Checkpoints are kept in the compute dtype (bf16 in bf16 runs); how many stay on the device is the memory plan's count
+(megatrain/memory/buffers.py: kept_checkpoints). The accounting (`kept_bytes`,
 `transfer_bytes` and their peaks) is what the memory plan's numbers are checked against: kept checkpoints never
 exceed the budget, transfers never more than two checkpoints. Host buffers are kept from step to step.
 """
@@ -21,6 +22,7 @@ import torch
 
 from megatrain.config import MegatrainError
 from megatrain.engine.streams import Streams
+from megatrain.memory.buffers import kept_checkpoints
 
 
 class ActivationCheckpoints:
@@ -61,8 +63,7 @@ class ActivationCheckpoints:
     def put(self, index: int, x: torch.Tensor) -> None:
         size = x.numel() * x.element_size()
         if self._first_kept is None:
-            fits = self._num_layers if self.budget is None else min(self._num_layers, self.budget // max(size, 1))
-            self._first_kept = self._num_layers - fits
+            self._first_kept = self._num_layers - kept_checkpoints(self._num_layers, self.budget, size)
         if index >= self._first_kept:
             self._kept[index] = x
             self._count("kept", size)

@@ -14,6 +14,7 @@ import torch
 
 from megatrain.engine.resident import ResidentUnits
 from megatrain.engine.streams import Streams
+from megatrain.memory.buffers import WEIGHT_BUFFERS, WEIGHT_STAGING, dtype_name, has, row, weight_buffers
 from megatrain.model.layout import Unit
 from megatrain.telemetry import Recorder
 
@@ -30,10 +31,10 @@ class WeightSlots:
         n = 2 if self.copy_needed or (resident is not None and resident.cast) else 0
         dev = streams.device
         # bf16 compute from fp32 weights on a GPU (or fp32 compute from a LoRA run's bf16 base): they arrive in a
-        # staging buffer in their own dtype and are cast there
-        staged = streams.asynchronous and dtype != weights.dtype
-        self.staging = [torch.empty(numel, device=dev, dtype=weights.dtype) for _ in range(n if staged else 0)]
-        self.buffers = [torch.empty(numel, device=dev, dtype=dtype) for _ in range(n)]
+        # staging buffer in their own dtype and are cast there; the rows the memory plan sums (buffers.py)
+        table = weight_buffers(numel, 0, dtype_name(dtype), dtype_name(weights.dtype), streams.asynchronous)
+        self.staging = row(table, WEIGHT_STAGING).allocate(dev) if n and has(table, WEIGHT_STAGING) else []
+        self.buffers = row(table, WEIGHT_BUFFERS).allocate(dev) if n else []
         self.resident: list[int | None] = [None] * n
         self.ready: list[Any] = [None] * n
         self.free: list[Any] = [None] * n

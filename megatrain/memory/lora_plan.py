@@ -21,6 +21,19 @@ from megatrain.config import ConfigError, ModelConfig, check_resident
 from megatrain.lora.adapters import refuse_tiled_dropout
 from megatrain.lora.config import BASE_DTYPES, LoraConfig
 from megatrain.lora.layout import LoraLayout, lora_layout
+from megatrain.memory.arena import FROZEN_SEGMENT
+from megatrain.memory.buffers import (
+    ARENA,
+    HEAD,
+    HEAD_CAST,
+    STATE_SEGMENTS,
+    WEIGHT_BUFFERS,
+    WEIGHT_STAGING,
+    arena_segments,
+    row,
+    total,
+    weight_buffers,
+)
 from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION, GiB
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
 
@@ -54,12 +67,12 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     base_bytes, compute = (2 if base_dtype == "bf16" else 4), (2 if precision == "bf16" else 4)
     # the base's layers cross in its dtype; cast to the compute dtype on the device (on a GPU through a staging
     # buffer in the base's dtype, megatrain/engine/weight_slots.py)
-    same = base_bytes == compute
-    per_weight = compute + (base_bytes if plan.on_gpu and not same else 0)
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
     rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size
-    gpu_weights = (2 * layer + head) * per_weight + rows * compute
+    device_weights = weight_buffers(layer, head, "bfloat16" if compute == 2 else "float32", BASE_DTYPES[base_dtype],
+                                    staged=plan.on_gpu)
+    gpu_weights = total(device_weights) + rows * compute
     gpu_grads = GRAD_SETS_IN_FLIGHT * layer_adapters * 4  # no base gradient; the head's and embedding's: none
     # the weights' fp32 gradient sums: the adapters' only; and the adapters' activations in one layer's recompute
     gpu_working = plan.gpu_working - (layer - layer_adapters) * 4 + adapter_activations(one, plan, compute)
@@ -68,14 +81,19 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     h2d = (passes * ((2 * layers_numel - min(2, config.num_layers) * layer + head) * base_bytes + 2 * adapters * 4)
            + rows * base_bytes + (passes - 1) * adapters * 4)
     offloaded = plan.host_checkpoints * passes  # checkpoints out and back in, as the whole model's plan counts them
-    frozen = plan.arena_numel * base_bytes
-    moments = -(-adapters // plan.nodes) * 8
+    units = row(plan.buffers, "issued").numel
+    segments = arena_segments(adapters, adapters, -(-adapters // plan.nodes), units=units, shadow=False,
+                              columns=row(plan.buffers, "versions").numel // units,
+                              frozen_numel=plan.arena_numel, frozen_dtype=BASE_DTYPES[base_dtype])
     process = plan.process_bytes
     if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
         process += executors * (gpu_weights + gpu_grads + gpu_working - plan.gpu_weights - plan.gpu_grads
                                 - plan.gpu_working)
-    return replace(plan, arena_bytes=frozen + adapters * 8 + moments, grads="arena", grads_bytes=adapters * 4,
-                   shadow_bytes=0, frozen_bytes=frozen, frozen_dtype=base_dtype, adapter_params=params,
+    buffers = (*segments, *device_weights, *(b for b in plan.buffers if b.place != ARENA and b.name not in
+                                             (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST)))
+    return replace(plan, arena_bytes=total(segments, *STATE_SEGMENTS), grads="arena",
+                   grads_bytes=total(segments, "grads"), shadow_bytes=0, frozen_bytes=total(segments, FROZEN_SEGMENT),
+                   frozen_dtype=base_dtype, adapter_params=params, buffers=buffers,
                    adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
                    h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded, process_bytes=process,
                    network_bytes=int(3 * (plan.nodes - 1) / plan.nodes * adapters * 4))

@@ -26,6 +26,20 @@ from megatrain.config import (
     ModelConfig,
     check_choice,
 )
+from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.buffers import (
+    CHECKPOINT_TRANSFER,
+    DEVICE_CHECKPOINTS,
+    OFFLOADED_CHECKPOINTS,
+    STATE_SEGMENTS,
+    Buffer,
+    arena_segments,
+    checkpoint_buffers,
+    element_size,
+    kept_checkpoints,
+    total,
+    weight_buffers,
+)
 from megatrain.memory.copy_rule import BF16_COPY_RULE, pcie_bound
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
@@ -107,6 +121,8 @@ class MemoryPlan:
     bf16_copy_note: str = ""  # bf16 runs: whether the arena keeps a bf16 copy of the weights, and why (plan_run)
     reference_bytes: int = 0  # GRPO's KL reference: the initial weights' segment, part of arena_bytes (post_plan.py)
     tier_note: str = ""  # nvme_states auto: which states the tier holds, and why (megatrain/memory/tier_plan.py)
+    # the rows the byte counts above are sums of, as the store and the executor allocate them (buffers.py)
+    buffers: tuple[Buffer, ...] = ()
 
     @property
     def arena_host_bytes(self) -> int:
@@ -262,8 +278,10 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     embed_rows = min(v, k * tokens) * h * 4
     # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
-    weight_bytes = (2 if shadow else 6) if precision == "bf16" else 4
-    weights = (2 * layer + head) * weight_bytes + embed_rows
+    compute = "bfloat16" if precision == "bf16" else "float32"
+    streamed = "bfloat16" if precision == "bf16" and shadow else "float32"
+    device_weights = weight_buffers(layer, head, compute, streamed)
+    weights = total(device_weights) + embed_rows
     # every gradient stays until the step ends (grads = device: layers' in compute dtype, the head's fp32), or a few
     gpu_grads = (config.num_layers * layer * act_bytes if grads == "device" else GRAD_SETS_IN_FLIGHT * layer * 4)
     gpu_grads += head * 4 + embed_rows
@@ -273,31 +291,35 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     # on the device within the budget, the rest in page-locked host buffers, crossing in two device buffers
     checkpoint = tokens * h * act_bytes
     entries = config.num_layers * together  # one per layer and micro-batch
-    kept_layers = entries if checkpoint_budget is None else min(entries, checkpoint_budget // max(checkpoint, 1))
+    kept_layers = kept_checkpoints(entries, checkpoint_budget, checkpoint)
     offloaded = entries - kept_layers
+    checkpoints = checkpoint_buffers(tokens * h, compute, kept_layers, offloaded)
     working = working_bytes(config, tokens, tile_tokens, precision, layer)
     chunk = min(tokens, o.loss_chunk_tokens)
     # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
     loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
-    shadow_bytes = arena_numel * 2 if shadow else 0
     processes = process_bytes(o.optimizer_workers, executors, on_gpu, embed_rows)
-    gpu_checkpoints, gpu_transfer = kept_layers * checkpoint, (2 * checkpoint if offloaded else 0)
-    streamed = 2 if precision == "bf16" and shadow else 4
-    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, streamed, embed_rows, offloaded * checkpoint)
+    gpu_checkpoints, gpu_transfer = total(checkpoints, DEVICE_CHECKPOINTS), total(checkpoints, CHECKPOINT_TRANSFER)
+    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, element_size(streamed), embed_rows,
+                          offloaded * checkpoint)
     if not on_gpu:  # the CPU path computes in host memory, each executor its own
         processes += executors * (weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss)
     shm_free = shm_available(o.shm_dir) if Path(o.shm_dir).is_dir() else 0
     moments_numel = -(-arena_numel // nodes)  # NodeShard: this node's part of each unit
+    units = len(layout.units) + config.num_layers - len(layout.layers)
+    segments = arena_segments(arena_numel, grads_numel, moments_numel, units=units,
+                              columns=o.optimizer_workers + (nodes > 1), shadow=shadow)
     plan = MemoryPlan(
         model=o.name, params=config.num_params(), arena_numel=arena_numel,
-        arena_bytes=arena_numel * 4 + moments_numel * 8 + grads_numel * 4 + shadow_bytes, grads=grads,
-        grads_bytes=grads_numel * 4, nodes=nodes, network_bytes=network_bytes(nodes, arena_numel),
-        shadow_bytes=shadow_bytes, process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads,
+        arena_bytes=total(segments, *STATE_SEGMENTS), grads=grads, grads_bytes=total(segments, "grads"), nodes=nodes,
+        network_bytes=network_bytes(nodes, arena_numel), shadow_bytes=total(segments, SHADOW_SEGMENT),
+        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads,
         gpu_checkpoints=gpu_checkpoints, gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
         host_free=host_available() if host_free is None else host_free,
         shm_free=shm_free if host_free is None else host_free, gpu_free=o.gpu_free, batch=batch, seq=seq,
-        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget, host_checkpoints=offloaded * checkpoint,
-        micro_batches=k, schedule=schedule, h2d_bytes=h2d, d2h_bytes=d2h,
+        tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
+        host_checkpoints=total(checkpoints, OFFLOADED_CHECKPOINTS), micro_batches=k, schedule=schedule, h2d_bytes=h2d,
+        d2h_bytes=d2h, buffers=(*segments, *device_weights, *checkpoints),
     )  # lora: its adapters train beside the frozen base, kept in lora_base_dtype (megatrain/memory/lora_plan.py)
     return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)
 

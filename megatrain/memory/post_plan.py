@@ -46,9 +46,13 @@ def reference_bytes(config: ModelConfig, precision: str, lora: bool = False) -> 
 
 
 def with_reference(plan: MemoryPlan, config: ModelConfig, precision: str) -> MemoryPlan:
-    """The run's plan with the reference segment in its arena (so its host check counts it)."""
+    """The run's plan with the reference segment in its arena (so its host check counts it), a row of its buffers as
+    the store allocates it (megatrain/memory/buffers.py)."""
+    from megatrain.memory.buffers import ARENA, Buffer  # buffers.py names this room's segment: imported here
+
     extra = reference_bytes(config, precision, lora=bool(plan.frozen_bytes))
-    return replace(plan, arena_bytes=plan.arena_bytes + extra, reference_bytes=extra)
+    rows = (Buffer(REFERENCE_SEGMENT, ARENA, plan.arena_numel, reference_dtype(precision)),) if extra else ()
+    return replace(plan, arena_bytes=plan.arena_bytes + extra, reference_bytes=extra, buffers=(*plan.buffers, *rows))
 
 
 def reference_problem(plan: MemoryPlan) -> str | None:

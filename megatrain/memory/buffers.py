@@ -1,0 +1,116 @@
+"""The buffers a run allocates, as one table of named rows (name, place, elements, dtype, count) that the allocators
+and the memory plan both read, so that what is planned and what is allocated cannot drift apart:
+
+    arena     the store's shared-memory segments (megatrain/store.py: ParameterStore._allocate), from arena_segments
+    device    the executor's weight buffers (megatrain/engine/weight_slots.py), from weight_buffers
+    pinned    page-locked host buffers: the offloaded activation checkpoints, as many as kept_checkpoints leaves
+
+The memory plan (megatrain/memory/plan.py, lora_plan.py) sums the same rows for its lines, and its PCIe bytes (which
+the predictor, megatrain/perf/predict.py, times) take the streamed weights' element size from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, SHADOW_SEGMENT
+from megatrain.memory.post_plan import REFERENCE_SEGMENT
+from megatrain.memory.residency import RESIDENT_SEGMENT
+
+ARENA, DEVICE, PINNED = "arena", "device", "pinned"
+# arena segments that hold the run's state (what the plan's arena bytes count); the others are its bookkeeping
+STATE_SEGMENTS = (*FP32_SEGMENTS, SHADOW_SEGMENT, FROZEN_SEGMENT, REFERENCE_SEGMENT)
+WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST = "weight buffers", "weight staging", "head", "head cast"
+DEVICE_CHECKPOINTS, CHECKPOINT_TRANSFER = "device checkpoints", "checkpoint transfer"
+OFFLOADED_CHECKPOINTS = "offloaded checkpoints"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    place: str  # ARENA, DEVICE or PINNED
+    numel: int  # elements of one
+    dtype: str  # a torch dtype's name: "float32", "bfloat16", "int64"
+    count: int = 1  # how many alike (the two weight buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.numel * element_size(self.dtype)
+
+    def allocate(self, device: torch.device | str) -> list[torch.Tensor]:
+        """The `count` tensors of this row, uninitialised, on `device`."""
+        return [torch.empty(self.numel, device=device, dtype=getattr(torch, self.dtype)) for _ in range(self.count)]
+
+
+def element_size(dtype: str | torch.dtype) -> int:
+    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def arena_segments(numel: int, grads_numel: int, moments_numel: int, *, units: int, columns: int, shadow: bool,
+                   frozen_numel: int = 0, frozen_dtype: str = "bfloat16", staging: tuple[Buffer, ...] = (),
+                   reference: str | None = None) -> tuple[Buffer, ...]:
+    """The arena's segments: fp32 weights (`numel`: what trains, a LoRA run's adapters), gradients and this node's Adam
+    moments; the version table (per unit, a column per worker and with several nodes one more), the updates issued
+    and the resident flags per unit; the bf16 copy of the weights; the NVMe tier's staging; a LoRA run's frozen base;
+    GRPO's KL reference, the initial weights in the `reference` dtype (megatrain/memory/post_plan.py)."""
+    sizes = {"params": numel, "grads": grads_numel, "exp_avg": moments_numel, "exp_avg_sq": moments_numel}
+    rows = [Buffer(name, ARENA, sizes[name], "float32") for name in FP32_SEGMENTS]
+    rows += [Buffer("versions", ARENA, units * columns, "int64"), Buffer("issued", ARENA, units, "int64"),
+             Buffer(RESIDENT_SEGMENT, ARENA, units, "int64")]
+    rows += [Buffer(SHADOW_SEGMENT, ARENA, numel, "bfloat16")] if shadow else []
+    rows += list(staging)
+    rows += [Buffer(FROZEN_SEGMENT, ARENA, frozen_numel, frozen_dtype)] if frozen_numel else []
+    rows += [Buffer(REFERENCE_SEGMENT, ARENA, numel, reference)] if reference is not None else []
+    return tuple(rows)
+
+
+def weight_buffers(layer_numel: int, head_numel: int, compute: str, streamed: str, staged: bool = True
+                   ) -> tuple[Buffer, ...]:
+    """The device buffers the weights arrive in: two for the decoder layers to rotate through, in the compute dtype;
+    where the streamed weights are of another dtype (fp32 weights of a bf16 run without a bf16 copy, a LoRA run's
+    base) and copies are asynchronous (`staged`: a GPU's, or cpu-async), two staging buffers they land in before the
+    cast; the head (and a tied head's table) whole, as it crosses (and cast)."""
+    cast = staged and streamed != compute
+    rows = [Buffer(WEIGHT_BUFFERS, DEVICE, layer_numel, compute, 2)]
+    rows += [Buffer(WEIGHT_STAGING, DEVICE, layer_numel, streamed, 2)] if cast else []
+    rows += [Buffer(HEAD, DEVICE, head_numel, streamed if cast or staged else compute)]
+    rows += [Buffer(HEAD_CAST, DEVICE, head_numel, compute)] if cast else []
+    return tuple(rows)
+
+
+def kept_checkpoints(entries: int, budget: int | None, size: int) -> int:
+    """How many of a step's `entries` activation checkpoints of `size` bytes stay on the device within `budget` (None:
+    all); the rest are offloaded to page-locked host buffers (megatrain/engine/activation_checkpoints.py)."""
+    return entries if budget is None else min(entries, budget // max(size, 1))
+
+
+def checkpoint_buffers(numel: int, dtype: str, kept: int, offloaded: int) -> tuple[Buffer, ...]:
+    """A step's activation checkpoints of `numel` elements each: `kept` on the device (kept_checkpoints), `offloaded`
+    in page-locked host buffers, crossing back through two device buffers (where any is offloaded)."""
+    rows = [Buffer(DEVICE_CHECKPOINTS, DEVICE, numel, dtype, kept)]
+    if offloaded:
+        rows += [Buffer(OFFLOADED_CHECKPOINTS, PINNED, numel, dtype, offloaded),
+                 Buffer(CHECKPOINT_TRANSFER, DEVICE, numel, dtype, 2)]
+    return tuple(rows)
+
+
+def total(rows: tuple[Buffer, ...], *names: str, place: str | None = None) -> int:
+    """Bytes of the rows named (none named: every row), of `place` where given."""
+    return sum(r.nbytes for r in rows if (not names or r.name in names) and (place is None or r.place == place))
+
+
+def row(rows: tuple[Buffer, ...], name: str) -> Buffer:
+    """The row named `name` (KeyError where there is none)."""
+    for r in rows:
+        if r.name == name:
+            return r
+    raise KeyError(name)
+
+
+def has(rows: tuple[Buffer, ...], name: str) -> bool:
+    return any(r.name == name for r in rows)

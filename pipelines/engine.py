@@ -95,8 +95,8 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         cluster joined, the run resolved (self.run_plan), its actors started. A run the plan says will not fit is
         refused before anything is allocated."""
         o = self.options = EngineOptions.of(options, overrides)
-        self.optim = o.optim()
-        self.request = o.engine()  # what was asked; resolve (pipelines/run_plan.py) decides its "auto"s at the start
+        self.optim = o.optim
+        self.request = o.engine  # what was asked; resolve (pipelines/run_plan.py) decides its "auto"s at the start
         self.config, hf_dir, self.model_name = resolve_model(model)
         self.adapter = o.adapter and absolute(o.adapter)
         self._longest_seen = 0  # the longest sequence a step was given: warned about once past the model's positions
@@ -120,7 +120,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self.recovery = Recovery(self, self.actors, o.max_restarts, o.max_replay_steps)
         try:
             self._start(model_arg, Request(self.config, self.model_name, self.request, self.optim, o.batch_size,
-                                           o.seq_len, o.lora, self.adapter))
+                                           o.seq_len, o.engine.lora, self.adapter))
         except BaseException:
             self.shutdown()
             raise

@@ -1,52 +1,25 @@
-"""EngineOptions: everything an Engine is made with besides its model, as one dataclass: the optimizer's settings
-(OptimConfig), the engine's (EngineConfig, its "auto"s decided by pipelines/run_plan.py: resolve), and the run's own
-(the Ray cluster, the step's shape, recovery, telemetry). `Engine(model, options, **overrides)`; what each setting
-means: docs/design.md."""
+"""EngineOptions: everything an Engine is made with besides its model: the optimizer's settings (OptimConfig), the
+engine's (EngineConfig, its "auto"s decided by pipelines/run_plan.py: resolve), and the run's own (the Ray cluster,
+the step's shape, recovery, telemetry). `Engine(model, options, **overrides)` takes any of their fields by name; what
+each setting means: docs/design.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from megatrain.config import ConfigError, EngineConfig, OptimConfig
 
+# the EngineConfig fields an Engine takes: not threads_per_worker (a worker's threads are its reserved CPUs)
+ENGINE_SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.name != "threads_per_worker")
+OPTIM_SETTINGS = tuple(f.name for f in fields(OptimConfig))
+
 
 @dataclass
 class EngineOptions:
-    # optimizer (OptimConfig)
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    # engine (EngineConfig)
-    optimizer_workers: int | str = 2
-    precision: str = "tf32"
-    device: str = "auto"
-    seed: int = 0
-    loss_chunk_tokens: int = 4096
-    grads: str = "auto"
-    compile: str | bool = "auto"
-    tile_tokens: int | None | str = "auto"
-    checkpoint_budget_gib: float | None | str = "auto"
-    micro_batches: int | str = 1
-    schedule: str = "auto"
-    executors: int | str = "auto"
-    nodes: int = 1
-    speculate: str = "auto"
-    resident: int | str = "auto"
-    lora_base_dtype: str = "bf16"
-    keep_activations: int | str = "auto"
-    resident_weights: str = "auto"
-    bf16_copy: str = "auto"
-    gpu_memory_gib: float | None = None  # the GPU held to this many GiB (plan and allocator)
-    nvme: str | Path | None = None
-    nvme_states: Any = "auto"
-    reference: bool = False  # the initial weights kept for Engine.logprobs(reference=True) (GRPO's KL reference)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the optimizer's settings
+    engine: EngineConfig = field(default_factory=EngineConfig)  # what the engine is asked for (its "auto"s left)
     # the run
     address: str | None = None  # the Ray cluster (pipelines/cluster.py: init_ray)
     batch_size: int = 8  # the step's shape the memory plan is made for
@@ -57,26 +30,23 @@ class EngineOptions:
     resource_timeout: float = 60.0  # seconds to wait for Ray to grant the run's CPUs (and GPU)
     trace: bool = False
     metrics: bool = True
-    lora: Any = None  # a LoraConfig, its command-line form or a table of it
     adapter: str | Path | None = None  # a PEFT adapter directory to start from
 
     @classmethod
     def of(cls, options: EngineOptions | None, overrides: dict[str, Any]) -> EngineOptions:
-        """`options` (default: the defaults) with `overrides`; an unknown name is refused in one sentence."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
+        """`options` (default: the defaults) with `overrides`, each a field of OptimConfig, EngineConfig (`lora`: a
+        LoraConfig, its command-line form or a table of it; `nvme`: a path) or of the run's; an unknown name is
+        refused in one sentence."""
+        run = {f.name for f in fields(cls)} - {"optim", "engine"}
+        unknown = sorted(set(overrides) - run - set(OPTIM_SETTINGS) - set(ENGINE_SETTINGS))
         if unknown:
             raise ConfigError(f"Engine got unknown setting(s) {', '.join(unknown)}; the settings are the fields of "
+                              "OptimConfig and EngineConfig (megatrain/config.py) and of the run's in "
                               "pipelines/engine_options.py: EngineOptions.")
-        return replace(options or cls(), **overrides)
-
-    def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
-                           max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup_steps,
-                           total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio)
-
-    def engine(self) -> EngineConfig:
-        """What the engine was asked for (its "auto"s left to resolve)."""
-        names = {f.name for f in fields(EngineConfig)} & {f.name for f in fields(self)}
-        values = {name: getattr(self, name) for name in names}
-        return EngineConfig(**{**values, "nvme": self.nvme and str(self.nvme)})
+        o = options or cls()
+        optim = replace(o.optim, **{k: v for k, v in overrides.items() if k in OPTIM_SETTINGS})
+        engine = {k: v for k, v in overrides.items() if k in ENGINE_SETTINGS}
+        if engine.get("nvme"):
+            engine["nvme"] = str(engine["nvme"])
+        return replace(o, optim=optim, engine=replace(o.engine, **engine),
+                       **{k: v for k, v in overrides.items() if k in run})

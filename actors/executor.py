@@ -2,7 +2,7 @@
 to the optimizer workers: it waits for their updates before loading a unit, and hands them units as their
 gradients land in the host arena, during the backward: with clipping off and one executor the update is final;
 otherwise, where the driver asks for it (a Speculation), it is the update beside the backward, which the driver
-validates once the step's norm is known. With gradients kept on the device they are sent out (again) in forward
+validates once the step's norm is known. With gradients held on the device they are sent out (again) in forward
 order once the driver has the step's clip coefficient: `send_grads`, which runs in a concurrency group of its own
 so that it overlaps the next step's forward. Units resident on the executor's device (megatrain/engine/resident.py) are
 never handed out: the driver has them updated here (`update_resident`) once the step's norm is known, and written
@@ -143,9 +143,9 @@ class GPUExecutor:
                                 also_send=speculation is not None)  # held gradients go out now as well
         # only this step's gradients can still be wanted: the last step's were sent before this forward ended;
         # and none of a step whose update the driver will skip (a non-finite norm) unless units were updated beside
-        # its backward: putting them back reads their gradients again (every unit resident: none, but the step is kept)
-        kept = self.hold_grads and out.unit_grad_norms_sq and (out.finite or handout.speculated)
-        self._held = {step: out.held} if kept else {}
+        # its backward: putting them back reads their gradients again (every unit resident: none, but the step is held)
+        held = self.hold_grads and out.unit_grad_norms_sq and (out.finite or handout.speculated)
+        self._held = {step: out.held} if held else {}
         self._speculated = {step: set(handout.speculated)}
         out.held = []
         stats = rec.end_step()
@@ -227,7 +227,7 @@ class GPUExecutor:
     @ray.method(concurrency_group="grads_out")
     def send_grads(self, step: int, clip_coef: float, attempt: int | None = None, put_back: bool = False
                    ) -> list[Span]:
-        """Update number `step` from the gradients its train_step kept on the device: each unit's copied to
+        """Update number `step` from the gradients its train_step held on the device: each unit's copied to
         the host in forward order and handed to the workers as it lands (OptimizerWorker.update_unit, which replaces
         an update beside the backward of try `attempt` by the clipped one). Units whose update beside the backward
         stands (clip_coef 1) are not sent; with put_back (a skipped step) only those are, to be put back. Returns

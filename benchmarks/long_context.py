@@ -10,7 +10,7 @@ out-of-memory costs one row):
   megatrain  megatrain.Engine at `--seq`; `--seq auto` (the default) is the longest sequence `megatrain plan`
              allows on this machine (the GPU's free memory, measured in a throwaway process, and the host's
              available memory), capped at `--max-seq` and rounded down to a multiple of 1024. Tile size and
-             device budget of the layer checkpoints are left to the plan ("auto") unless given; the row shows
+             device budget of the activation checkpoints are left to the plan ("auto") unless given; the row shows
              what it picked and how many GiB of checkpoints went to host memory.
   fsdp2      the HF model under FSDP2 `fully_shard` with CPUOffloadPolicy, activation checkpointing and, for
              --precision bf16, bf16 autocast over fp32 weights (benchmarks/peers.py), at each of `--fsdp-seqs`.
@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fsdp-warmup", type=int, default=1, help="FSDP2: untimed steps before them")
     ap.add_argument("--tile-tokens", default="auto", help="megatrain: auto, none, or tokens per tile")
     ap.add_argument("--checkpoint-budget-gib", default="auto",
-                    help="megatrain: auto, none (every layer checkpoint on the device), or GiB of them kept there")
+                    help="megatrain: auto, none (every activation checkpoint on the device), or GiB of them kept there")
     ap.add_argument("--optimizer-workers", type=int, default=8)
     ap.add_argument("--object-store-mb", type=int, default=256, help="Ray object store of the megatrain peer")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row before its run is killed")

@@ -50,7 +50,7 @@ class BenchSpec:
     grads: str = "auto"  # megatrain: where gradients wait (EngineConfig.grads)
     compile: bool = False  # megatrain: torch.compile of the decoder layer
     # megatrain, long sequences (EngineConfig): "auto" lets the memory plan pick the tile size and the device
-    # budget of the layer-input checkpoints; None: untiled / every checkpoint on the device
+    # budget of the activation checkpoints; None: untiled / every checkpoint on the device
     tile_tokens: int | None | str = "auto"
     checkpoint_budget_gib: float | None | str = "auto"
     executors: int = 1  # megatrain: data-parallel executors (one per GPU), each on batch / executors rows
@@ -76,7 +76,7 @@ class PeerResult:
     stats: dict[str, float] | None = None  # megatrain: the mean StepStats of the timed steps
     grads: str | None = None  # megatrain: where its gradients waited (Engine.grads), where the engine says
     # megatrain, long sequences: what its memory plan picked (None: untiled / every checkpoint kept on the
-    # device), and the bytes of page-locked host buffers its layer checkpoints were offloaded to (measured)
+    # device), and the bytes of page-locked host buffers its activation checkpoints were offloaded to (measured)
     tile_tokens: int | None = None
     checkpoint_budget: int | None = None
     host_checkpoints: int | None = None

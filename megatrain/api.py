@@ -94,7 +94,7 @@ def from_pretrained(path_or_preset: str | Path, device: str = "cpu", precision: 
                     checkpoint_budget: int | None = None) -> Model:
     """Loads an HF directory or a Hugging Face Hub model (`org/name[@revision]`, through the hub's cache), or builds a
     preset with HF's init, into a new shared-memory arena. tile_tokens and
-    checkpoint_budget (bytes): sequence tiling and the device budget of the layer-input checkpoints (the rest wait
+    checkpoint_budget (bytes): sequence tiling and the device budget of the activation checkpoints (the rest wait
     in host memory), for long sequences."""
     on_gpu = resolve_device(device).type == "cuda"  # then activations take GPU memory, not host memory
     return Model(ParameterStore(path_or_preset, seed=seed, on_gpu=on_gpu), device, precision, loss_chunk_tokens,

@@ -365,7 +365,7 @@ class EngineConfig:
     grads: str = "auto"  # auto | arena | stream | device: where gradients wait for the optimizer (GRAD_PLACEMENTS)
     compile: str | bool = "auto"  # COMPILE: torch.compile the layers and the head (minutes at the first step)
     # long sequences (megatrain/memory/plan.py picks what is "auto"): the layers' token-wise work in tiles of this
-    # many tokens (None: whole), and GiB of device memory for the layer checkpoints (None: all of them; 0: every
+    # many tokens (None: whole), and GiB of device memory for the activation checkpoints (None: all of them; 0: every
     # one in host memory)
     tile_tokens: int | None | str = "auto"
     checkpoint_budget_gib: float | None | str = "auto"

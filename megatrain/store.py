@@ -30,9 +30,8 @@ from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_ten
 from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
-from megatrain.memory.arena import FP32_SEGMENTS, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.arena import FP32_SEGMENTS, REFERENCE_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.buffers import ARENA, Buffer, arena_segments
-from megatrain.memory.post_plan import REFERENCE_SEGMENT
 from megatrain.memory.staging import StoreTier, stage_segments
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import GradLayout, ModelLayout, NodeShard, Unit
@@ -126,7 +125,7 @@ class ParameterStore:
         self.versions = self.arena.versions.view(len(self.layout.units), -1)
         self.seed, self.adapter = plan.seed, adapter
         self.node_group: NodeGroup | None = None
-        self.kept: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as the checkpoint stores them
+        self.passthrough: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as stored
         self.tier: StoreTier | None = None
         try:
             if plan.tier is not None:
@@ -167,7 +166,7 @@ class ParameterStore:
         model, weights = (self.layout, self.arena.params) if frozen is None else (frozen, self.arena.frozen)
         if base or frozen is None:
             if self.source_dir is not None:
-                self.kept = ckpt.load_hf_weights(self.source_dir, model, weights, self.io)
+                self.passthrough = ckpt.load_hf_weights(self.source_dir, model, weights, self.io)
             else:
                 init_weights(model, weights, self.seed, self.io)
         if frozen is not None:
@@ -226,10 +225,10 @@ class ParameterStore:
         """An HF model directory; a LoRA run's: its adapter in PEFT's format, or with `merge` the base with the
         adapter merged in (an HF model directory)."""
         if self.layout.frozen is None:
-            return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [], kept=self.kept,
-                                io=self.io)
+            return ckpt.save_hf(Path(directory), self.layout, self.arena.params, extra_files or [],
+                                passthrough=self.passthrough, io=self.io)
         if merge:
-            tensors = merged_tensors(self.layout, self.arena.frozen, self.arena.params, self.kept)
+            tensors = merged_tensors(self.layout, self.arena.frozen, self.arena.params, self.passthrough)
             return ckpt.save_hf(Path(directory), self.layout.frozen, self.arena.frozen, extra_files or [],
                                 tensors=tensors)
         with ckpt.atomic_directory(Path(directory), keep=lambda name: not is_adapter_file(name)) as tmp:
@@ -260,8 +259,8 @@ class ParameterStore:
             if self.layout.frozen is not None:  # the adapter, as PEFT loads it; the frozen base is the model's own
                 self._write_adapter(directory)
             else:
-                ckpt.write_sharded(directory, "model", ckpt.model_tensors(self.layout, self.arena.params, self.kept),
-                                   io=self.io)
+                tensors = ckpt.model_tensors(self.layout, self.arena.params, self.passthrough)
+                ckpt.write_sharded(directory, "model", tensors, io=self.io)
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
         self._write_moments(directory)
 
@@ -294,9 +293,10 @@ class ParameterStore:
         parts = ckpt.moment_parts(directory, self.layout)  # written by a run on several nodes
         opt_files = [] if parts else ckpt.weight_files(directory, "optimizer")
         if frozen is None:
-            kept: dict[str, torch.Tensor] = {}
-            ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), kept=kept, io=self.io)
-            self.kept = kept
+            passthrough: dict[str, torch.Tensor] = {}
+            ckpt.load_into(self.layout, self.arena.params, model_files, where=str(directory), passthrough=passthrough,
+                           io=self.io)
+            self.passthrough = passthrough
         else:
             write_adapters(self.layout, self.arena.params, adapters, str(directory))
         self._refresh_shadow()

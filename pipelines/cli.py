@@ -150,7 +150,7 @@ def _add_long_context_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile-tokens", type=_auto_none_or(int),
                    help="tokens per tile of the layers' token-wise work: auto (the plan picks), none, or N")
     p.add_argument("--checkpoint-budget-gib", type=_auto_none_or(float),
-                   help="GiB of GPU memory for layer checkpoints, the rest in host memory: auto (the plan picks), "
+                   help="GiB of GPU memory for activation checkpoints, the rest in host memory: auto (the plan picks), "
                         "none (all on the GPU), or N (0: all in host memory)")
 
 

@@ -64,11 +64,16 @@ def held_to(machine: Machine, gpu_memory_gib: float | None) -> Machine:
 
 
 def fastest(request: Request, machine: Machine, run: RunPlan) -> Choice | None:
-    """optimizer_workers "auto" on a GPU whose calibration is known (not a LoRA run: the predictor knows a whole
-    model's update): the fastest predicted run among the settings left auto, 1 .. the node's CPUs workers (None:
-    none fits, or no search)."""
+    """optimizer_workers "auto" on a GPU whose calibration is known: the fastest predicted run among the settings left
+    auto, 1 .. the node's CPUs workers (None: none fits, or no search). A LoRA run on a GPU is refused: the predictor
+    knows a whole model's update."""
     e, cal = request.engine, machine.calibration
-    if e.optimizer_workers != "auto" or not run.on_gpu or cal is None or run.lora is not None:
+    if e.optimizer_workers != "auto" or not run.on_gpu:
+        return None
+    if run.lora is not None:
+        raise ConfigError("--optimizer-workers auto picks settings by the predicted step time of a whole model's "
+                          "update, which a LoRA run does not have; give --optimizer-workers a number with --lora.")
+    if cal is None:
         return None
     budget = e.checkpoint_budget_gib
     flags = dict(link_gbps=machine.link_gbps or LINK_GBPS, speculate=e.speculate, clip_rate=request.clip_rate,
@@ -207,8 +212,8 @@ def memory_notes(e: EngineConfig, plan: MemoryPlan, on_gpu: bool) -> tuple[list[
                         f"per micro-batch ({plan.micro_batches} times a step) and the gradients add up in the arena")
     budget = plan.checkpoint_budget
     if plan.tile_tokens or budget is not None:
-        where = ("every layer checkpoint on the device" if budget is None else
-                 f"{budget / 2**30:.2f} GiB of layer checkpoints on the device, "
+        where = ("every activation checkpoint on the device" if budget is None else
+                 f"{budget / 2**30:.2f} GiB of activation checkpoints on the device, "
                  f"{plan.host_checkpoints / 2**30:.2f} GiB in host memory")
         notes.append(f"long sequences: {f'{plan.tile_tokens}-token tiles' if plan.tile_tokens else 'untiled'}, {where}")
     return [note for note in notes if note], tuple(warnings)

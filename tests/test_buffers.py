@@ -84,7 +84,7 @@ def test_the_plan_is_what_the_store_and_the_executor_allocate(settings: dict[str
         ids = torch.randint(0, store.config.vocab_size, (BATCH * k, SEQ))
         executor.run(ids, micro_batches=k)
         checkpoints = executor.activation_checkpoints
-        assert checkpoints.peak_kept_bytes == plan.gpu_checkpoints == total(plan.buffers, DEVICE_CHECKPOINTS)
+        assert checkpoints.peak_device_bytes == plan.gpu_checkpoints == total(plan.buffers, DEVICE_CHECKPOINTS)
         assert checkpoints.host_bytes == plan.host_checkpoints == total(plan.buffers, OFFLOADED_CHECKPOINTS)
     finally:
         executor.close()

@@ -86,7 +86,7 @@ def test_tiled_and_offloaded_matches_transformers(llama: tuple[torch.nn.Module, 
     with megatrain.from_pretrained(directory, device="cpu-async:3", tile_tokens=TILE, checkpoint_budget=0) as model:
         loss, grads = model.loss_and_grads(ids, position_ids=position_ids) if packed else model.loss_and_grads(ids)
         store = model.executor.activation_checkpoints
-        assert store.offloaded == 2 and store.peak_kept_bytes == 0  # every layer input went to the host
+        assert store.offloaded == 2 and store.peak_device_bytes == 0  # every layer input went to the host
         assert rel_err(loss, hf_loss) <= 1e-5, (loss.item(), hf_loss.item())
         errors = {n: rel_err(grads[n], g) for n, g in hf_grads.items()}
         assert max(errors.values()) <= 1e-5, errors
@@ -112,14 +112,14 @@ def test_checkpoints_on_the_device_stay_within_the_budget() -> None:
                 for i, x in enumerate(inputs):
                     streams.compute_uses(x)
                     store.put(i, x)
-                    assert budget is None or store.kept_bytes <= budget
+                    assert budget is None or store.device_bytes <= budget
                 kept = layers if budget is None else min(layers, budget // size)
-                assert store.kept_bytes == kept * size and store.offloaded == layers - kept
+                assert store.device_bytes == kept * size and store.offloaded == layers - kept
                 for i in reversed(range(layers)):
                     assert torch.equal(store.get(i), inputs[i])
                     assert store.transfer_bytes <= 2 * size
                 assert store.peak_transfer_bytes <= 2 * size
-                assert budget is None or store.peak_kept_bytes <= budget
+                assert budget is None or store.peak_device_bytes <= budget
                 store.end()
                 assert store.host_bytes == (layers - kept) * size  # the page-locked buffers, kept for the next step
                 store.begin(1)  # a step of fewer checkpoints keeps no buffers for the others
@@ -204,7 +204,7 @@ def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str
     assert "fits: yes" in out and "longest sequence at batch 1 on the GPU and host given:" in out
     assert main([*args, "--checkpoint-budget-gib", "0", "--tile-tokens", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "4096-token tiles" in out and "layer checkpoints offloaded (pinned)" in out
+    assert "4096-token tiles" in out and "offloaded checkpoints (pinned)" in out
     assert main(["plan", "--model", "7b", "--batch", "1", "--seq", str(512 * 1024), "--precision", "bf16",
                  "--device", "cuda", "--gpu-gib", "80", "--host-gib", "125"]) == 1
     assert "would fit it" in capsys.readouterr().out
@@ -213,7 +213,7 @@ def test_plan_command_takes_long_context_flags(capsys: pytest.CaptureFixture[str
     # none, asked for on the command line or in TOML (which has no null): untiled, every checkpoint on the GPU
     assert main([*args, "--tile-tokens", "none", "--checkpoint-budget-gib", "none"]) == 1  # does not fit so
     out = capsys.readouterr().out
-    assert "524288 tokens, untiled" in out and "layer checkpoints kept (all)" in out and "fits: NO" in out
+    assert "524288 tokens, untiled" in out and "device checkpoints (all)" in out and "fits: NO" in out
     config = tmp_path / "untiled.toml"
     config.write_text('tile_tokens = "none"\ncheckpoint_budget_gib = "None"\n')
     assert main([*args, "--config", str(config)]) == 1

@@ -53,7 +53,7 @@ def test_micro_batches_are_the_whole_batch(micro_llama: tuple[torch.nn.Module, P
         loss, grads = model.loss_and_grads(ids, labels, micro_batches=K, schedule=schedule)
         if variant != "plain":  # every micro-batch's checkpoint of every layer went to the host
             store = model.executor.activation_checkpoints
-            assert store.offloaded == 2 * (1 + K) and store.peak_kept_bytes == 0  # this call K x 2, the first 2
+            assert store.offloaded == 2 * (1 + K) and store.peak_device_bytes == 0  # this call K x 2, the first 2
     assert rel_err(loss, whole_loss) <= 1e-6 and rel_err(loss, hf_loss) <= 1e-5
     for name, g in hf_grads.items():
         assert rel_err(grads[name], whole[name]) <= 1e-5, name

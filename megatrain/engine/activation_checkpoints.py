@@ -1,5 +1,5 @@
-"""Activation checkpoints: the layer inputs the backward recomputes from, kept on the device up to a byte budget,
-the rest in host memory.
+"""Activation checkpoints: the layer inputs the backward recomputes from, held on the device up to a byte budget
+(device checkpoints), the rest offloaded to host memory (offloaded checkpoints).
 
     forward   put(l, x): layer l's input. The top layers' (the first the backward needs) stay on the device as
               long as they fit the budget; the others are copied to a page-locked host buffer on the D2H stream
@@ -8,10 +8,10 @@ the rest in host memory.
               starts bringing the one below too, so that it crosses while layer l computes (two transfer
               buffers, like the weights')
 
-Checkpoints are kept in the compute dtype (bf16 in bf16 runs); how many stay on the device is the memory plan's count
-(megatrain/memory/buffers.py: kept_checkpoints). The accounting (`kept_bytes`,
-`transfer_bytes` and their peaks) is what the memory plan's numbers are checked against: kept checkpoints never
-exceed the budget, transfers never more than two checkpoints. Host buffers are kept from step to step.
+Checkpoints are in the compute dtype (bf16 in bf16 runs); how many stay on the device is the memory plan's count
+(megatrain/memory/buffers.py: device_checkpoints). The accounting (`device_bytes`, `transfer_bytes` and their
+peaks) is what the memory plan's numbers are checked against: device checkpoints never exceed the budget, transfers
+never more than two checkpoints. Host buffers are reused from step to step.
 """
 
 from __future__ import annotations
@@ -22,27 +22,27 @@ import torch
 
 from megatrain.config import MegatrainError
 from megatrain.engine.streams import Streams
-from megatrain.memory.buffers import kept_checkpoints
+from megatrain.memory.buffers import device_checkpoints
 
 
 class ActivationCheckpoints:
     """One step's layer inputs, put by the forward and taken back, top first, by the backward."""
 
     def __init__(self, streams: Streams, budget: int | None = None):
-        """budget: bytes of device memory for kept checkpoints (None: every checkpoint stays on the device; 0:
+        """budget: bytes of device memory for device checkpoints (None: every checkpoint stays on the device; 0:
         every one goes to the host)."""
         if budget is not None and budget < 0:
             raise MegatrainError(f"the checkpoint budget must be a non-negative number of bytes, got {budget}.")
         self.streams, self.budget = streams, budget
         self._host: dict[int, torch.Tensor] = {}  # layer -> its page-locked buffer, reused from step to step
         self._host_read: dict[int, Any] = {}  # layer -> event after the last H2D read of its buffer
-        self.kept_bytes = self.transfer_bytes = 0
-        self.peak_kept_bytes = self.peak_transfer_bytes = 0
+        self.device_bytes = self.transfer_bytes = 0
+        self.peak_device_bytes = self.peak_transfer_bytes = 0
         self.offloaded = 0  # checkpoints copied to the host, all steps
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the page-locked buffers offloaded checkpoints land in (kept from step to step): what the memory
+        """Bytes of the page-locked buffers offloaded checkpoints land in (reused from step to step): what the memory
         plan's host_checkpoints predicts."""
         return sum(t.numel() * t.element_size() for t in self._host.values())
 
@@ -52,21 +52,21 @@ class ActivationCheckpoints:
         for index in [i for i in self._host if i >= num_layers]:
             del self._host[index]
             self._host_read.pop(index, None)
-        self._kept: dict[int, torch.Tensor] = {}
+        self._device: dict[int, torch.Tensor] = {}
         self._on_host: dict[int, Any] = {}  # layer -> event after its D2H copy
         self._incoming: dict[int, tuple[torch.Tensor, Any]] = {}
         self._outgoing: tuple[torch.Tensor, Any] | None = None
         self._num_layers = num_layers
-        self._first_kept: int | None = None  # decided at the first put, from the checkpoint size
-        self.kept_bytes = self.transfer_bytes = 0
+        self._first_on_device: int | None = None  # decided at the first put, from the checkpoint size
+        self.device_bytes = self.transfer_bytes = 0
 
     def put(self, index: int, x: torch.Tensor) -> None:
         size = x.numel() * x.element_size()
-        if self._first_kept is None:
-            self._first_kept = self._num_layers - kept_checkpoints(self._num_layers, self.budget, size)
-        if index >= self._first_kept:
-            self._kept[index] = x
-            self._count("kept", size)
+        if self._first_on_device is None:
+            self._first_on_device = self._num_layers - device_checkpoints(self._num_layers, self.budget, size)
+        if index >= self._first_on_device:
+            self._device[index] = x
+            self._count("device", size)
             return
         s = self.streams
         self._land_outgoing()  # one copy out at a time: its device tensor is freed before the next one is made
@@ -85,9 +85,9 @@ class ActivationCheckpoints:
 
     def get(self, index: int) -> torch.Tensor:
         """Layer `index`'s input on the device, ready for compute; starts bringing the next one down."""
-        if index in self._kept:
-            x = self._kept.pop(index)
-            self._count("kept", -x.numel() * x.element_size())
+        if index in self._device:
+            x = self._device.pop(index)
+            self._count("device", -x.numel() * x.element_size())
         else:
             self._land_outgoing()
             self.prefetch(index)
@@ -119,9 +119,9 @@ class ActivationCheckpoints:
         self._count("transfer", -x.numel() * x.element_size())
 
     def _count(self, kind: str, nbytes: int) -> None:
-        if kind == "kept":
-            self.kept_bytes += nbytes
-            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        if kind == "device":
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         else:
             self.transfer_bytes += nbytes
             self.peak_transfer_bytes = max(self.peak_transfer_bytes, self.transfer_bytes)
@@ -129,6 +129,6 @@ class ActivationCheckpoints:
     def end(self) -> None:
         """The step is over (or failed): nothing of it stays on the device."""
         self._land_outgoing()
-        self._kept.clear()
+        self._device.clear()
         self._incoming.clear()
-        self.kept_bytes = self.transfer_bytes = 0
+        self.device_bytes = self.transfer_bytes = 0

@@ -14,7 +14,7 @@
 
 The rooms beside this one: the two rotating weight buffers and the head's copy (weight_slots.py), when a unit's
 weights may be read (weight_waits.py), the embedding rows (embedding_rows.py), one layer's forward and backward
-over the micro-batches (layer_passes.py) with the layer inputs kept for the backward (activation_checkpoints.py) or
+over the micro-batches (layer_passes.py) with the layer inputs held for the backward (activation_checkpoints.py) or
 the layers' graphs (kept_activations.py), the gradients' way to the host and its waits for slots
 (grad_egress.py), what a batch must be (batch_checks.py), the units resident on the device with their
 optimizer state, whose weights are bound and gradients written there, never crossing (resident.py), and what a
@@ -238,7 +238,7 @@ class Executor:
 
     def _forward(self, step: PreparedStep, ms: list[int], waits: WeightWaits) -> list[torch.Tensor]:
         """Every layer over micro-batches `ms`, layer-major: what the backward needs of x[l] of the j-th micro-batch
-        kept as activation l * k + j (layer_passes.py). Returns each micro-batch's output of the last layer."""
+        held as activation checkpoint l * k + j (layer_passes.py). Returns each micro-batch's last layer output."""
         layers = self.layout.layers
         self._fetch_layer(0, waits)
         xs: list[torch.Tensor] = []
@@ -335,7 +335,7 @@ class Executor:
         position_ids = None if position_ids is None else check_positions(position_ids, input_ids)
         weight_waits = ResidentCurrent(weight_waits, self.resident) if len(self.resident) else weight_waits
         step, outs = self._prepare(input_ids, host_targets, position_ids, k, 1, weight_waits), []
-        for m in range(k):  # one micro-batch's forward at a time: only its checkpoints are kept
+        for m in range(k):  # one micro-batch's forward at a time: only its activation checkpoints are held
             self.passes.begin([step.batches[m]])
             try:
                 x, head = self._forward(step, [m], weight_waits)[0], self._head_weights(weight_waits)
@@ -362,7 +362,7 @@ class Executor:
             if self.resident.holds(out.unit):  # written where it stays: neither sent nor held, nor handed out
                 self.resident.land(out)
                 return
-            if hold_grads:  # kept for send_held (also_send: sent now too, for an update beside the backward)
+            if hold_grads:  # held for send_held (also_send: sent now too, for an update beside the backward)
                 held.append(out)
             if not hold_grads or also_send:
                 self.egress.emit(replace(out, pairs=list(out.pairs)) if hold_grads else out, sends)
@@ -432,7 +432,7 @@ class Executor:
 
     def send_held(self, held: list[GradsOut], landed: LandedCallback = noop, slot_free: UnitCallback = noop
                   ) -> None:
-        """Copies gradients a `run(hold_grads=True)` kept on the device to the host (GradEgress.send_held)."""
+        """Copies gradients a `run(hold_grads=True)` held on the device to the host (GradEgress.send_held)."""
         self.egress.send_held(held, landed, slot_free)
 
     def close(self) -> None:

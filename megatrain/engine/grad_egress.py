@@ -128,7 +128,7 @@ class GradEgress:
 
     def send_held(self, held: list[GradsOut], landed: LandedCallback = noop, slot_free: UnitCallback = noop
                   ) -> None:
-        """Copies gradients a `run(hold_grads=True)` kept on the device to the host, in forward order (the
+        """Copies gradients a `run(hold_grads=True)` held on the device to the host, in forward order (the
         order the next forward reads the updated weights), calling `landed` as each unit's arrives. Runs in
         the calling thread, which may be another than the one running the next step. Each unit's copies are
         queued before the previous unit is waited for, and each unit's device memory goes once it landed."""

@@ -164,13 +164,13 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix: str = "", where: str = "",
               tensors: Iterable[tuple[str, torch.Tensor]] | None = None, shard: NodeShard | None = None,
-              kept: dict[str, torch.Tensor] | None = None, io: SlotIO = IN_PLACE) -> None:
+              passthrough: dict[str, torch.Tensor] | None = None, io: SlotIO = IN_PLACE) -> None:
     """Copies tensors named `prefix + hf_name` into their slots of `flat`, checking names and shapes. `tensors`:
     the (name, tensor) pairs to load, if not those of `files` as stored. `shard`: `flat` holds only a node's part of
     each unit, packed (Adam moments on one of several nodes): each tensor's elements in that part are copied.
-    `kept`: gets the layout's pass-through tensors (a vision tower), as stored; None: there are none to read."""
+    `passthrough`: gets the layout's pass-through tensors (a vision tower), as stored; None: there are none to read."""
     slots = layout.slots_by_hf_name()
-    passthrough = set(layout.passthrough) if kept is not None else set()
+    names = set(layout.passthrough) if passthrough is not None else set()
     seen: set[str] = set()
     tied = layout.config.tie_embeddings
     tied_head = None
@@ -183,8 +183,8 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
         if tied and hf_name == "lm_head.weight":
             tied_head = t  # tied checkpoints may carry lm_head too: it must be the embedding
             continue
-        if hf_name in passthrough:
-            kept[hf_name] = t  # type: ignore[index]
+        if hf_name in names:
+            passthrough[hf_name] = t  # type: ignore[index]
             continue
         if hf_name in seen:
             raise CheckpointError(f"{where or files[0].parent} holds tensor {hf_name} more than once, so "
@@ -207,7 +207,7 @@ def load_into(layout: ModelLayout, flat: torch.Tensor, files: list[Path], prefix
             part = mxfp4.dense(t).reshape(-1)[mine[0] - slot.offset : mine[1] - slot.offset]
             io.fill(shard.moments(unit, flat, *mine), lambda dst, part=part: dst.copy_(part))
         seen.add(hf_name)
-    missing = sorted(set(slots) - seen) + sorted(passthrough - set(kept or {}))
+    missing = sorted(set(slots) - seen) + sorted(names - set(passthrough or {}))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{where or files[0].parent} lacks tensor(s) {', '.join(missing[:3])}{more}; "
@@ -241,19 +241,19 @@ def load_hf_weights(directory: Path, layout: ModelLayout, params: torch.Tensor, 
 
         stored = mxfp4.decoded(directory, iter_safetensors_lazy(files))  # GPT-OSS as published: MXFP4 experts
         tensors = checkpoint_tensors(layout.config.hf_config, stored)
-    kept: dict[str, torch.Tensor] = {}
-    load_into(layout, params, files, where=str(directory), tensors=tensors, kept=kept, io=io)
-    return kept
+    passthrough: dict[str, torch.Tensor] = {}
+    load_into(layout, params, files, where=str(directory), tensors=tensors, passthrough=passthrough, io=io)
+    return passthrough
 
 
 def hf_tensors(layout: ModelLayout, flat: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     return [(prefix + name, t) for name, t in layout.hf_views(flat).items()]
 
 
-def model_tensors(layout: ModelLayout, params: torch.Tensor, kept: dict[str, torch.Tensor] | None
+def model_tensors(layout: ModelLayout, params: torch.Tensor, passthrough: dict[str, torch.Tensor] | None
                   ) -> list[tuple[str, torch.Tensor]]:
-    """What a model's weight files hold: the trained weights and the pass-through tensors `kept` (a vision tower)."""
-    return hf_tensors(layout, params) + sorted((kept or {}).items())
+    """What a model's weight files hold: the trained weights and the pass-through tensors (a vision tower)."""
+    return hf_tensors(layout, params) + sorted((passthrough or {}).items())
 
 
 def is_weight_file(name: str, stem: str = "model") -> bool:
@@ -262,9 +262,9 @@ def is_weight_file(name: str, stem: str = "model") -> bool:
 
 
 def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_files: Iterable[Path] = (),
-            shard_bytes: int = SHARD_BYTES, kept: dict[str, torch.Tensor] | None = None,
+            shard_bytes: int = SHARD_BYTES, passthrough: dict[str, torch.Tensor] | None = None,
             tensors: list[tuple[str, torch.Tensor]] | None = None, io: SlotIO = IN_PLACE) -> Path:
-    """Writes an HF directory (config.json, safetensors weights and the pass-through tensors `kept`, copies of
+    """Writes an HF directory (config.json, safetensors weights and the pass-through tensors, copies of
     extra_files) atomically. tensors: the weights to write by HF name, where they are not `params` (a LoRA run's
     base with its adapters merged in).
 
@@ -275,7 +275,7 @@ def save_hf(directory: Path, layout: ModelLayout, params: torch.Tensor, extra_fi
         generation = {k: v for k, v in (("bos_token_id", layout.config.bos_token_id),
                                          ("eos_token_id", layout.config.eos_token_id)) if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        write_sharded(tmp, "model", tensors or model_tensors(layout, params, kept), shard_bytes, io)
+        write_sharded(tmp, "model", tensors or model_tensors(layout, params, passthrough), shard_bytes, io)
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
     return Path(os.path.abspath(directory))

@@ -36,9 +36,9 @@ def arena_adapters(layout: LoraLayout, params: torch.Tensor) -> Adapters:
 
 
 def merged_tensors(layout: LoraLayout, frozen: torch.Tensor, params: torch.Tensor,
-                   kept: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+                   passthrough: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
     """The base's weights by HF name with each adapter merged in as PEFT's merge_and_unload does it
-    (W + scaling * B @ A, computed in fp32 and stored in the base's dtype), and the pass-through tensors `kept`.
+    (W + scaling * B @ A, computed in fp32 and stored in the base's dtype), and the pass-through tensors.
     Only the merged projections are new tensors; the rest are views of the frozen segment."""
     assert layout.frozen is not None and layout.lora is not None
     tensors = layout.frozen.hf_views(frozen)
@@ -47,4 +47,4 @@ def merged_tensors(layout: LoraLayout, frozen: torch.Tensor, params: torch.Tenso
         a, b = adapters.tensors[slot.peft_name("A")], adapters.tensors[slot.peft_name("B")]
         base = tensors[slot.base_hf_name]
         tensors[slot.base_hf_name] = (base.float() + (b.float() @ a.float()) * layout.lora.scaling).to(base.dtype)
-    return list(tensors.items()) + sorted((kept or {}).items())
+    return list(tensors.items()) + sorted((passthrough or {}).items())

@@ -38,6 +38,8 @@ SHADOW_SEGMENT = "params_bf16"
 # a LoRA run: the frozen base (ModelLayout.frozen), in the precision it is kept in (bf16 or fp32), read by the
 # executor and never written after loading; params, grads and the moments then hold the adapters alone
 FROZEN_SEGMENT = "frozen"
+# GRPO's KL reference: the initial weights in a segment of their own (megatrain/memory/post_plan.py)
+REFERENCE_SEGMENT = "reference"
 
 
 def proc_stat(pid: int | str) -> list[str] | None:

@@ -3,7 +3,7 @@ and the memory plan both read, so that what is planned and what is allocated can
 
     arena     the store's shared-memory segments (megatrain/store.py: ParameterStore._allocate), from arena_segments
     device    the executor's weight buffers (megatrain/engine/weight_slots.py), from weight_buffers
-    pinned    page-locked host buffers: the offloaded activation checkpoints, as many as kept_checkpoints leaves
+    pinned    page-locked host buffers: the offloaded activation checkpoints, as many as device_checkpoints leaves
 
 The memory plan (megatrain/memory/plan.py, lora_plan.py) sums the same rows for its lines, and its PCIe bytes (which
 the predictor, megatrain/perf/predict.py, times) take the streamed weights' element size from them."""
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, SHADOW_SEGMENT
-from megatrain.memory.post_plan import REFERENCE_SEGMENT
+from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, REFERENCE_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
+from megatrain.model.layout import GradLayout, ModelLayout
 
 ARENA, DEVICE, PINNED = "arena", "device", "pinned"
 # arena segments that hold the run's state (what the plan's arena bytes count); the others are its bookkeeping
@@ -69,6 +69,17 @@ def arena_segments(numel: int, grads_numel: int, moments_numel: int, *, units: i
     return tuple(rows)
 
 
+def planned_arena(layout: ModelLayout, num_layers: int, grads: str, workers: int, nodes: int, shadow: bool
+                  ) -> tuple[Buffer, ...]:
+    """The arena_segments of a model planned from `layout` (a planning layout: one layer where `num_layers` are
+    alike): every unit's gradient ("arena") or a ring's the layers share, this node's part of the moments."""
+    numel = layout.numel + (num_layers - len(layout.layers)) * layout.max_layer_numel()
+    grads_numel = numel if grads == "arena" else GradLayout.ring_numel(layout, num_layers)
+    units = len(layout.units) + num_layers - len(layout.layers)
+    return arena_segments(numel, grads_numel, -(-numel // nodes), units=units, columns=workers + (nodes > 1),
+                          shadow=shadow)
+
+
 def weight_buffers(layer_numel: int, head_numel: int, compute: str, streamed: str, staged: bool = True
                    ) -> tuple[Buffer, ...]:
     """The device buffers the weights arrive in: two for the decoder layers to rotate through, in the compute dtype;
@@ -83,18 +94,19 @@ def weight_buffers(layer_numel: int, head_numel: int, compute: str, streamed: st
     return tuple(rows)
 
 
-def kept_checkpoints(entries: int, budget: int | None, size: int) -> int:
+def device_checkpoints(entries: int, budget: int | None, size: int) -> int:
     """How many of a step's `entries` activation checkpoints of `size` bytes stay on the device within `budget` (None:
     all); the rest are offloaded to page-locked host buffers (megatrain/engine/activation_checkpoints.py)."""
     return entries if budget is None else min(entries, budget // max(size, 1))
 
 
-def checkpoint_buffers(numel: int, dtype: str, kept: int, offloaded: int) -> tuple[Buffer, ...]:
-    """A step's activation checkpoints of `numel` elements each: `kept` on the device (kept_checkpoints), `offloaded`
-    in page-locked host buffers, crossing back through two device buffers (where any is offloaded)."""
-    rows = [Buffer(DEVICE_CHECKPOINTS, DEVICE, numel, dtype, kept)]
-    if offloaded:
-        rows += [Buffer(OFFLOADED_CHECKPOINTS, PINNED, numel, dtype, offloaded),
+def checkpoint_buffers(numel: int, dtype: str, entries: int, budget: int | None) -> tuple[Buffer, ...]:
+    """A step's `entries` activation checkpoints of `numel` elements each: as many as device_checkpoints leaves held on
+    the device, the others offloaded to page-locked host buffers, crossing back through two device buffers."""
+    on_device = device_checkpoints(entries, budget, numel * element_size(dtype))
+    rows = [Buffer(DEVICE_CHECKPOINTS, DEVICE, numel, dtype, on_device)]
+    if entries > on_device:
+        rows += [Buffer(OFFLOADED_CHECKPOINTS, PINNED, numel, dtype, entries - on_device),
                  Buffer(CHECKPOINT_TRANSFER, DEVICE, numel, dtype, 2)]
     return tuple(rows)
 

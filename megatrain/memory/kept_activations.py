@@ -1,7 +1,7 @@
 """Which decoder layers keep their activations: their autograd graph kept from the forward to the backward, so the
 backward takes their gradients without rerunning them (megatrain/engine/kept_activations.py does it).
 
-The memory plan calls `plan_kept` once everything else is placed (weight buffers, gradients, layer checkpoints, the
+The memory plan calls `plan_kept` once everything else is placed (weight buffers, gradients, activation checkpoints, the
 head's workspace), with the bytes the layers may take (megatrain/memory/on_device.py: what the device has left, less
 a margin, shared with the resident units): layers from the top, whose backward comes first, each costing its saved
 tensors for every micro-batch whose activations exist at once (all of a step's under the layer-major schedule, one

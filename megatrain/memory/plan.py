@@ -5,7 +5,7 @@ gradients: 4 B/param when they all wait in the arena, a few layers' worth when t
 megatrain/config.py) and the resident size of the processes (Ray, parameter store, optimizer workers, data loader,
 executor).
 GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the step's gradients
-when they stay on the device), the layer-input checkpoints, one layer's recompute working set, and one chunk of logits;
+when they stay on the device), the activation checkpoints, one layer's recompute working set, and one chunk of logits;
 then, in what is left, the units kept resident with their optimizer state and the top layers that keep their
 activations instead of recomputing, the split between them chosen by megatrain/memory/on_device.py.
 """
@@ -26,20 +26,8 @@ from megatrain.config import (
     ModelConfig,
     check_choice,
 )
+from megatrain.memory import buffers as bufs
 from megatrain.memory.arena import SHADOW_SEGMENT
-from megatrain.memory.buffers import (
-    CHECKPOINT_TRANSFER,
-    DEVICE_CHECKPOINTS,
-    OFFLOADED_CHECKPOINTS,
-    STATE_SEGMENTS,
-    Buffer,
-    arena_segments,
-    checkpoint_buffers,
-    element_size,
-    kept_checkpoints,
-    total,
-    weight_buffers,
-)
 from megatrain.memory.copy_rule import BF16_COPY_RULE, pcie_bound
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
@@ -47,7 +35,7 @@ from megatrain.memory.on_device import place_on_device
 from megatrain.memory.plan_bytes import network_bytes, pcie_bytes, process_bytes, working_bytes
 from megatrain.memory.plan_settings import MemorySettings, RunSettings
 from megatrain.memory.tier_plan import TierPlan, nvme_hint
-from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, planning_layout
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
 
 GiB = 2**30
 CUDA_CONTEXT = 0.6 * GiB
@@ -84,8 +72,8 @@ class MemoryPlan:
     process_bytes: int
     gpu_weights: int
     gpu_grads: int
-    gpu_checkpoints: int  # the layer inputs kept on the device (at most checkpoint_budget)
-    gpu_transfer: int  # the two buffers offloaded checkpoints cross in (0 when all are kept)
+    gpu_checkpoints: int  # device checkpoints: the layer inputs held on the device (at most checkpoint_budget)
+    gpu_transfer: int  # the two buffers offloaded checkpoints cross in (0 when none is offloaded)
     gpu_working: int  # one layer's recompute-backward, its MLP over one tile
     gpu_loss: int
     on_gpu: bool
@@ -122,7 +110,7 @@ class MemoryPlan:
     reference_bytes: int = 0  # GRPO's KL reference: the initial weights' segment, part of arena_bytes (post_plan.py)
     tier_note: str = ""  # nvme_states auto: which states the tier holds, and why (megatrain/memory/tier_plan.py)
     # the rows the byte counts above are sums of, as the store and the executor allocate them (buffers.py)
-    buffers: tuple[Buffer, ...] = ()
+    buffers: tuple[bufs.Buffer, ...] = ()
 
     @property
     def arena_host_bytes(self) -> int:
@@ -175,7 +163,7 @@ class MemoryPlan:
         if self.host_total > self.host_free:
             parts = f"{self.arena_bytes / GiB:.1f} GiB arena + "
             if self.host_checkpoints:
-                parts += f"{self.host_checkpoints / GiB:.1f} GiB of offloaded layer checkpoints + "
+                parts += f"{self.host_checkpoints / GiB:.1f} GiB of offloaded activation checkpoints + "
             fix = (f"a host with {self.host_total / GiB:.0f} GiB available would fit it{self._shorter()}"
                    if self.host_checkpoints else "pick a smaller model or a machine with more memory"
                    + (nvme_hint(self) if self.tier is None else ""))
@@ -186,7 +174,7 @@ class MemoryPlan:
 
     def gpu_problem(self) -> str | None:
         if self.on_gpu and self.gpu_free is not None and self.gpu_total > self.gpu_free:
-            offload = ", with every layer checkpoint in host memory" if self.checkpoint_budget == 0 else ""
+            offload = ", with every activation checkpoint in host memory" if self.checkpoint_budget == 0 else ""
             tiles = f" in {self.tile_tokens}-token tiles" if self.tile_tokens else ""
             return (f"training {self.model} on {self.batch} x {self.seq} tokens{tiles}{offload} needs about "
                     f"{self.gpu_total / GiB:.1f} GiB of GPU memory but {self.gpu_free / GiB:.1f} GiB is free; "
@@ -227,14 +215,14 @@ class MemoryPlan:
         if self.tier is not None:  # the arena's rows above are its whole size; these states are on disk instead
             lines += [row(f"arena: on NVMe ({', '.join(k for k, _ in self.tier.on_disk)}), less staging",
                           -self.tier.saved_bytes)]
-        lines += [row("layer checkpoints offloaded (pinned)", self.host_checkpoints)] if self.host_checkpoints else []
+        lines += [row("offloaded checkpoints (pinned)", self.host_checkpoints)] if self.host_checkpoints else []
         lines += [row("processes (Ray, actors)", self.process_bytes),
                   row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
         lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
         grads_row = "gradients (all, until the step ends)" if self.grads == "device" else "gradient buffers"
         kept = "all" if self.checkpoint_budget is None else f"budget {self.checkpoint_budget / GiB:.2f} GiB"
         lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row(grads_row, self.gpu_grads),
-                  row(f"layer checkpoints kept ({kept})", self.gpu_checkpoints)]
+                  row(f"device checkpoints ({kept})", self.gpu_checkpoints)]
         lines += [row("checkpoint transfer buffers (2)", self.gpu_transfer)] if self.gpu_transfer else []
         lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss)]
         if self.gpu_resident:
@@ -268,7 +256,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
     layout = planning_layout(config)  # one layer's where layers are alike: a config may claim 10^9 of them
-    arena_numel = layout.numel + (config.num_layers - len(layout.layers)) * layout.max_layer_numel()
+    # the arena's gradients: every unit's, or the embedding's and the head's and a ring the layers share
+    segments = bufs.planned_arena(layout, config.num_layers, grads, o.optimizer_workers, nodes, shadow)
+    arena_numel = bufs.row(segments, "params").numel
     act_bytes = 2 if precision == "bf16" else 4
     h, v = config.hidden_size, config.vocab_size
     tokens = batch * seq  # of one micro-batch
@@ -280,45 +270,37 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     compute = "bfloat16" if precision == "bf16" else "float32"
     streamed = "bfloat16" if precision == "bf16" and shadow else "float32"
-    device_weights = weight_buffers(layer, head, compute, streamed)
-    weights = total(device_weights) + embed_rows
+    device_weights = bufs.weight_buffers(layer, head, compute, streamed)
+    weights = bufs.total(device_weights) + embed_rows
     # every gradient stays until the step ends (grads = device: layers' in compute dtype, the head's fp32), or a few
     gpu_grads = (config.num_layers * layer * act_bytes if grads == "device" else GRAD_SETS_IN_FLIGHT * layer * 4)
     gpu_grads += head * 4 + embed_rows
-    # the arena's gradients: every unit's, or the embedding's and the head's and a ring the layers share
-    grads_numel = arena_numel if grads == "arena" else GradLayout.ring_numel(layout, config.num_layers)
-    # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py): the top ones kept
-    # on the device within the budget, the rest in page-locked host buffers, crossing in two device buffers
-    checkpoint = tokens * h * act_bytes
-    entries = config.num_layers * together  # one per layer and micro-batch
-    kept_layers = kept_checkpoints(entries, checkpoint_budget, checkpoint)
-    offloaded = entries - kept_layers
-    checkpoints = checkpoint_buffers(tokens * h, compute, kept_layers, offloaded)
+    # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py), one per layer and
+    # micro-batch: the top ones held on the device within the budget, the rest offloaded to page-locked host buffers
+    checkpoints = bufs.checkpoint_buffers(tokens * h, compute, config.num_layers * together, checkpoint_budget)
+    offloaded = bufs.total(checkpoints, bufs.OFFLOADED_CHECKPOINTS)
     working = working_bytes(config, tokens, tile_tokens, precision, layer)
     chunk = min(tokens, o.loss_chunk_tokens)
     # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
     loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
     processes = process_bytes(o.optimizer_workers, executors, on_gpu, embed_rows)
-    gpu_checkpoints, gpu_transfer = total(checkpoints, DEVICE_CHECKPOINTS), total(checkpoints, CHECKPOINT_TRANSFER)
-    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, element_size(streamed), embed_rows,
-                          offloaded * checkpoint)
+    gpu_checkpoints = bufs.total(checkpoints, bufs.DEVICE_CHECKPOINTS)
+    gpu_transfer = bufs.total(checkpoints, bufs.CHECKPOINT_TRANSFER)
+    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, bufs.element_size(streamed), embed_rows,
+                          offloaded)
     if not on_gpu:  # the CPU path computes in host memory, each executor its own
         processes += executors * (weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss)
     shm_free = shm_available(o.shm_dir) if Path(o.shm_dir).is_dir() else 0
-    moments_numel = -(-arena_numel // nodes)  # NodeShard: this node's part of each unit
-    units = len(layout.units) + config.num_layers - len(layout.layers)
-    segments = arena_segments(arena_numel, grads_numel, moments_numel, units=units,
-                              columns=o.optimizer_workers + (nodes > 1), shadow=shadow)
     plan = MemoryPlan(
         model=o.name, params=config.num_params(), arena_numel=arena_numel,
-        arena_bytes=total(segments, *STATE_SEGMENTS), grads=grads, grads_bytes=total(segments, "grads"), nodes=nodes,
-        network_bytes=network_bytes(nodes, arena_numel), shadow_bytes=total(segments, SHADOW_SEGMENT),
+        arena_bytes=bufs.total(segments, *bufs.STATE_SEGMENTS), grads=grads, grads_bytes=bufs.total(segments, "grads"),
+        nodes=nodes, network_bytes=network_bytes(nodes, arena_numel), shadow_bytes=bufs.total(segments, SHADOW_SEGMENT),
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads,
         gpu_checkpoints=gpu_checkpoints, gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
         host_free=host_available() if host_free is None else host_free,
         shm_free=shm_free if host_free is None else host_free, gpu_free=o.gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-        host_checkpoints=total(checkpoints, OFFLOADED_CHECKPOINTS), micro_batches=k, schedule=schedule, h2d_bytes=h2d,
+        host_checkpoints=offloaded, micro_batches=k, schedule=schedule, h2d_bytes=h2d,
         d2h_bytes=d2h, buffers=(*segments, *device_weights, *checkpoints),
     )  # lora: its adapters train beside the frozen base, kept in lora_base_dtype (megatrain/memory/lora_plan.py)
     return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)

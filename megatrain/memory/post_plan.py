@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
+from megatrain.memory.arena import REFERENCE_SEGMENT
+from megatrain.memory.buffers import ARENA, Buffer
 from megatrain.memory.residency import held_for_generation, margin
 from megatrain.model.layout import planned_unit_numels
 
@@ -31,7 +33,6 @@ MODES = ("dpo", "grpo")
 PER_TOKEN_TENSORS = 8  # log-probs, entropy, dL/dlogp, dL/dentropy, and four fields
 # the arena's copy of the initial weights (GRPO's KL reference), in the dtype compute reads: the bf16 copy's in bf16
 # runs (the same rounding as the optimizer's bf16 copy, so the same bits reach the layers), else fp32
-REFERENCE_SEGMENT = "reference"
 
 
 def reference_dtype(precision: str) -> str:
@@ -48,8 +49,6 @@ def reference_bytes(config: ModelConfig, precision: str, lora: bool = False) -> 
 def with_reference(plan: MemoryPlan, config: ModelConfig, precision: str) -> MemoryPlan:
     """The run's plan with the reference segment in its arena (so its host check counts it), a row of its buffers as
     the store allocates it (megatrain/memory/buffers.py)."""
-    from megatrain.memory.buffers import ARENA, Buffer  # buffers.py names this room's segment: imported here
-
     extra = reference_bytes(config, precision, lora=bool(plan.frozen_bytes))
     rows = (Buffer(REFERENCE_SEGMENT, ARENA, plan.arena_numel, reference_dtype(precision)),) if extra else ()
     return replace(plan, arena_bytes=plan.arena_bytes + extra, reference_bytes=extra, buffers=(*plan.buffers, *rows))

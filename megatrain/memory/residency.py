@@ -2,7 +2,7 @@
 updated there, so they skip PCIe and the CPU optimizer pool (megatrain/engine/resident.py holds them).
 
 The memory plan calls `choose_resident` once everything else is placed (the pipeline's weight buffers, gradients,
-layer checkpoints), with the bytes it may take (megatrain/memory/on_device.py: what the device has left, less a
+activation checkpoints), with the bytes it may take (megatrain/memory/on_device.py: what the device has left, less a
 margin, shared with the layers that keep their activations): units in forward order, the embedding first, then
 layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
 otherwise gate them. Each costs 16 B a parameter (weights, gradient, m, v in fp32) plus, in bf16 runs, a bf16 copy

@@ -1,0 +1,40 @@
+"""One word per idea (docs/design.md, "Words"): the names each idea had before are gone from megatrain/, actors/,
+pipelines/ and the docs (read as text, like test_function_size.py reads the code)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("megatrain", "actors", "pipelines", "docs")
+# the retired form -> the word for its idea
+RETIRED = {
+    r"(?i)\blayer[- ](input )?checkpoints?\b": "activation checkpoints (device / offloaded checkpoints)",
+    r"\b(peak_)?kept_bytes\b": "device_bytes: the device checkpoints' bytes",
+    r"\bkept\s*:\s*dict\[str, torch\.Tensor\]": "passthrough: the pass-through tensors",
+    r"(?i)\bgradients? (are |were |stay )?kept\b|\bkept gradients?\b": "held gradients",
+}
+
+
+def files() -> list[Path]:
+    found = [ROOT / "README.md"]
+    for room in SOURCES:
+        found += sorted(p for p in (ROOT / room).rglob("*") if p.suffix in (".py", ".md"))
+    return found
+
+
+def test_retired_words_are_gone() -> None:
+    hits = []
+    for path in files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            hits += [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]!r} -> {word}"
+                     for pattern, word in RETIRED.items() if re.search(pattern, line)]
+    assert hits == []
+
+
+def test_the_patterns_find_the_retired_words() -> None:
+    samples = ["every layer checkpoint on the device", "self.peak_kept_bytes", "kept: dict[str, torch.Tensor] = {}",
+               "the gradients kept on the device"]
+    for sample, pattern in zip(samples, RETIRED, strict=True):
+        assert re.search(pattern, sample), (pattern, sample)

@@ -40,10 +40,10 @@ class OptimizerWorker:
         self.arena = open_arena(handle)  # waits for the store, which starts beside this actor
         self.layout = layout  # the driver's: building it again would import transformers here for a generic model
         versions = self.arena.versions.view(len(self.layout.units), -1)  # several nodes: a last column, the sync
+        part = NodeShard.build(self.layout, node, plan.nodes)
         self.shard = AdamWShard(self.layout, self.arena.tensors, plan.optim, worker, plan.workers, versions,
-                                GradLayout.build(self.layout, plan.grads), self.arena.tensors.get("issued"),
-                                NodeShard.build(self.layout, node, plan.nodes),
-                                stager=shard_stager(self.layout, self.arena, worker, plan.workers))
+                                GradLayout.build(self.layout, plan.grads), self.arena.tensors.get("issued"), part,
+                                stager=shard_stager(self.layout, self.arena, worker, plan.workers, part))
         self.lane = optimizer_lane(worker, node)
         self.resident = self.arena.tensors.get(RESIDENT_SEGMENT)  # written by the executor once it holds them
         self.worker, self.metrics = worker, metrics

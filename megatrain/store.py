@@ -129,8 +129,7 @@ class ParameterStore:
         self.tier: StoreTier | None = None
         try:
             if plan.tier is not None:
-                self.tier = StoreTier(plan.tier, self.arena, {u.index: (u.offset, u.offset + u.numel)
-                                                              for u in self.layout.units})
+                self.tier = StoreTier(plan.tier, self.arena, self._tier_starts(plan.tier.from_unit))
             self._init_params()
         except BaseException:
             # the half-built store is unreachable but the traceback keeps it (and its arena) alive: unlink now
@@ -158,6 +157,14 @@ class ParameterStore:
                             moments_numel=self.node.numel, sparse=plan.tier.kinds if plan.tier is not None else (),
                             extra_segments=tuple((b.name, b.dtype, b.numel) for b in segments
                                                  if b.name not in FP32_SEGMENTS))
+
+    def _tier_starts(self, from_unit: int) -> dict[str, int]:
+        """Per kind of state, the element of its arena segment where the units on NVMe (from `from_unit`) start: the
+        moments at the node's packing of them, the weights and gradients at the units' offsets."""
+        units = self.layout.units
+        at = units[from_unit].offset if from_unit < len(units) else self.layout.numel
+        packed = self.node.offsets[from_unit] if from_unit < len(units) else self.node.numel
+        return {"params": at, "grads": at, "exp_avg": packed, "exp_avg_sq": packed}
 
     def _init_params(self, base: bool = True) -> None:
         """The model's weights from its directory (or initialised); a LoRA run's into the frozen segment (base False:
@@ -270,7 +277,8 @@ class ParameterStore:
                        + ckpt.hf_tensors(self.layout, self.arena.exp_avg_sq, "exp_avg_sq."))
             ckpt.write_sharded(directory, "optimizer", moments, io=self.io)
         else:
-            ckpt.write_moment_part(directory, self.layout, self.node, self.arena.exp_avg, self.arena.exp_avg_sq)
+            ckpt.write_moment_part(directory, self.layout, self.node, self.arena.exp_avg, self.arena.exp_avg_sq,
+                                   io=self.io)
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Verifies and loads a training checkpoint into the arena; returns its trainer state."""
@@ -302,7 +310,7 @@ class ParameterStore:
         self._refresh_shadow()
         moments = {"exp_avg": self.arena.exp_avg, "exp_avg_sq": self.arena.exp_avg_sq}
         if parts:
-            ckpt.load_moment_parts(parts, self.layout, self.node, moments)
+            ckpt.load_moment_parts(parts, self.layout, self.node, moments, io=self.io)
         else:
             for name, flat in moments.items():
                 ckpt.load_into(self.layout, flat, opt_files, prefix=f"{name}.", where=str(directory),

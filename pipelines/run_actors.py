@@ -137,7 +137,7 @@ class RunActors:
         first = units[self.tier.from_unit].offset if self.tier.from_unit < len(units) else self.layout.numel
         files = StateFiles.open(self.arena.handle.tier, threads=1)
         try:
-            reader = TierReader(files, self.arena.tensors, ("params",), first)
+            reader = TierReader(files, self.arena.tensors, ("params",), {"params": first})
             yield from ((k, reader.read(v).clone()) for k, v in views.items())
         finally:
             files.close()

@@ -191,3 +191,64 @@ def test_ctrl_c_of_an_nvme_run_leaves_nothing_in_shared_memory_or_the_nvme_direc
     assert proc.returncode == 130, out
     assert "interrupted: shared memory released" in out
     assert dead_segments() <= before, "the run left shared memory behind"
+
+
+TWO_NODES = """
+import json, sys, ray, torch
+from pathlib import Path
+from ray.cluster_utils import Cluster
+import megatrain
+
+shm0, shm1, nvme, out = sys.argv[1:5]
+node_args = dict(num_cpus=2, object_store_memory=100 * 2**20)
+nodes = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False,
+                                                      "env_vars": {"MEGATRAIN_SHM_DIR": shm0}})
+nodes.add_node(**node_args, env_vars={"MEGATRAIN_SHM_DIR": shm1})
+try:
+    ray.init(address=nodes.address)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(3)]
+    settings = dict(batch_size=4, seq_len=32, device="cpu", optimizer_workers=1, lr=1e-2, warmup_steps=0,
+                    max_grad_norm=1.0, speculate="on", nodes=2, executors=1)
+    result = {}
+    for name, tier in (("host", {}), ("nvme", dict(nvme=nvme, nvme_states="moments,grads"))):
+        with megatrain.Engine("tiny", **settings, **tier) as engine:
+            result[name] = [engine.step(ids) for ids in batches]
+            engine.save_checkpoint(out + "/ckpt-" + name)
+            if tier:  # each node's moments and held gradients on disk, none in its /dev/shm
+                engine.wait_for_updates()
+                result["allocated"] = [sum(h.path(k).stat().st_blocks for k in ("exp_avg", "exp_avg_sq", "grads"))
+                                       for h in engine.handles]
+                result["state_dirs"] = len(list(Path(nvme).iterdir()))
+    print(json.dumps(result))
+finally:
+    ray.shutdown()
+    nodes.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_nodes_with_moments_and_gradients_on_nvme_train_bit_for_bit(tmp_path: Path, nvme_dir: Path) -> None:
+    """Each node's store keeps its packed part of the moments and its held gradients in state files of its own (the
+    same directory here, one per store): the checkpoint's bytes equal the host-memory run's on the same two nodes."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import TIMEOUT, private_ray_env
+
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+    for d in shm:
+        d.mkdir()
+    with private_ray_env() as env:
+        proc = subprocess.run([sys.executable, "-c", TWO_NODES, *map(str, shm), str(nvme_dir), str(tmp_path)],
+                              cwd=tmp_path, env={**env, "MEGATRAIN_SHM_DIR": str(shm[0])}, capture_output=True,
+                              text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["nvme"] == result["host"] and result["allocated"] == [0, 0] and result["state_dirs"] == 2
+    assert not [p for d in shm for p in d.iterdir()], "an arena segment outlived the run"
+    host, nvme = checkpoint_state(tmp_path / "ckpt-host"), checkpoint_state(tmp_path / "ckpt-nvme")
+    assert host.keys() == nvme.keys() and any(k.startswith("optimizer-node001") for k in host)
+    for k, v in host.items():
+        assert torch.equal(nvme[k], v), k

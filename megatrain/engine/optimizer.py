@@ -40,13 +40,15 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena
-from megatrain.memory.staging import SLOTS, UnitStager, open_stager, slot_numel
+from megatrain.memory.nvme import KINDS
+from megatrain.memory.staging import SLOTS, Extent, UnitStager, open_stager, slot_numel
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 # Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
 # 16) stay in the cache between the clip scale, the fused AdamW and the shadow copy, while each torch call over the
 # piece takes long beside the call's own cost (benchmarks/optimizer.py measures pieces against whole groups).
 PIECE_NUMEL = 1024 * ALIGN
+MOMENTS = KINDS["moments"]  # packed per node (NodeShard); the other kinds at the units' offsets
 
 
 def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
@@ -64,18 +66,25 @@ class Speculation:
     max_grad_norm: float | None  # once the units landed so far clip, the rest wait for the step's coefficient
 
 
-def shard_stager(layout: ModelLayout, arena: Arena, worker: int, num_workers: int) -> UnitStager | None:
-    """The worker's stager of the run's NVMe-resident states (None without a tier): its shard of every unit, through
-    its slots of the arena's staging segments."""
+def shard_stager(layout: ModelLayout, arena: Arena, worker: int, num_workers: int, node: NodeShard | None = None
+                 ) -> UnitStager | None:
+    """The worker's stager of the run's NVMe-resident states (None without a tier): its shard of every unit (of the
+    node's part of it: its moments at the node's packing, its gradient and weights at the unit's offsets), through its
+    slots of the arena's staging segments."""
     tier = arena.handle.tier
     if tier is None:
         return None
-    bounds = {}
+    node = node or NodeShard.build(layout)
+    extents = {}
     for unit in layout.units:
-        lo, hi = shard_bounds(unit, worker, num_workers)
-        bounds[unit.index] = (unit.offset + lo, unit.offset + hi)
+        lo, hi = shard_bounds(unit, worker, num_workers, node)
+        if unit.index < tier.from_unit or hi <= lo:
+            continue
+        packed = node.offsets[unit.index] + lo - node.bounds[unit.index][0]
+        extents[unit.index] = [Extent(k, 4 * at, 4 * (at + hi - lo))
+                               for k in tier.kinds() for at in [packed if k in MOMENTS else unit.offset + lo]]
     numel = slot_numel(layout, tier.from_unit, num_workers)
-    return open_stager(tier, arena, bounds, numel, worker * SLOTS * numel)
+    return open_stager(tier, arena, extents, numel, worker * SLOTS * numel)
 
 
 def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:

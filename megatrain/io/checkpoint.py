@@ -294,12 +294,12 @@ def moment_part_name(node: int, nodes: int) -> str:
 
 
 def write_moment_part(directory: Path, layout: ModelLayout, shard: NodeShard, exp_avg: torch.Tensor,
-                      exp_avg_sq: torch.Tensor) -> None:
+                      exp_avg_sq: torch.Tensor, io: SlotIO = IN_PLACE) -> None:
     tensors = [(f"{name}.{unit.index}", shard.moments(unit, flat, *shard.bounds[unit.index]))
                for name, flat in zip(MOMENTS, (exp_avg, exp_avg_sq), strict=True) for unit in layout.units]
     metadata = {"format": PART_FORMAT, "node": str(shard.node), "nodes": str(shard.nodes),
                 "units": str(len(layout.units)), "bounds": json.dumps(shard.bounds)}
-    write_safetensors(directory / moment_part_name(shard.node, shard.nodes), tensors, metadata)
+    write_safetensors(directory / moment_part_name(shard.node, shard.nodes), tensors, metadata, io)
 
 
 def moment_parts(directory: Path, layout: ModelLayout) -> list[tuple[Path, list[tuple[int, int]]]]:
@@ -338,7 +338,7 @@ def moment_parts(directory: Path, layout: ModelLayout) -> list[tuple[Path, list[
 
 
 def load_moment_parts(parts: list[tuple[Path, list[tuple[int, int]]]], layout: ModelLayout, shard: NodeShard,
-                      moments: dict[str, torch.Tensor]) -> None:
+                      moments: dict[str, torch.Tensor], io: SlotIO = IN_PLACE) -> None:
     """Fills this node's part of each moment (name -> its packed flat segment) from the parts that hold it."""
     for path, bounds in parts:
         try:
@@ -350,7 +350,7 @@ def load_moment_parts(parts: list[tuple[Path, list[tuple[int, int]]]], layout: M
                     a, b = mine
                     for name, flat in moments.items():
                         piece = f.get_slice(f"{name}.{unit.index}")[a - src_lo : b - src_lo]
-                        shard.moments(unit, flat, a, b).copy_(piece)
+                        io.fill(shard.moments(unit, flat, a, b), lambda dst, piece=piece: dst.copy_(piece))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise _unreadable(path, e) from None
 

@@ -404,9 +404,13 @@ def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int =
     which the optimizer writes beside each update: the masters then need not be in the arena."""
     if not nvme or not names:
         return None
-    if nodes > 1 or lora:
-        raise MegatrainError("the NVMe tier holds a whole model's Adam moments on one node; run on one node without "
-                             "LoRA (whose moments are small) or drop --nvme.")
+    if lora:
+        raise MegatrainError("a LoRA run's trained states are small: the NVMe tier is for a whole model's; drop "
+                             "--nvme (the frozen base streams from host memory).")
+    if nodes > 1 and "master" in names:
+        raise MegatrainError("on several nodes the stores exchange the updated fp32 weights in host memory, so the "
+                             "masters cannot live on NVMe there; leave master out of nvme_states (the moments and "
+                             "held gradients may stay).")
     if "master" in names and not copy:
         raise MegatrainError("the fp32 master weights cannot live on NVMe in this run: the executor streams them "
                              "from host memory, as there is no bf16 copy to stream instead (precision fp32/tf32, or "

@@ -238,11 +238,10 @@ def stage_segments(layout: ModelLayout, kinds: tuple[str, ...], from_unit: int, 
     return tuple((STAGE_PREFIX + kind, "float32", numel) for kind in kinds)
 
 
-def open_stager(tier: TierHandle, arena: Arena, bounds: dict[int, tuple[int, int]], slot_numel: int,
+def open_stager(tier: TierHandle, arena: Arena, extents: dict[int, list[Extent]], slot_numel: int,
                 slot_base: int) -> UnitStager:
-    """A worker's stager over `bounds` (unit -> [start, end) elements of its share) of the run's state files, through
+    """A worker's stager over `extents` (unit -> its share's extents of each kind) of the run's state files, through
     its SLOTS slots of `slot_numel` elements from element `slot_base` of the arena's staging segments."""
-    extents = unit_extents({u: b for u, b in bounds.items() if u >= tier.from_unit}, tier.kinds())
     landing = tuple(k for k in tier.kinds() if k in LANDING)
     return UnitStager(StateFiles.open(tier), arena.tensors, {k: arena.handle.path(k) for k in landing}, extents,
                       slot_numel=slot_numel, slot_base=slot_base, landing=landing)
@@ -252,13 +251,13 @@ class StoreTier:
     """The parameter store's side of the tier: owns the state files, and reads and writes the states on disk one tensor
     at a time (SlotIO: init, loads, checkpoints, exports), never a whole kind in RAM."""
 
-    def __init__(self, spec: TierSpec, arena: Arena, bounds: dict[int, tuple[int, int]]):
+    def __init__(self, spec: TierSpec, arena: Arena, first: dict[str, int]):
+        """first: per kind, the element of its segment the units on NVMe start at (the resident ones before)."""
         sizes = {k: arena.tensors[k].numel() * arena.tensors[k].element_size() for k in spec.kinds}
         self.files = StateFiles.create(spec.root, sizes, run_id=arena.handle.run_id, threads=spec.threads,
                                        from_unit=spec.from_unit)
         arena.handle = replace(arena.handle, tier=self.files.handle)  # what workers open the files by
         self.arena, self.kinds = arena, spec.kinds
-        first = bounds.get(spec.from_unit, (max((b for _, b in bounds.values()), default=0),))[0]
         self.reader = TierReader(self.files, arena.tensors, spec.kinds, first)
         self.io = self.reader.slot_io()
 
@@ -281,10 +280,11 @@ class StoreTier:
 
 class TierReader:
     """Views of the arena's segments of the kinds on NVMe, read from and written to the state files instead (from
-    element `first` on: the units before it are resident, their states in the arena), one tensor at a time through an
+    element first[kind] on: the units before are resident, their states in the arena), one tensor at a time through an
     aligned buffer of its size; any process that opened the files can (the store, the driver)."""
 
-    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], kinds: tuple[str, ...], first: int):
+    def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], kinds: tuple[str, ...],
+                 first: dict[str, int]):
         self.files, self.tensors, self.kinds, self.first = files, tensors, kinds, first
 
     def _where(self, view: torch.Tensor) -> tuple[str, int] | None:
@@ -292,7 +292,7 @@ class TierReader:
         for kind in self.kinds:
             seg = self.tensors[kind]
             at = view.data_ptr() - seg.data_ptr()
-            if self.first * seg.element_size() <= at < seg.numel() * seg.element_size():
+            if self.first[kind] * seg.element_size() <= at < seg.numel() * seg.element_size():
                 return kind, at
         return None
 

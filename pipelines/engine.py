@@ -371,7 +371,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self._check_running()
         while True:
             try:
-                ray.get(self.pending)
+                get(self.pending)  # a worker's megatrain error (a state file gone) as its one sentence
                 self.pending = self.actors.flush_tier()  # and the NVMe tier's writes behind on disk: []
                 return
             except ray.exceptions.RayError as e:

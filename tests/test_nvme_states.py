@@ -149,6 +149,27 @@ def test_states_on_nvme_train_bit_for_bit(ray_session: None, micro_llama, tmp_pa
         assert {"rolled back", {"on": "speculated", "auto": "serial"}[settings["speculate"]]} <= set(want[2]), want[2]
 
 
+def test_a_state_file_removed_mid_run_is_one_sentence_and_leaves_nothing(ray_session: None, micro_llama,
+                                                                        nvme_dir: Path) -> None:
+    """The held gradients' state file removed under a running run: the next update that reads it back fails in one
+    sentence (a megatrain error, not Ray's traceback), and the run's shutdown still removes its state directory (the
+    nvme_dir fixture checks)."""
+    from helpers import rows
+
+    import megatrain
+    from megatrain import MegatrainError
+
+    _, directory = micro_llama
+    settings = dict(ENGINE, max_grad_norm=1.0, speculate="off", nvme=nvme_dir, nvme_states="moments,grads")
+    with megatrain.Engine(directory, **settings) as engine:
+        engine.step(*rows(1))
+        engine.wait_for_updates()
+        engine.handle.tier.path("grads").unlink()
+        with pytest.raises(MegatrainError, match=r"the NVMe state file .*grads.bin is gone \(removed while the run"):
+            engine.step(*rows(2))
+            engine.wait_for_updates()
+
+
 @pytest.mark.slow
 def test_an_nvme_run_resumes_into_host_memory_and_back(ray_session: None, micro_llama, tmp_path: Path,
                                                        nvme_dir: Path) -> None:

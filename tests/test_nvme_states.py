@@ -76,6 +76,56 @@ def test_landed_gradients_are_stowed_from_their_range_and_staged_back_into_a_slo
         files.unlink()
 
 
+def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory(nvme_dir: Path) -> None:
+    """AdamWShard without Ray through the orders a run takes its units in: two executors' slices updated beside the
+    backward (the update stands), executors disagreeing (one stows its slice where the other speculated: that unit
+    waits) and the rollback, the serial update of stowed gradients, put_back: the passes on a store whose masters,
+    moments and held gradients are on NVMe leave bit for bit what they leave in host memory, and nothing in RAM."""
+    from megatrain.config import ModelConfig, OptimConfig
+    from megatrain.engine.optimizer import AdamWShard, shard_stager
+    from megatrain.memory.nvme import TierSpec
+    from megatrain.model.layout import GradLayout
+    from megatrain.store import ParameterStore
+
+    spec = TierSpec(str(nvme_dir), ("master", "moments", "grads"), ("params", "exp_avg", "exp_avg_sq", "grads"))
+    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, verify=False,
+                             check_memory=False, **extra) for extra in ({}, {"tier": spec})]
+    try:
+        layout, optim = stores[0].layout, OptimConfig(lr=1e-2, weight_decay=0.1)
+        shards = [AdamWShard(layout, st.arena.tensors, optim, 0, 1, st.versions, GradLayout.build(layout, "arena"),
+                             stager=shard_stager(layout, st.arena, 0, 1)) for st in stores]
+        units, gen = [u.index for u in layout.units], torch.Generator().manual_seed(0)
+
+        def step(number: int, first: str, second: str, attempt: int | None, after: str, coef: float) -> None:
+            grads = torch.randn(layout.numel, generator=gen)  # what the executors land (both slices at once here)
+            for st, shard in zip(stores, shards, strict=True):
+                st.arena.grads.copy_(grads)
+                for u in reversed(units):  # the backward's order, each executor's call in turn
+                    for call in (first, second if u % 2 else first):  # serially a second stow does nothing
+                        getattr(shard, call)(u, number, attempt, 2 if attempt is not None else 1)
+                if after == "finish":
+                    shard.unpublish(number)
+                for u in units:
+                    if after == "finish":
+                        shard.finish(u, number, coef, attempt)
+                    elif after == "put_back":
+                        shard.put_back(u, number, attempt)
+                shard.flush()  # the run's versions order the next landing after the punches; here, the flush
+
+        step(0, "speculate", "speculate", 1, "stands", 1.0)
+        step(1, "speculate", "stow", 2, "finish", 0.5)  # odd units: one executor stowed, the update waits
+        step(2, "stow", "stow", None, "finish", 0.7)  # the serial update
+        step(3, "speculate", "stow", 3, "put_back", 1.0)
+        host, tiered = stores[0].arena.tensors, stores[1].arena.tensors
+        for kind in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(host[kind], stores[1].io.read(tiered[kind])), kind
+        assert torch.equal(host["params_bf16"], tiered["params_bf16"])
+        assert all(allocated(stores[1].arena.handle.path(kind)) == 0 for kind in spec.kinds)
+    finally:
+        for st in stores:
+            st.close()
+
+
 # ---- the Engine ----
 
 def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, save_after: int | None = None,

@@ -302,7 +302,8 @@ class AdamWShard:
         return self.arrivals[unit_index] >= parts
 
     def _stow(self, unit_index: int) -> None:
-        if self.stager is not None and self.stager.holds(unit_index, "grads"):
+        """Once a try: a second stow would write the range its first punched out (zeros) over the gradient."""
+        if self.stager is not None and self.stager.holds(unit_index, "grads") and unit_index not in self.stowed:
             self.stager.stow(unit_index)
             self.stowed.add(unit_index)
 

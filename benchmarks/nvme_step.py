@@ -11,7 +11,8 @@ parameter a step (each unit's m and v read before its update and written back af
 2. the plan: `megatrain plan --json` of that run (its own CPU calibration, quick, where none is cached for this
    shape), the predicted step with the disk as a bound: max(the predicted step, the tier's read and write bytes at
    the calibrated rates), as `megatrain plan` prints it;
-3. the run: an Engine of the same settings, --steps steps, each timed to its updates' end; the first left out.
+3. the run: an Engine of the same settings, --steps steps, each timed to its updates' end; the first left out (its
+   moments are zeros, read from no disk), the mean and the median of the rest against the prediction.
 
 Every calibration goes to files under --work (MEGATRAIN_CALIBRATION, MEGATRAIN_NVME_RATES), removed at the end.
 The load average is recorded beside each number: other processes share the cores and the disk.
@@ -25,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -68,8 +70,21 @@ def planned(model: Path, nvme: Path, seq: int, workers: int) -> dict:
             "compute_source": plan.get("compute_source")}
 
 
+def disk_bytes(directory: Path) -> tuple[int, int]:
+    """(read, written) bytes so far of the block device holding `directory` (/proc/diskstats: 512-byte sectors), all
+    of its users' (0, 0 where it is not found)."""
+    dev = os.stat(directory).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if int(f[0]) == major and int(f[1]) == minor:
+            return int(f[5]) * 512, int(f[9]) * 512
+    return 0, 0
+
+
 def measured(model: Path, nvme: Path, seq: int, workers: int, steps: int) -> dict:
-    """Seconds of each step of the run with the moments on `nvme` (to its updates' end), and the load averages."""
+    """Seconds of each step of the run with the moments on `nvme` (to its updates' end), the device's bytes read and
+    written during each (every process's), and the load averages."""
     import torch
 
     import megatrain
@@ -77,18 +92,21 @@ def measured(model: Path, nvme: Path, seq: int, workers: int, steps: int) -> dic
 
     config = read_hf_config(model)  # a config, not the directory: the run starts from random weights
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
-    times, loads, losses = [], [], []
+    times, loads, losses, disk = [], [], [], []
     with megatrain.Engine(config, precision="fp32", device="cpu", optimizer_workers=workers, batch_size=1,
                           seq_len=seq, max_grad_norm=1.0, nvme=str(nvme), nvme_states="moments",
                           metrics=False) as engine:
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, io0 = time.perf_counter(), disk_bytes(nvme)
             losses.append(engine.step(ids))
             engine.wait_for_updates()
             times.append(time.perf_counter() - t0)
+            io1 = disk_bytes(nvme)
+            disk.append([(b - a) / 2**30 for a, b in zip(io0, io1, strict=True)])
             loads.append(os.getloadavg()[0])
-    return {"step_s": times, "load_1min": loads, "losses": losses,
-            "measured_step_s": sum(times[1:]) / max(1, len(times) - 1)}
+    return {"step_s": times, "load_1min": loads, "losses": losses, "disk_gib_read_written": disk,
+            "measured_step_s": sum(times[1:]) / max(1, len(times) - 1),
+            "measured_median_step_s": statistics.median(times[1:] or times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = planned(model, args.nvme, args.seq, args.workers)
         run = measured(model, args.nvme, args.seq, args.workers, args.steps)
         ratio = run["measured_step_s"] / plan["predicted_with_disk_s"]
+        median_ratio = run["measured_median_step_s"] / plan["predicted_with_disk_s"]
         result = {"disk": disk, "load_1min_at_start": load, **plan, **run, "measured_vs_predicted": ratio,
+                  "median_vs_predicted": median_ratio,
                   "args": {k: str(v) for k, v in vars(args).items()}}
         print(f"disk {args.nvme}: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s "
               f"(load {load:.1f})")
@@ -127,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"predicted: {plan['predicted_with_disk_s']:.2f} s a step with the disk as a bound (disk "
               f"{plan['disk_s']:.2f} s, without it {plan['predicted_step_s']:.2f} s)")
         print(f"measured: {run['measured_step_s']:.2f} s a step (steps {', '.join(f'{t:.2f}' for t in run['step_s'])}"
-              f" s; load {', '.join(f'{x:.1f}' for x in run['load_1min'])}): {100 * (ratio - 1):+.0f}%")
+              f" s; load {', '.join(f'{x:.1f}' for x in run['load_1min'])}): {100 * (ratio - 1):+.0f}%; the median "
+              f"(steps 2-) {run['measured_median_step_s']:.2f} s: {100 * (median_ratio - 1):+.0f}%")
+        print("the disk during each step (every process's): " + ", ".join(
+            f"{r:.2f} GiB read, {w:.2f} written" for r, w in run["disk_gib_read_written"]))
         if args.out:
             args.out.write_text(json.dumps(result, indent=2))
     finally:

@@ -9,8 +9,9 @@ parameter a step (each unit's m and v read before its update and written back af
 1. the disk: `megatrain calibrate --nvme PATH` (the tier's own direct I/O, --nvme-gib each way), cached where the
    plan reads it;
 2. the plan: `megatrain plan --json` of that run (its own CPU calibration, quick, where none is cached for this
-   shape), the predicted step with the disk as a bound: max(the predicted step, the tier's read and write bytes at
-   the calibrated rates), as `megatrain plan` prints it;
+   shape), the predicted step with the disk as a bound as `megatrain plan` prints it: the tier's read and write
+   bytes at the calibrated rates hide behind the compute the update runs beside (the backward, or the serial
+   walk's next forward), the rest adds to the predicted step (TierPlan.bound_s);
 3. the run: an Engine of the same settings, --steps steps, each timed to its updates' end; the first left out (its
    moments are zeros, read from no disk), the mean and the median of the rest against the prediction.
 
@@ -63,7 +64,8 @@ def planned(model: Path, nvme: Path, seq: int, workers: int) -> dict:
     tier = plan["plan"]["tier"]
     disk_s = tier["read_bytes"] / (tier["read_gbps"] * 1e9) + tier["write_bytes"] / (tier["write_gbps"] * 1e9)
     step_s = plan["predicted_step_s"]
-    return {"predicted_step_s": step_s, "disk_s": disk_s, "predicted_with_disk_s": max(step_s, disk_s),
+    return {"predicted_step_s": step_s, "disk_s": disk_s, "predicted_with_disk_s": plan["predicted_with_disk_s"],
+            "beside_update_s": plan["beside_update_s"],
             "nvme_gib_per_step": (tier["read_bytes"] + tier["write_bytes"]) / 2**30, "params": plan["plan"]["params"],
             "read_gbps": tier["read_gbps"], "write_gbps": tier["write_gbps"],
             "host_bytes_per_param": plan["plan"]["host_total"] / plan["plan"]["params"],

@@ -71,12 +71,15 @@ def plan_machine(args: argparse.Namespace, request: Request, cfg: Any) -> Machin
 def longest(request: Request, machine: Machine, run: RunPlan) -> int:
     """The longest sequence that fits at the run's batch (the plan's own, where it does not fit)."""
     from megatrain.memory.plan import longest_seq
+    from megatrain.memory.tier_plan import with_tier
 
-    plan, e = run.memory, request.engine
-    if plan.longest_seq is not None:
+    plan, e, tier = run.memory, request.engine, run.memory.tier
+    if plan.longest_seq is not None and tier is None:  # plan_run's search knows no tier
         return plan.longest_seq
     budget = e.checkpoint_budget_gib
-    return longest_seq(request.config, run.batch, grads=plan.grads, tile_tokens=e.tile_tokens,
+    placed = None if tier is None else (  # the run's tier at each length: the states it holds are not the host's
+        lambda p: with_tier(p, request.config, tier.directory, tier.names, (tier.read_gbps, tier.write_gbps)))
+    return longest_seq(request.config, run.batch, grads=plan.grads, tile_tokens=e.tile_tokens, placed=placed,
                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                        name=run.model, precision=run.precision, optimizer_workers=run.optimizer_workers,
                        on_gpu=run.on_gpu, gpu_free=machine.gpu_free, micro_batches=run.micro_batches,
@@ -118,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if prediction is not None:
         print(prediction.report())
     if plan.tier is not None:  # its bytes, the disk's traffic per step and the step with the disk as a bound
-        print("\n".join(plan.tier.report(prediction.step_s if prediction is not None else None)))
+        print("\n".join(plan.tier.report(*((prediction.step_s, prediction.beside_update_s())
+                                            if prediction is not None else ()))))
     if args.post:  # what DPO's or GRPO's modes add (megatrain/memory/post_plan.py)
         print(post_plan(request.config, args.post, plan.batch, plan.seq, request.engine.precision, args.pairs,
                         args.kl, plan).report())
@@ -131,6 +135,9 @@ def _plan_json(plan: Any, prediction: Any, cal: Any, longest: int, fits: bool, w
     out: dict[str, Any] = {"predicted_step_s": None, "predicted_tokens_per_s": None, "bound": None}
     if prediction is not None:
         out.update(prediction.to_dict())
+        if plan.tier is not None:  # the step with the disk as a bound, as the report prints it
+            out["beside_update_s"] = prediction.beside_update_s()
+            out["predicted_with_disk_s"] = plan.tier.bound_s(prediction.step_s, out["beside_update_s"])
     out["plan"] = {**asdict(plan), "kept_note": plan.kept.describe(), "step_tokens": plan.step_tokens,
                    "host_total": plan.host_total,
                    "gpu_total": plan.gpu_total, "optimizer_workers": workers, "longest_seq": longest}

@@ -85,22 +85,21 @@ def test_plan_with_nvme_keeps_at_most_8_bytes_per_parameter_in_the_host(name: st
 def test_nvme_auto_takes_the_shortest_step_with_the_disk_as_a_bound(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """GPT-OSS-120B on the H200 box, nvme_states auto: of the ways that fit 1,536 GiB, the one whose step predicted with
-    the disk as a bound is shortest among those a run places (the disk bounds every one: the least traffic), its
+    the disk as a bound is shortest (the disk bounds every one: the least traffic), its
     line naming what it beat. In bf16 (no room for the copy beside 16 B a parameter) the masters go to disk only with
     the copy kept, which the executor then streams."""
-    from megatrain.memory.nvme import SUPPORTED
     from megatrain.memory.tier_plan import KINDS
 
     code, out, _ = nvme_plan("gpt-oss-120b", "1536", "auto", tmp_path, capsys)
     plan = out["plan"]
     names = tuple(plan["tier"]["names"])
-    assert code == 0 and out["fits"] and set(names) <= set(SUPPORTED)
+    assert code == 0 and out["fits"] and set(names) <= set(KINDS)
     assert out["run_plan"]["tier"]["names"] == list(names)
     # the disk's share of a step: each kind's bytes read and written at 6 and 5 GB/s; moments 8 B a parameter each way,
-    # held gradients 4: the fewest bytes that fit of the kinds a run places
+    # held gradients 4: the fewest bytes that fit
     traffic = {"moments": 8, "grads": 4, "master": 4}
     fits_alone = {"grads", "moments"}  # 1,536 GiB holds either kind's 16 - 4 or 16 - 8 B a parameter left
-    best = min((n for n in fits_alone if n in SUPPORTED), key=traffic.__getitem__)
+    best = min(fits_alone, key=traffic.__getitem__)
     assert names == (best,) and f"nvme_states auto: {best} " in plan["tier_note"]
     assert set(KINDS) == set(traffic)
     code, bf16, _ = nvme_plan("gpt-oss-120b", "1536", "master,moments,grads", tmp_path, capsys, "--precision", "bf16")

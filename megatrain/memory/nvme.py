@@ -377,9 +377,8 @@ def wait_all(futures: Iterable[Future]) -> None:
 
 
 # ---- what a run puts on NVMe ----
-# nvme_states names (megatrain/memory/tier_plan.py KINDS) this build places on NVMe; the fp32 masters only where the
-# executor streams a bf16 copy of them (resolve_tier)
-SUPPORTED = ("master", "moments", "grads")
+# nvme_states names (megatrain/memory/tier_plan.py KINDS): the fp32 masters only where the executor streams a bf16 copy
+# of them (resolve_tier)
 KINDS = {"master": ("params",), "moments": ("exp_avg", "exp_avg_sq"), "grads": ("grads",)}
 
 

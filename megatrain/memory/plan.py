@@ -13,6 +13,7 @@ activations instead of recomputing, the split between them chosen by megatrain/m
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,7 @@ class MemoryPlan:
             raise MegatrainError(problem)
 
     def check(self) -> None:
-        problem = self.host_problem() or self.gpu_problem() or (self.tier.problem() if self.tier else None)
+        problem = self.host_problem() or self.gpu_problem()
         if problem:
             raise MegatrainError(problem)
 
@@ -452,14 +453,16 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
 
 
 def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int | None | str = AUTO,
-                checkpoint_budget: int | None | str = AUTO, **kwargs: Any) -> int:
+                checkpoint_budget: int | None | str = AUTO, placed: Callable[[MemoryPlan], MemoryPlan] | None = None,
+                **kwargs: Any) -> int:
     """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if none
-    does."""
+    does. placed: what the run does to each plan before it is checked (its NVMe tier's states out of the host)."""
     def fits(seq: int) -> bool:
-        plan = _plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget, kwargs)
+        place = placed or (lambda p: p)
+        plan = place(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget, kwargs))
         if plan.shadow_bytes and plan.host_problem() is not None:
-            plan = _plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
-                                  {**kwargs, "shadow": False})
+            plan = place(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
+                                        {**kwargs, "shadow": False}))
         return plan.host_problem() is None and plan.gpu_problem() is None
 
     if not fits(128):

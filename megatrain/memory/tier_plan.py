@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.memory.nvme import SUPPORTED
 from megatrain.model.layout import planned_unit_numels
 
 if TYPE_CHECKING:
@@ -66,16 +65,16 @@ class TierPlan:
             return None
         return self.read_bytes / (self.read_gbps * 1e9) + self.write_bytes / (self.write_gbps * 1e9)
 
-    def problem(self) -> str | None:
-        """What a run cannot follow of this tier (a plan reports it, the Engine refuses it)."""
-        refused = [n for n in self.names if n not in SUPPORTED]
-        if not refused:
+    def bound_s(self, step_s: float, beside_s: float | None = None) -> float | None:
+        """The step with the disk as a bound (None: its rates unknown): the disk's share hides behind the `beside_s`
+        seconds of compute the optimizer's pass runs beside (Prediction.beside_update_s), the rest adds to the step;
+        where that is not known (None), behind the whole step."""
+        disk_s = self.seconds()
+        if disk_s is None:
             return None
-        return (f"nvme_states {', '.join(refused)} cannot be placed on NVMe by a run yet (only "
-                f"{', '.join(SUPPORTED)}): the GPU streams the fp32 masters and the held gradients wait in the arena; "
-                "use nvme_states = \"moments\" on a host with room for the rest.")
+        return max(step_s, disk_s) if beside_s is None else step_s + max(0.0, disk_s - beside_s)
 
-    def report(self, step_s: float | None = None) -> list[str]:
+    def report(self, step_s: float | None = None, beside_s: float | None = None) -> list[str]:
         kinds = ", ".join(f"{k} {n / GiB:.2f} GiB" for k, n in self.on_disk)
         lines = [f"nvme ({self.directory}): {kinds}; {self.staging_bytes / GiB:.2f} GiB staged in the arena",
                  f"NVMe per step: {self.read_bytes / GiB:.2f} GiB read, {self.write_bytes / GiB:.2f} GiB written"]
@@ -85,10 +84,10 @@ class TierPlan:
         else:
             lines[-1] += f" ({self.read_gbps:.2f} / {self.write_gbps:.2f} GB/s: {disk_s:.2f} s)"
         if disk_s is not None and step_s is not None:
-            lines.append(f"step predicted with the disk as a bound: {max(step_s, disk_s):.2f} s "
-                         f"({'the disk' if disk_s > step_s else 'compute and PCIe'} bound; without it {step_s:.2f} s)")
-        if self.problem():
-            lines.append(f"a run refuses it today: {self.problem()}")
+            bound = self.bound_s(step_s, beside_s)
+            hidden = "the whole step" if beside_s is None else f"{beside_s:.2f} s of compute"
+            lines.append(f"step predicted with the disk as a bound: {bound:.2f} s (the disk's {disk_s:.2f} s beside "
+                         f"{hidden}; without it {step_s:.2f} s)")
         return lines
 
 
@@ -115,7 +114,6 @@ class TierOption:
 
     plan: MemoryPlan
     fits: bool  # host and GPU
-    supported: bool  # a run places it (TierPlan.problem)
     disk_s: float | None  # the tier's share of a step at the disk's rates (None: rates unknown)
     step_s: float | None  # the step predicted without the disk as a bound (None: no predictor)
     traffic: int  # disk bytes a step, read and written
@@ -127,18 +125,21 @@ class TierOption:
     @property
     def bound_s(self) -> float | None:
         """The step predicted with the disk as a bound (None where the disk's rates are unknown)."""
-        return None if self.disk_s is None else max(self.step_s or 0.0, self.disk_s)
+        if self.disk_s is None:
+            return None
+        tier = self.plan.tier
+        return (self.step_s or 0.0) if tier is None else tier.bound_s(self.step_s or 0.0)
 
     def rank(self) -> tuple[float, ...]:
         """What auto takes the least of, in order: refused by a run, the step with the disk as a bound (the disk's
         bytes where its rates are unknown), the step without it, the host's bytes."""
         cost = self.bound_s if self.bound_s is not None else float(self.traffic)
-        return (float(not self.supported), cost, self.step_s or 0.0, float(self.plan.host_total))
+        return (cost, self.step_s or 0.0, float(self.plan.host_total))
 
     def describe(self) -> str:
         what = ",".join(self.names) or "none"
         cost = f"{self.bound_s:.2f} s" if self.bound_s is not None else f"{self.traffic / GiB:.1f} GiB of disk traffic"
-        return f"{what} {cost}" + ("" if self.supported else " (a run refuses it today)")
+        return f"{what} {cost}"
 
 
 def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfig | None, directory: str,
@@ -169,7 +170,6 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
             tiered = replace(tiered, bf16_copy_note="bf16 copy of the weights kept: the fp32 masters are on NVMe, and "
                                                     "the executor streams the copy instead")
         options.append(TierOption(tiered, tiered.host_fits and tiered.gpu_problem() is None,
-                                  tiered.tier is None or tiered.tier.problem() is None,
                                   tier.seconds() if tier.on_disk else (0.0 if rates else None),
                                   step_time(tiered) if step_time is not None else None,
                                   tier.read_bytes + tier.write_bytes))
@@ -180,7 +180,7 @@ def with_tier(plan: MemoryPlan, config: ModelConfig | None, directory: str | Non
               states: str | tuple[str, ...] | list[str], rates: tuple[float, float] | None = None, *,
               copied: MemoryPlan | None = None, step_time: StepTime | None = None) -> MemoryPlan:
     """`plan` with the NVMe tier of `states` in `directory` (None: no tier, the plan as it is); config None: the
-    staging left out (a hint's estimate). "auto" (tier_options' sets): of those a run places that fit the host and
+    staging left out (a hint's estimate). "auto" (tier_options' sets): of those that fit the host and
     the GPU, the shortest step predicted with the disk as a bound (`step_time`, the predictor, and the disk's `rates`;
     without rates the fewest disk bytes a step), ties to the fewest host bytes; where none fits, the one that keeps
     the fewest host bytes (the plan then says it does not fit). Its tier_note says which and what it beat."""
@@ -199,8 +199,7 @@ def with_tier(plan: MemoryPlan, config: ModelConfig | None, directory: str | Non
     why = ("a step predicted with the disk as a bound" if best.bound_s is not None else
            "the fewest disk bytes a step (the disk's rates unknown: `megatrain calibrate --nvme PATH`)")
     note = (f"nvme_states auto: {best.describe()}, of the ways that fit the host the shortest {why}"
-            + (f" (then {others})" if others else "")
-            + ("; none a run places today fits" if not best.supported else ""))
+            + (f" (then {others})" if others else ""))
     return replace(best.plan, tier_note=note)
 
 

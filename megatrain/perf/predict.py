@@ -80,6 +80,14 @@ class Prediction:
     cases: dict[str, dict[str, float]] = field(default_factory=dict)  # case -> {"share", "step_s", "exposed_update_s"}
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # forward/head/backward/update -> {"s", "bound"}
     fixed_source: str = ""  # where the fixed costs came from (fixed_costs)
+    forward_s: float = 0.0  # the compute's phases (Compute): what the update's disk traffic can run beside
+    backward_s: float = 0.0  # the head's and the layers' backward
+
+    def beside_update_s(self) -> float:
+        """The compute the optimizer's pass runs beside, the cases' mean: an update beside the backward during the
+        backward, the serial walk during the next forward (which waits for each unit's update in turn)."""
+        return sum(c["share"] * (self.forward_s if name == "serial" else self.backward_s)
+                   for name, c in self.cases.items())
 
     @property
     def uncalibrated(self) -> str:
@@ -375,7 +383,7 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
     return Prediction(compute.total_s, h2d, d2h, update.pool_s, data, sum(shares[c] * fixed[c] for c in CASES), step,
                       tokens / step, max(lanes, key=lambda name: lanes[name]), times.source, exposed, network,
                       update.resident_s, update.rollback_s, update.rate, speculate, clip_rate, kept, cases, phases,
-                      fixed_source)
+                      fixed_source, compute.forward_s, compute.head_s + compute.backward_s)
 
 
 @dataclass(frozen=True)

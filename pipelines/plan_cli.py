@@ -77,8 +77,10 @@ def longest(request: Request, machine: Machine, run: RunPlan) -> int:
     if plan.longest_seq is not None and tier is None:  # plan_run's search knows no tier
         return plan.longest_seq
     budget = e.checkpoint_budget_gib
-    placed = None if tier is None else (  # the run's tier at each length: the states it holds are not the host's
-        lambda p: with_tier(p, request.config, tier.directory, tier.names, (tier.read_gbps, tier.write_gbps)))
+    def placed(p: Any) -> Any:  # the run's tier at each length: the states it holds are not the host's
+        return p if tier is None else with_tier(p, request.config, tier.directory, tier.names,
+                                                (tier.read_gbps, tier.write_gbps))
+
     return longest_seq(request.config, run.batch, grads=plan.grads, tile_tokens=e.tile_tokens, placed=placed,
                        checkpoint_budget=budget if budget in ("auto", None) else round(budget * 2**30),
                        name=run.model, precision=run.precision, optimizer_workers=run.optimizer_workers,

@@ -453,16 +453,15 @@ def _plan_sequence(config: ModelConfig, batch: int, seq: int, grads: str, tile_t
 
 
 def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int | None | str = AUTO,
-                checkpoint_budget: int | None | str = AUTO, placed: Callable[[MemoryPlan], MemoryPlan] | None = None,
-                **kwargs: Any) -> int:
+                checkpoint_budget: int | None | str = AUTO,
+                placed: Callable[[MemoryPlan], MemoryPlan] = lambda plan: plan, **kwargs: Any) -> int:
     """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if none
     does. placed: what the run does to each plan before it is checked (its NVMe tier's states out of the host)."""
-    def fits(seq: int) -> bool:
-        place = placed or (lambda p: p)
-        plan = place(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget, kwargs))
-        if plan.shadow_bytes and plan.host_problem() is not None:
-            plan = place(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
-                                        {**kwargs, "shadow": False}))
+    def fits(seq: int, shadow: bool = True) -> bool:
+        plan = placed(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
+                                     kwargs if shadow else {**kwargs, "shadow": False}))
+        if shadow and plan.shadow_bytes and plan.host_problem() is not None:
+            return fits(seq, shadow=False)
         return plan.host_problem() is None and plan.gpu_problem() is None
 
     if not fits(128):

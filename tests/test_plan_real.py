@@ -102,6 +102,7 @@ def test_nvme_auto_takes_the_shortest_step_with_the_disk_as_a_bound(tmp_path: Pa
     fits_alone = {"grads", "moments"}  # 1,536 GiB holds either kind's 16 - 4 or 16 - 8 B a parameter left
     best = min(fits_alone, key=traffic.__getitem__)
     assert names == (best,) and f"nvme_states auto: {best} " in plan["tier_note"]
+    assert "moments,grads" in plan["tier_note"] and "B/param in host memory" in plan["tier_note"]  # the leaner ways too
     assert set(KINDS) == set(traffic)
     code, bf16, _ = nvme_plan("gpt-oss-120b", "1536", "master,moments,grads", tmp_path, capsys, "--precision", "bf16")
     assert bf16["plan"]["shadow_bytes"] > 0 and bf16["run_plan"]["shadow"]  # the copy kept with the masters on disk

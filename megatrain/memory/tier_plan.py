@@ -139,7 +139,8 @@ class TierOption:
     def describe(self) -> str:
         what = ",".join(self.names) or "none"
         cost = f"{self.bound_s:.2f} s" if self.bound_s is not None else f"{self.traffic / GiB:.1f} GiB of disk traffic"
-        return f"{what} {cost}"
+        per_param = self.plan.arena_host_bytes / max(self.plan.params, 1)
+        return f"{what} {cost}, {per_param:.1f} B/param in host memory"
 
 
 def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfig | None, directory: str,

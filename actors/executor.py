@@ -2,7 +2,7 @@
 to the optimizer workers: it waits for their updates before loading a unit, and hands them units as their
 gradients land in the host arena, during the backward: with clipping off and one executor the update is final;
 otherwise, where the driver asks for it (a Speculation), it is the update beside the backward, which the driver
-validates once the step's norm is known. With gradients held on the device they are sent out (again) in forward
+settles once the step's norm is known. With gradients held on the device they are sent out (again) in forward
 order once the driver has the step's clip coefficient: `send_grads`, which runs in a concurrency group of its own
 so that it overlaps the next step's forward. Units resident on the executor's device (megatrain/engine/resident.py) are
 never handed out: the driver has them updated here (`update_resident`) once the step's norm is known, and written
@@ -225,19 +225,19 @@ class GPUExecutor:
             rec.end_step(keep=False)  # its spans are not the next training step's
 
     @ray.method(concurrency_group="grads_out")
-    def send_grads(self, step: int, clip_coef: float, attempt: int | None = None, put_back: bool = False
+    def send_grads(self, step: int, clip_coef: float, speculation: int | None = None, roll_back: bool = False
                    ) -> list[Span]:
         """Update number `step` from the gradients its train_step held on the device: each unit's copied to
         the host in forward order and handed to the workers as it lands (OptimizerWorker.update_unit, which replaces
-        an update beside the backward of try `attempt` by the clipped one). Units whose update beside the backward
-        stands (clip_coef 1) are not sent; with put_back (a skipped step) only those are, to be put back. Returns
+        a unit speculated in speculation number `speculation` by the clipped update). Units whose speculated update
+        stands (clip_coef 1) are not sent; with roll_back (a skipped step) only those are, to be rolled back. Returns
         once all are applied, with the workers' spans."""
         held = self._held.pop(step, None)
         if held is None:
             raise MegatrainError(f"no gradients of step {step} are held on the device; its train_step did not "
                                  "run on this executor or was skipped.")
-        speculated = self._speculated.pop(step, set()) if attempt is not None else set()
-        if put_back:
+        speculated = self._speculated.pop(step, set()) if speculation is not None else set()
+        if roll_back:
             held = [out for out in held if out.unit.index in speculated]
         elif clip_coef == 1.0:  # where the step does not clip, the updates beside the backward are final
             held = [out for out in held if out.unit.index not in speculated]
@@ -245,11 +245,11 @@ class GPUExecutor:
         unit_refs: dict[int, list[ray.ObjectRef]] = {}
 
         def landed(unit: Unit, norm_sq: float) -> None:
-            if put_back:
-                refs = [w.put_back.remote(step, attempt, unit.index) for w in self.workers]
+            if roll_back:
+                refs = [w.roll_back.remote(step, speculation, unit.index) for w in self.workers]
             else:
                 self.issued[unit.index] = step + 1
-                refs = [w.update_unit.remote(unit.index, step, clip_coef, attempt) for w in self.workers]
+                refs = [w.update_unit.remote(unit.index, step, clip_coef, speculation) for w in self.workers]
             unit_refs[unit.index] = refs
             issued.extend(refs)
 
@@ -329,12 +329,12 @@ class _Handout:
                                             clip_coefficient(self.landed_sq**0.5, speculation.max_grad_norm) == 1.0)
         if not self.stopped:
             self.speculated.append(unit.index)
-            self.hand_out(unit, (w.speculate.remote(unit.index, step, speculation.attempt,
+            self.hand_out(unit, (w.speculate.remote(unit.index, step, speculation.number,
                                                     self.owner.executors_per_node) for w in workers))
         elif self.owner.hold_grads:  # its host slot is free for the next unit: nothing reads it in this backward
             self.issued.extend(w.mark_skipped.remote(unit.index, step) for w in workers)
         elif self.owner.stows:
-            self.issued.extend(w.stow.remote(unit.index, step, speculation.attempt, self.owner.executors_per_node)
+            self.issued.extend(w.stow.remote(unit.index, step, speculation.number, self.owner.executors_per_node)
                                for w in workers)
 
 

@@ -2,12 +2,12 @@
 recording its update times and queue depth as Ray metrics from its own process.
 
 Who calls what: the executor, as a unit's gradient lands, `update_unit` (clipping off, one executor: the update
-is final) or `speculate` (the update beside the backward, which the driver validates once the step's norm is
-known); the driver after the step `apply` (every unit, forward order: the serial update, or the validation's
-redo of what clipped), or with a non-finite gradient `put_back`; with grads = "device" the executor's
-`send_grads` calls `update_unit` / `put_back` unit by unit as it sends the gradients again; where the NVMe tier
+is final) or `speculate` (the update beside the backward, which the driver settles once the step's norm is
+known); the driver after the step `apply` (every unit, forward order: the serial update, or the settling's
+redo of what clipped), or with a non-finite gradient `roll_back`; with grads = "device" the executor's
+`send_grads` calls `update_unit` / `roll_back` unit by unit as it sends the gradients again; where the NVMe tier
 holds the gradients, the executor `stow`s each landed one the workers do not update beside the backward. Units the
-executor keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `put_back` leave
+executor keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `roll_back` leave
 them: the executor updates them there."""
 
 from __future__ import annotations
@@ -60,47 +60,50 @@ class OptimizerWorker:
             self.metrics.record_optimizer(self.worker, span.duration, depth)
         return [span]
 
-    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0, attempt: int | None = None) -> list[Span]:
-        """Update number `step` of one unit (AdamWShard.finish: where try `attempt` of the step updated it beside
-        the backward, that update stands or is replaced by the clipped one)."""
-        return self._timed(unit, step, lambda: self.shard.finish(unit, step, clip_coef, attempt))
+    def update_unit(self, unit: int, step: int, clip_coef: float = 1.0, speculation: int | None = None
+                    ) -> list[Span]:
+        """Update number `step` of one unit, settled (AdamWShard.settle: where speculation number `speculation`
+        speculated it, that update is confirmed or rolled back and redone clipped)."""
+        return self._timed(unit, step, lambda: self.shard.settle(unit, step, clip_coef, speculation))
 
-    def speculate(self, unit: int, step: int, attempt: int, parts: int = 1) -> list[Span]:
+    def speculate(self, unit: int, step: int, speculation: int, parts: int = 1) -> list[Span]:
         """The update beside the backward of a unit whose gradient landed, once `parts` executors' slices of it have
         (each executor of the node calls this)."""
-        return self._timed(unit, step, lambda: "update" if self.shard.speculate(unit, step, attempt, parts) else None)
+        return self._timed(unit, step,
+                           lambda: "update" if self.shard.speculate(unit, step, speculation, parts) else None)
 
-    def apply(self, step: int, clip_coef: float, attempt: int | None = None) -> list[Span]:
+    def apply(self, step: int, clip_coef: float, speculation: int | None = None) -> list[Span]:
         """All streamed units in forward order, as update_unit (called by the driver once the global norm is known)."""
         units = self._streamed()
         if self.shard.issued is not None:  # every unit is handed out at once (the queue depth metric reads it)
             self.shard.issued[units] = step + 1
-        return [span for u in units for span in self.update_unit(u, step, clip_coef, attempt)]
+        return [span for u in units for span in self.update_unit(u, step, clip_coef, speculation)]
 
     def _streamed(self) -> list[int]:
         """The units this pool updates: all but those resident on the executor's device."""
         return [u.index for u in self.layout.units if self.resident is None or not self.resident[u.index]]
 
-    def put_back(self, step: int, attempt: int | None, unit: int | None = None) -> list[Span]:
-        """Step `step` is skipped (a non-finite gradient): what try `attempt` updated beside the backward is taken
-        out of `unit` (None: every streamed unit); their versions are `step` again."""
+    def roll_back(self, step: int, speculation: int | None, unit: int | None = None) -> list[Span]:
+        """Step `step` is skipped (a non-finite gradient): what speculation number `speculation` speculated is rolled
+        back in `unit` (None: every streamed unit); their versions are `step` again."""
         units = self._streamed() if unit is None else [unit]
+        undo = self.shard.roll_back
         return [span for u in units
-                for span in self._timed(u, step, lambda u=u: "undo" if self.shard.put_back(u, step, attempt) else None)]
+                for span in self._timed(u, step, lambda u=u: "undo" if undo(u, step, speculation) else None)]
 
-    def unpublish(self, step: int) -> None:
+    def roll_back_versions(self, step: int) -> None:
         """Every unit's version back to `step`, before clipped updates replace the ones beside the backward."""
-        self.shard.unpublish(step)
+        self.shard.roll_back_versions(step)
 
     def mark_skipped(self, unit: int, step: int) -> list[Span]:
         """Leaves `unit` as it is for update `step` (non-finite gradient) without stalling the executor."""
         self.shard.mark_skipped(unit, step)
         return []
 
-    def stow(self, unit: int, step: int, attempt: int | None, parts: int = 1) -> list[Span]:
+    def stow(self, unit: int, step: int, speculation: int | None, parts: int = 1) -> list[Span]:
         """A unit's gradient landed and waits for the step's norm: the NVMe tier takes this worker's shard of it out of
         the arena, once `parts` executors' slices of it have landed (AdamWShard.stow)."""
-        return self._timed(unit, step, lambda: "stow" if self.shard.stow(unit, step, attempt, parts) else None)
+        return self._timed(unit, step, lambda: "stow" if self.shard.stow(unit, step, speculation, parts) else None)
 
     def flush(self) -> None:
         """The NVMe tier's writes behind on disk (before a checkpoint or anything else reads the state files)."""

@@ -87,7 +87,7 @@ class KeepingACopy(AdamWShard):
                                       for i, t in enumerate(state)]
             at += 3 * piece.numel
 
-    def _undo(self, piece: Any, step: int, lr: float, weight_decay: float) -> None:  # the pass's first act: copy
+    def _undo(self, piece: Any, grads: Any, step: int, lr: float, weight_decay: float) -> None:  # first: copy
         torch._foreach_copy_(self.copies[id(piece)], piece.params + piece.exp_avg + piece.exp_avg_sq)
 
 
@@ -135,10 +135,10 @@ def passes(layout: ModelLayout, optim: OptimConfig, repeats: int, threads: int) 
         times = []
         for r in range(repeats + 1):  # each time: every unit updated beside the backward, then the step clips
             for u in units:
-                shards["one pass"].speculate(u, step, attempt=r)
+                shards["one pass"].speculate(u, step, speculation=r)
             t0 = time.perf_counter()
             for u in units:
-                shards["one pass"].finish(u, step, 0.999, attempt=r)
+                shards["one pass"].settle(u, step, 0.999, speculation=r)
             step += 1
             if r:
                 times.append(time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from megatrain.perf.calibrate import Calibration
 PLAN_FILE = "plan.json"
 
 # how a step's update runs (RunPlan.update): each unit's update final as its gradient lands; after the step, its
-# norm known ("serial"); beside the backward and validated after it, on every step ("speculative") or on steps after
+# norm known ("serial"); beside the backward and settled after it, on every step ("speculative") or on steps after
 # one that did not clip ("unless-clipped": speculate "auto")
 UPDATES = ("final", "serial", "speculative", "unless-clipped")
 
@@ -153,7 +153,7 @@ class RunPlan:
 
     @property
     def updates_after_step(self) -> bool:
-        """The driver starts (or validates) a step's update once the step is done (it needs the global norm, or the
+        """The driver starts (or settles) a step's update once the step is done (it needs the global norm, or the
         gradients wait on the device, or several executors' slices); else each unit's update is final in the
         backward."""
         return self.update != "final"

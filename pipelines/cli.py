@@ -53,7 +53,7 @@ def _add_train_flags(p: argparse.ArgumentParser, model_help: str = PRESETS_HELP)
     p.add_argument("--device", help="auto | cpu | cuda | cpu-async[:SEED] (the CPU with a GPU's streams simulated)")
     p.add_argument("--grads", choices=GRAD_PLACEMENTS, help=GRADS_HELP)
     p.add_argument("--speculate", choices=SPECULATE,
-                   help="update each unit as its gradient lands and validate the clip after the backward (auto: "
+                   help="update each unit as its gradient lands and settle it once the clip is known (auto: "
                         "not after a step that clipped; off: the update waits for the whole backward)")
     p.add_argument("--compile", nargs="?", const="on", choices=COMPILE,
                    help="torch.compile the layers and the head: auto (default: on a GPU where the calibration measured "

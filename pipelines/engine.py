@@ -9,11 +9,11 @@ One step, as the driver sees it:
   1. the executor runs forward + backward; before loading a unit it waits until the previous step's
      update of that unit is in the arena (the workers' version table). As each unit's gradient lands, the
      workers update it at once: the update beside the backward
-  2. the executor returns the per-unit squared gradient norms, and the driver validates: where the norm does not
+  2. the executor returns the per-unit squared gradient norms, and the driver settles them: where the norm does not
      exceed max_grad_norm, the updates stand (bit for bit the serial update); where it does, each worker takes
      the updates back and applies the clipped ones in one pass, in forward order (`apply`, or with grads =
      "device" the executor's `send_grads`, which copies each unit's gradient out of the GPU again); where a
-     gradient is not finite, they are put back and the step is skipped. A rollback is counted in the metrics.
+     gradient is not finite, they are rolled back and the step is skipped. A rollback is counted in the metrics.
      Once the units landed so far clip, the rest wait for the step's coefficient; `speculate` (EngineConfig)
      "auto" does not speculate after a step that clipped (the serial update: all units after the backward, in
      forward order, overlapping the next step's forward), "off" never, "on" always
@@ -108,7 +108,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self.nonfinite_in_row = self.skipped_steps = 0
         self.rollbacks = 0  # steps whose updates beside the backward were taken back
         self.speculating = True  # speculate "auto": whether the next step does (not after one that clipped)
-        self.attempts = 0  # train_step calls: each try of a step has its own record at the workers
+        self.speculations = 0  # Speculations made: each has its own number and record at the workers
         self.pending: list[ray.ObjectRef] = []  # the last step's updates
         self.resource_timeout = o.resource_timeout
         remove_stale_segments()  # a killed earlier run's arena
@@ -188,7 +188,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
 
     @property
     def updates_after_step(self) -> bool:
-        """The driver starts (or validates) a step's update once the step is done (RunPlan.updates_after_step)."""
+        """The driver starts (or settles) a step's update once the step is done (RunPlan.updates_after_step)."""
         return self.run_plan.updates_after_step
 
     @property
@@ -271,7 +271,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
             self.pending = self.actors.update(self.updates_applied, coef) if finite else self.actors.flush_tier()
             update = "serial"
         else:
-            update = self._validate(out, finite, coef, speculation.attempt)
+            update = self._settle(out, finite, coef, speculation.number)
         resident = resident_update(out.resident, out.unit_norms_sq, finite, coef, self.updates_after_step)
         if resident is not None:  # queued on the executor before the next step (in `pending`, as the pool's)
             self.pending = self.pending + [self.executor.update_resident.remote(self.updates_applied, *resident,
@@ -292,25 +292,25 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         update = self.run_plan.update
         if update in ("final", "serial") or (update == "unless-clipped" and not self.speculating):
             return None
-        self.attempts += 1
-        return Speculation(self.attempts, self.optim.max_grad_norm)
+        self.speculations += 1
+        return Speculation(self.speculations, self.optim.max_grad_norm)
 
-    def _validate(self, out: ExecutorStep, finite: bool, coef: float, attempt: int) -> str:
-        """After a backward beside which units were handed out: their updates stand where the step does not clip (and
-        every unit was updated), else they are taken back: replaced by the clipped update, or put back (a non-finite
+    def _settle(self, out: ExecutorStep, finite: bool, coef: float, speculation: int) -> str:
+        """After a backward beside which units were speculated: their updates are confirmed where the step does not
+        clip (and every unit was speculated), else rolled back: redone with the clip, or only rolled back (a non-finite
         gradient), the units not updated beside the backward (versions bumped only to free a host slot, or waiting
         for another executor's slice) updated or left. Sets `pending`; returns how the step's update ran (StepResult's
         `update`): "speculated" (it stands), "rolled back", or "serial" (none was updated beside the backward)."""
         streamed = len(out.unit_norms_sq) - len(out.resident)  # the resident units are not handed out
         if finite and coef == 1.0 and len(out.speculated) == streamed:
-            self.pending = out.updates + self.actors.keep(self.updates_applied, attempt)
+            self.pending = out.updates + self.actors.confirm(self.updates_applied, speculation)
             return "speculated"
         get(out.updates)  # every update beside the backward is in before one is taken back
         if finite:
-            self.actors.unpublish(self.updates_applied)
-            self.pending = self.actors.update(self.updates_applied, coef, attempt)
+            self.actors.roll_back_versions(self.updates_applied)
+            self.pending = self.actors.update(self.updates_applied, coef, speculation)
         else:
-            self.actors.put_back(self.updates_applied, attempt)
+            self.actors.roll_back(self.updates_applied, speculation)
             self.pending = []
         self.rollbacks += out.speculated_any
         return "rolled back" if out.speculated_any else "serial"

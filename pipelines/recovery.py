@@ -4,7 +4,7 @@ The driver keeps the refs of the batches since the last checkpoint (`ReplayLog`)
   - only the executor, and the workers' version table shows every unit at the last issued update: a new
     executor maps the same arena and redoes the interrupted step (gradients are recomputed; no update of
     that step had been applied: an update beside the backward bumps its unit's version as any update does)
-  - an optimizer worker (an in-place update may be half applied, or half taken back: the validation of the
+  - an optimizer worker (an in-place update may be half applied, or half rolled back: the settling of the
     updates beside the backward included), or an executor whose step had already started updates: new actors,
     the arena restored from the last checkpoint (or the initial weights), and the steps since replayed from the
     kept batches, the driver's choice of whether to speculate restored with them (Engine.state). The result is

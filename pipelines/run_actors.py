@@ -181,38 +181,38 @@ class RunActors:
                            for e in self.executors]), len(self.placements))
 
     # ---- the update of a step, once the driver knows its gradient norm (pipelines/engine.py: Engine.step_once) ----
-    def update(self, step: int, clip_coef: float, attempt: int | None = None) -> list[ray.ObjectRef]:
+    def update(self, step: int, clip_coef: float, speculation: int | None = None) -> list[ray.ObjectRef]:
         """Update number `step` of every unit with `clip_coef`, in forward order: each worker's `apply`, or with
         grads = "device" the executor's `send_grads`; several nodes then exchange the updated weights. Where try
-        `attempt` of the step updated units beside the backward, each is replaced by the clipped update (the driver
-        waited for those first and took their versions back: `unpublish`). Returns the calls at once."""
+        `speculation` of the step updated units beside the backward, each is replaced by the clipped update (the driver
+        waited for those first and took their versions back: `roll_back_versions`). Returns the calls at once."""
         if self.plan.grads == "device":
-            refs = [self.executors[0].send_grads.remote(step, clip_coef, attempt)]
+            refs = [self.executors[0].send_grads.remote(step, clip_coef, speculation)]
         else:
-            refs = [w.apply.remote(step, clip_coef, attempt) for w in self.workers]
+            refs = [w.apply.remote(step, clip_coef, speculation) for w in self.workers]
         return refs + self.exchange(step)
 
-    def keep(self, step: int, attempt: int) -> list[ray.ObjectRef]:
-        """Every unit's update beside the backward in try `attempt` stands (the step did not clip): the gradients
-        the executor held on the device go, and several nodes exchange the updated weights."""
+    def confirm(self, step: int, speculation: int) -> list[ray.ObjectRef]:
+        """Every unit's update speculated in speculation number `speculation` is confirmed (the step did not clip):
+        the gradients the executor held on the device go, and several nodes exchange the updated weights."""
         if self.plan.grads == "device":
-            return [self.executors[0].send_grads.remote(step, 1.0, attempt)] + self.exchange(step)
+            return [self.executors[0].send_grads.remote(step, 1.0, speculation)] + self.exchange(step)
         return self.exchange(step)
 
-    def put_back(self, step: int, attempt: int) -> None:
-        """Step `step` is skipped: the units updated beside the backward in try `attempt` are put back (with grads =
-        "device" from their gradients sent again), and several nodes exchange the weights they own; returns when
-        all is done, so that nothing reads a unit before."""
+    def roll_back(self, step: int, speculation: int) -> None:
+        """Step `step` is skipped: the units speculated in speculation number `speculation` are rolled back (with
+        grads = "device" from their gradients sent again), and several nodes exchange the weights they own; returns
+        when all is done, so that nothing reads a unit before."""
         if self.plan.grads == "device":
-            get(self.executors[0].send_grads.remote(step, 0.0, attempt, put_back=True))
-            self.unpublish(step)  # the units that only freed their host slot for the next one
+            get(self.executors[0].send_grads.remote(step, 0.0, speculation, roll_back=True))
+            self.roll_back_versions(step)  # the units that only freed their host slot for the next one
         else:
-            get([w.put_back.remote(step, attempt) for w in self.workers])
-        get(self.exchange(step - 1))  # the update before: the weights each node owns, as put back
+            get([w.roll_back.remote(step, speculation) for w in self.workers])
+        get(self.exchange(step - 1))  # the update before: the weights each node owns, as rolled back
 
-    def unpublish(self, step: int) -> None:
+    def roll_back_versions(self, step: int) -> None:
         """Every worker's version of every unit back to `step` (the updates beside the backward are done)."""
-        get([w.unpublish.remote(step) for w in self.workers])
+        get([w.roll_back_versions.remote(step) for w in self.workers])
 
     def exchange(self, step: int) -> list[ray.ObjectRef]:
         """Several nodes: each sends the others its part of update number `step`, unit by unit as it is in."""

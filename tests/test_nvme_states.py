@@ -1,7 +1,7 @@
 """Every kind of state a run can put on NVMe, in a run: bit for bit the host-memory run (losses, final weights and
 moments, the export and Engine.parameters), with the fp32 masters (bf16 runs, which stream the bf16 copy), the Adam
 moments and the held gradients on disk: a gradient stowed as it lands or once read beside the backward and staged
-back for the rollback, the serial update and put_back; the store's init, loads, checkpoints and exports one tensor at a
+back for the rollback, the serial update and roll_back; the store's init, loads, checkpoints and exports one tensor at a
 time through the state files. And the stager's two placements of a gradient (its own arena range, where the executor
 lands it, and a staging slot, where it comes back) without Ray.
 
@@ -79,7 +79,7 @@ def test_landed_gradients_are_stowed_from_their_range_and_staged_back_into_a_slo
 def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory(nvme_dir: Path) -> None:
     """AdamWShard without Ray through the orders a run takes its units in: two executors' slices updated beside the
     backward (the update stands), executors disagreeing (one stows its slice where the other speculated: that unit
-    waits) and the rollback, the serial update of stowed gradients, put_back: the passes on a store whose masters,
+    waits) and the rollback, the serial update of stowed gradients, roll_back: the passes on a store whose masters,
     moments and held gradients are on NVMe leave bit for bit what they leave in host memory, and nothing in RAM."""
     from megatrain.config import ModelConfig, OptimConfig
     from megatrain.engine.optimizer import AdamWShard, shard_stager
@@ -96,26 +96,26 @@ def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory
                              stager=shard_stager(layout, st.arena, 0, 1)) for st in stores]
         units, gen = [u.index for u in layout.units], torch.Generator().manual_seed(0)
 
-        def step(number: int, first: str, second: str, attempt: int | None, after: str, coef: float) -> None:
+        def step(number: int, first: str, second: str, speculation: int | None, after: str, coef: float) -> None:
             grads = torch.randn(layout.numel, generator=gen)  # what the executors land (both slices at once here)
             for st, shard in zip(stores, shards, strict=True):
                 st.arena.grads.copy_(grads)
                 for u in reversed(units):  # the backward's order, each executor's call in turn
                     for call in (first, second if u % 2 else first):  # serially a second stow does nothing
-                        getattr(shard, call)(u, number, attempt, 2 if attempt is not None else 1)
+                        getattr(shard, call)(u, number, speculation, 2 if speculation is not None else 1)
                 if after == "finish":
-                    shard.unpublish(number)
+                    shard.roll_back_versions(number)
                 for u in units:
                     if after == "finish":
-                        shard.finish(u, number, coef, attempt)
-                    elif after == "put_back":
-                        shard.put_back(u, number, attempt)
+                        shard.settle(u, number, coef, speculation)
+                    elif after == "roll_back":
+                        shard.roll_back(u, number, speculation)
                 shard.flush()  # the run's versions order the next landing after the punches; here, the flush
 
         step(0, "speculate", "speculate", 1, "stands", 1.0)
         step(1, "speculate", "stow", 2, "finish", 0.5)  # odd units: one executor stowed, the update waits
         step(2, "stow", "stow", None, "finish", 0.7)  # the serial update
-        step(3, "speculate", "stow", 3, "put_back", 1.0)
+        step(3, "speculate", "stow", 3, "roll_back", 1.0)
         host, tiered = stores[0].arena.tensors, stores[1].arena.tensors
         for kind in ("params", "exp_avg", "exp_avg_sq"):
             assert torch.equal(host[kind], stores[1].io.read(tiered[kind])), kind

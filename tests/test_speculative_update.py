@@ -3,7 +3,7 @@ norm is known, and the one-pass update it runs.
 
 Without Ray: the pass in pieces is bit for bit the update of whole groups (clip scale and bf16 shadow included);
 an update beside the backward that stands is the update; one taken back and redone with the clip coefficient is
-within fp32 rounding of AdamW's fp64 result (as near as the serial update, up to twice), one put back leaves the
+within fp32 rounding of AdamW's fp64 result (as near as the serial update, up to twice), one rolled back leaves the
 weights within rounding of where they were (the moments exactly, at update 0); a unit sliced among executors
 waits for every slice. With Ray: where no step clips the weights are bit for bit those of the serial update
 (micro-batches, the trace showing the optimizer's spans inside the backward); where every step clips, within
@@ -121,8 +121,8 @@ def test_an_update_beside_the_backward_that_stands_is_the_update() -> None:
     a, b = AdamWShard(LAYOUT, serial, ADAMW, 0, 1), AdamWShard(LAYOUT, spec, ADAMW, 0, 1)
     for unit in LAYOUT.units:
         a.update(unit.index, 4)
-        assert b.speculate(unit.index, 4, attempt=1)
-        assert b.finish(unit.index, 4, 1.0, attempt=1) is None
+        assert b.speculate(unit.index, 4, speculation=1)
+        assert b.settle(unit.index, 4, 1.0, speculation=1) is None
     for name, want in serial.items():
         assert torch.equal(spec[name], want), name
 
@@ -141,8 +141,8 @@ def test_a_clipped_rollback_is_within_rounding_of_adamw(step: int, clip_coef: fl
     a, b = AdamWShard(LAYOUT, serial, ADAMW, 0, 1), AdamWShard(LAYOUT, spec, ADAMW, 0, 1)
     for unit in LAYOUT.units:
         a.update(unit.index, step, clip_coef)
-        b.speculate(unit.index, step, attempt=3)
-        assert b.finish(unit.index, step, clip_coef, attempt=3) == "rollback"
+        b.speculate(unit.index, step, speculation=3)
+        assert b.settle(unit.index, step, clip_coef, speculation=3) == "rollback"
     slack = 1e-8 / clip_coef**2
     assert rel(spec["params"], exact["params"]) <= 2 * rel(serial["params"], exact["params"]) + slack
     for name in ("exp_avg", "exp_avg_sq"):
@@ -157,11 +157,11 @@ def test_an_update_put_back_leaves_the_unit_as_it_was(step: int) -> None:
     versions = torch.full((len(LAYOUT.units), 1), step, dtype=torch.int64)
     shard = AdamWShard(LAYOUT, t, ADAMW, 0, 1, versions)
     for unit in LAYOUT.units:
-        shard.speculate(unit.index, step, attempt=1)
+        shard.speculate(unit.index, step, speculation=1)
     assert (versions == step + 1).all()
-    assert shard.put_back(LAYOUT.units[0].index, step, attempt=2) is False, "another try's record does not hold"
+    assert shard.roll_back(LAYOUT.units[0].index, step, speculation=2) is False, "another try's record does not hold"
     for unit in LAYOUT.units:
-        shard.put_back(unit.index, step, attempt=1)
+        shard.roll_back(unit.index, step, speculation=1)
     assert (versions == step).all()
     assert rel(t["params"], before["params"]) < 3e-7  # a few ulps: p from the update term and the decay factor
     for name in ("exp_avg", "exp_avg_sq"):  # exactly the zeros before the first update; else within the rounding
@@ -175,11 +175,11 @@ def test_a_unit_sliced_among_executors_waits_for_every_slice() -> None:
     versions = torch.zeros(len(LAYOUT.units), 1, dtype=torch.int64)
     shard = AdamWShard(LAYOUT, t, ADAMW, 0, 1, versions)
     params = t["params"].clone()
-    assert not shard.speculate(1, 0, attempt=7, parts=2) and torch.equal(t["params"], params)
-    assert shard.speculate(1, 0, attempt=7, parts=2) and versions[1, 0] == 1
-    assert not shard.speculate(2, 0, attempt=8, parts=2), "a new try counts its slices afresh"
+    assert not shard.speculate(1, 0, speculation=7, parts=2) and torch.equal(t["params"], params)
+    assert shard.speculate(1, 0, speculation=7, parts=2) and versions[1, 0] == 1
+    assert not shard.speculate(2, 0, speculation=8, parts=2), "a new try counts its slices afresh"
     assert not shard.was_speculated(1, 7) and not shard.was_speculated(1, 8)
-    shard.unpublish(0)
+    shard.roll_back_versions(0)
     assert (versions == 0).all()
     with pytest.raises(ConfigError, match="speculate must be one of auto, on, off, got 'maybe'"):
         EngineConfig(speculate="maybe")
@@ -304,7 +304,7 @@ def overflowing(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                pytest.param("device", "cpu-async:4", marks=pytest.mark.slow)])
 def test_a_non_finite_gradient_puts_the_steps_updates_back(ray_session: None, overflowing: Path, grads: str,
                                                            device: str) -> None:
-    """With grads = "device" the speculated units' gradients are sent again from the device to be put back."""
+    """With grads = "device" the speculated units' gradients are sent again from the device to be rolled back."""
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(8, 64, (2, 16), generator=gen), torch.randint(0, 8, (2, 16), generator=gen),
            torch.randint(8, 64, (2, 16), generator=gen)]

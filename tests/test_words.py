@@ -14,6 +14,10 @@ RETIRED = {
     r"\b(peak_)?kept_bytes\b": "device_bytes: the device checkpoints' bytes",
     r"\bkept\s*:\s*dict\[str, torch\.Tensor\]": "passthrough: the pass-through tensors",
     r"(?i)\bgradients? (are |were |stay )?kept\b|\bkept gradients?\b": "held gradients",
+    r"\bput_back\b|\bput back\b": "roll back: a speculated update undone",
+    r"\bunpublish\b": "roll_back_versions",
+    r"\battempts?\b": "a Speculation's number",
+    r"\bdef finish\(|\.finish\(unit|\bdef keep\(|\bactors\.keep\(|\b_validate\(": "settle / confirm",
 }
 
 
@@ -35,6 +39,7 @@ def test_retired_words_are_gone() -> None:
 
 def test_the_patterns_find_the_retired_words() -> None:
     samples = ["every layer checkpoint on the device", "self.peak_kept_bytes", "kept: dict[str, torch.Tensor] = {}",
-               "the gradients kept on the device"]
+               "the gradients kept on the device", "w.put_back.remote(step)", "self.unpublish(step)",
+               "Speculation(self.attempts)", "shard.finish(unit, step)"]
     for sample, pattern in zip(samples, RETIRED, strict=True):
         assert re.search(pattern, sample), (pattern, sample)

@@ -15,8 +15,8 @@ every worker. After updating a unit a worker bumps its entry in the shared `vers
 reads that table before it loads a unit's weights for the next step.
 
 The update beside the backward (pipelines/engine.py): a unit may be updated with clip coefficient 1 as soon as its
-gradient lands (`speculate`), before the step's norm is known. If the step then clips, `finish` replaces that
-update with the clipped one, and if it has a non-finite gradient, `put_back` removes it: both invert AdamW in
+gradient lands (`speculate`), before the step's norm is known. If the step then clips, `settle` replaces that
+update with the clipped one, and if it has a non-finite gradient, `roll_back` removes it: both invert AdamW in
 closed form from the gradient, still in the arena (m = (m' - (1-b1) g) / b1, v = (v' - (1-b2) g^2) / b2, p from
 the update term and the decay factor), in one pass with the redo. Where the step does not clip nothing is undone:
 the weights are bit for bit the serial update's. Where it does, the result differs from the serial update by the
@@ -62,7 +62,7 @@ def clip_coefficient(grad_norm: float, max_grad_norm: float | None) -> float:
 class Speculation:
     """A step whose units are updated as their gradients land (clip coefficient 1), before the norm is known."""
 
-    attempt: int  # this try of the step (a recovery tries a step again): the workers' record of what they updated
+    number: int  # this speculation's (a recovery speculates a step again): the workers' record of what they updated
     max_grad_norm: float | None  # once the units landed so far clip, the rest wait for the step's coefficient
 
 
@@ -138,7 +138,7 @@ class AdamWShard:
         self.numel = sum(p.numel for pair in self.groups for pieces in pair for p in pieces)
         # the update beside the backward: which try of a step the record is of, the units updated in it, and how
         # many executors' gradient slices of each unit have landed (the update waits for all of them)
-        self.attempt: int | None = None
+        self.speculation: int | None = None
         self.speculated: set[int] = set()
         self.arrivals: dict[int, int] = {}
         self.landing: tuple[int, int | None] | None = None  # (step, try) the arrivals are of
@@ -196,7 +196,7 @@ class AdamWShard:
         """One pass over the unit's shard, piece by piece: `undo` takes the coefficient-1 update number `step` out
         (closed form), `update` applies it with `clip_coef`; then the shadow. The unit's version is step + 1 after
         an update, step after an undo alone. keep: the gradient stays wanted after the pass (an update beside the
-        backward, which the step's validation may take back)."""
+        backward, which the step's settling may roll back)."""
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
         beta1, beta2 = self.optim.betas
@@ -269,11 +269,12 @@ class AdamWShard:
             self.versions[unit_index, self.worker] = version
 
     # ---- the update beside the backward ----
-    def speculate(self, unit_index: int, step: int, attempt: int, parts: int = 1) -> bool:
-        """Update number `step` with clip coefficient 1 of a unit whose gradient landed, in try `attempt` of the step,
-        once `parts` executors' slices of it have (each calls this); True if this call updated it. Where an executor
-        stowed its slice instead (the units it landed so far clip), the unit waits for the step's norm."""
-        if not self._landed(unit_index, step, attempt, parts) or unit_index in self.speculated:
+    def speculate(self, unit_index: int, step: int, speculation: int, parts: int = 1) -> bool:
+        """Update number `step` with clip coefficient 1 of a unit whose gradient landed, in speculation number
+        `speculation` of the step, once `parts` executors' slices of it have (each calls this); True if this call
+        updated it. Where an executor stowed its slice instead (the units it landed so far clip), the unit waits for the
+        step's norm."""
+        if not self._landed(unit_index, step, speculation, parts) or unit_index in self.speculated:
             return False
         if unit_index in self.stowing:
             self._stow(unit_index)
@@ -282,20 +283,20 @@ class AdamWShard:
         self.speculated.add(unit_index)
         return True
 
-    def stow(self, unit_index: int, step: int, attempt: int | None, parts: int = 1) -> bool:
-        """A unit's gradient landed for update number `step` (try `attempt`; None: the serial update) and is not
-        updated beside the backward: once `parts` executors' slices of it have, the NVMe tier takes it out of the
-        arena until its update reads it back. True if this call stowed it."""
-        if not self._landed(unit_index, step, attempt, parts, stow=True):
+    def stow(self, unit_index: int, step: int, speculation: int | None, parts: int = 1) -> bool:
+        """A unit's gradient landed for update number `step` (in speculation number `speculation`; None: the serial
+        update) and is not updated beside the backward: once `parts` executors' slices of it have, the NVMe tier
+        takes it out of the arena until its update reads it back. True if this call stowed it."""
+        if not self._landed(unit_index, step, speculation, parts, stow=True):
             return False
         self._stow(unit_index)
         return True
 
-    def _landed(self, unit_index: int, step: int, attempt: int | None, parts: int, stow: bool = False) -> bool:
+    def _landed(self, unit_index: int, step: int, speculation: int | None, parts: int, stow: bool = False) -> bool:
         """Counts an executor's slice of the unit's gradient in; True once all `parts` of the try have landed."""
-        if (step, attempt) != self.landing:  # a new try: what an earlier one (a failed one) recorded does not hold
-            self.landing, self.arrivals, self.stowing, self.stowed = (step, attempt), {}, set(), set()
-            self.attempt, self.speculated = attempt, set()
+        if (step, speculation) != self.landing:  # a new speculation: what a failed one recorded does not hold
+            self.landing, self.arrivals, self.stowing, self.stowed = (step, speculation), {}, set(), set()
+            self.speculation, self.speculated = speculation, set()
         if stow:
             self.stowing.add(unit_index)
         self.arrivals[unit_index] = self.arrivals.get(unit_index, 0) + 1
@@ -320,14 +321,14 @@ class AdamWShard:
             self.stager.flush()
         self.landing, self.arrivals, self.stowing, self.stowed = None, {}, set(), set()
 
-    def was_speculated(self, unit_index: int, attempt: int | None) -> bool:
-        return attempt is not None and attempt == self.attempt and unit_index in self.speculated
+    def was_speculated(self, unit_index: int, speculation: int | None) -> bool:
+        return speculation is not None and speculation == self.speculation and unit_index in self.speculated
 
-    def finish(self, unit_index: int, step: int, clip_coef: float, attempt: int | None = None) -> str | None:
-        """Update number `step` of the unit with `clip_coef` as the step's own: where try `attempt` updated it beside
-        the backward, that update stands (clip_coef 1) or is replaced in one pass. Returns what was done: "update",
-        "rollback" (replaced), None (it stands)."""
-        if not self.was_speculated(unit_index, attempt):
+    def settle(self, unit_index: int, step: int, clip_coef: float, speculation: int | None = None) -> str | None:
+        """The step's own update number `step` of the unit, with `clip_coef`, settled: where speculation number
+        `speculation` speculated it, that update is confirmed (clip_coef 1) or rolled back and redone clipped, in one
+        pass. Returns what was done: "update", "rollback" (redone), None (confirmed)."""
+        if not self.was_speculated(unit_index, speculation):
             self.update(unit_index, step, clip_coef)
             return "update"
         if clip_coef < 1.0:
@@ -336,10 +337,10 @@ class AdamWShard:
         self.publish(unit_index, step + 1)
         return None
 
-    def put_back(self, unit_index: int, step: int, attempt: int | None) -> bool:
-        """Step `step` is skipped (a non-finite gradient): the unit's update beside the backward in try `attempt`, if
-        any, is taken out; its version is `step` again either way. True if there was one to take out."""
-        speculated = self.was_speculated(unit_index, attempt)
+    def roll_back(self, unit_index: int, step: int, speculation: int | None) -> bool:
+        """Step `step` is skipped (a non-finite gradient): the unit's update speculated in speculation number
+        `speculation`, if any, is rolled back; its version is `step` again either way. True if there was one."""
+        speculated = self.was_speculated(unit_index, speculation)
         if speculated:
             self._pass(unit_index, step, 1.0, undo=True, update=False)
             self.speculated.discard(unit_index)
@@ -351,7 +352,7 @@ class AdamWShard:
             self.issued[unit_index] = step
         return speculated
 
-    def unpublish(self, step: int) -> None:
+    def roll_back_versions(self, step: int) -> None:
         """Every unit's version back to `step` (from step + 1, where it was updated beside the backward): nothing
         reads the weights of a unit until its clipped update replaced the speculative one."""
         if self.stager is not None:  # no version the tier publishes once a gradient is on disk comes after this

@@ -11,7 +11,7 @@ on stdin), started once for the largest pool; a pool of N is the first N of them
 Why beside copies: in a run the pool's update shares the host's memory bandwidth with the executor's copies (weights
 in, gradients out, DMA from and into the arena). On the H100 a pool of 8 did ~3 G params/s in the 7B runs against
 6.9 alone (benchmarks/RESULTS.md); one process with as many threads, what calibration timed before, did 1.9.
-The rollback (the update beside the backward taken back and the clipped one applied, one pass: AdamWShard.finish)
+The rollback (the update beside the backward taken back and the clipped one applied, one pass: AdamWShard.settle)
 is timed beside the copies too, as it runs after a clipped step's backward, beside the next forward.
 
 The copies (CopyLoad): on a GPU the real path, H2D from and D2H into page-locked host buffers on two streams as fast
@@ -232,7 +232,7 @@ def _tell(procs: list[subprocess.Popen[bytes]], message: tuple[Any, ...]) -> Non
 
 def _serve(commands: IO[str], replies: IO[str]) -> None:
     """A worker process: `open` maps the arena; `shard` makes it worker i of N with its threads; `update`,
-    `speculate` and `rollback` (AdamWShard.finish of a speculated update with a clip) walk every unit of its shard
+    `speculate` and `rollback` (AdamWShard.settle of a speculated update with a clip) walk every unit of its shard
     in forward order; each answered with a line "ok"."""
     arena, shard, config, optim = None, None, None, None
     for line in commands:
@@ -254,9 +254,9 @@ def _serve(commands: IO[str], replies: IO[str]) -> None:
                 if command == "update":
                     shard.update(unit, step)
                 elif command == "speculate":
-                    shard.speculate(unit, step, attempt=step)
+                    shard.speculate(unit, step, speculation=step)
                 else:
-                    shard.finish(unit, step, CLIP_COEF, attempt=step)
+                    shard.settle(unit, step, CLIP_COEF, speculation=step)
         replies.write("ok\n")
         replies.flush()
     if arena is not None:

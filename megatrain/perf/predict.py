@@ -198,7 +198,7 @@ class Update:
 
 def update_times(plan: MemoryPlan, cal: Calibration, workers: int) -> Update:
     """The optimizer's work a step (AdamWShard.update in each worker; ResidentUnits.update on the device): the pool's
-    rate beside the copies (Calibration.adamw_rate), the rollback's (AdamWShard.finish of a speculated unit), and the
+    rate beside the copies (Calibration.adamw_rate), the rollback's (AdamWShard.settle of a speculated unit), and the
     device's fused AdamW (the CPU path's "device" is the executor's cores: the one-worker pool's rate alone)."""
     streamed = max(0, plan.params - plan.resident_params) / plan.nodes
     rate = cal.adamw_rate(workers)
@@ -214,7 +214,7 @@ def update_times(plan: MemoryPlan, cal: Calibration, workers: int) -> Update:
 def fixed_costs(plan: MemoryPlan, config: ModelConfig, cal: Calibration, workers: int) -> tuple[dict[str, float], str]:
     """(each case's fixed costs, where they came from): the driver's round trips a step (Engine.step_once: the
     executor's run, the version table, the step's result) and one Ray message a streamed unit for each optimizer
-    worker (Executor: hand_out of update_unit or speculate), again in a rollback (put_back or update_unit), at the
+    worker (Executor: hand_out of update_unit or speculate), again in a rollback (roll_back or update_unit), at the
     costs the calibration measured through Ray (pipelines/step_costs.py). 0 where it measured none."""
     if cal.step_fixed_s is None or cal.unit_message_s is None:
         return {c: 0.0 for c in CASES}, "not measured: `megatrain calibrate` measures them"
@@ -286,7 +286,7 @@ def speculated_backlog(p: Pipeline, pass_s: float) -> float:
 
 
 def speculated(p: Pipeline, update: Update) -> float:
-    """A speculated step that does not clip: the updates beside the backward stand (Engine._validate keeps them). The
+    """A speculated step that does not clip: the updates beside the backward are confirmed (Engine._settle). The
     next forward starts after the device's update of the resident units, runs the resident layers, then needs the
     unit the pool did last, and its weights' H2D. Returns the exposed update (the device's update at least)."""
     backlog = speculated_backlog(p, update.pool_s)
@@ -294,8 +294,8 @@ def speculated(p: Pipeline, update: Update) -> float:
 
 
 def rolled_back(p: Pipeline, update: Update, sends: bool) -> float:
-    """A speculated step that clips: the driver waits for every update beside the backward (Engine._validate), then the
-    pool's rollback pass (undo + clipped redo, one pass: AdamWShard.finish) runs as the serial update does (grads =
+    """A speculated step that clips: the driver waits for every update beside the backward (Engine._settle), then the
+    pool's rollback pass (undo + clipped redo, one pass: AdamWShard.settle) runs as the serial update does (grads =
     "device": each unit's gradient sent out of the GPU again first, send_grads)."""
     backlog = max(0.0, speculated_backlog(p, update.pool_s))
     return backlog + serial_exposed(p, update.rollback_s, sends, update.resident_s)

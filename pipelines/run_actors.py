@@ -183,9 +183,9 @@ class RunActors:
     # ---- the update of a step, once the driver knows its gradient norm (pipelines/engine.py: Engine.step_once) ----
     def update(self, step: int, clip_coef: float, speculation: int | None = None) -> list[ray.ObjectRef]:
         """Update number `step` of every unit with `clip_coef`, in forward order: each worker's `apply`, or with
-        grads = "device" the executor's `send_grads`; several nodes then exchange the updated weights. Where try
-        `speculation` of the step updated units beside the backward, each is replaced by the clipped update (the driver
-        waited for those first and took their versions back: `roll_back_versions`). Returns the calls at once."""
+        grads = "device" the executor's `send_grads`; several nodes then exchange the updated weights. Where
+        speculation number `speculation` speculated units, each is rolled back and redone clipped (the driver waited
+        for those first and took their versions back: `roll_back_versions`). Returns the calls at once."""
         if self.plan.grads == "device":
             refs = [self.executors[0].send_grads.remote(step, clip_coef, speculation)]
         else:

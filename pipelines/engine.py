@@ -288,7 +288,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
                           out.loss_metrics)
 
     def _speculation(self) -> Speculation | None:
-        """Whether this step updates its units beside the backward (EngineConfig.speculate), as which try."""
+        """Whether this step updates its units beside the backward (EngineConfig.speculate), and its number."""
         update = self.run_plan.update
         if update in ("final", "serial") or (update == "unless-clipped" and not self.speculating):
             return None

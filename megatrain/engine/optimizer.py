@@ -136,12 +136,12 @@ class AdamWShard:
         # per unit: (decay group's pieces, no-decay group's pieces)
         self.groups: list[tuple[list[_Piece], list[_Piece]]] = [self._pieces(u, tensors) for u in layout.units]
         self.numel = sum(p.numel for pair in self.groups for pieces in pair for p in pieces)
-        # the update beside the backward: which try of a step the record is of, the units updated in it, and how
+        # the speculative update: which speculation's number the record is of, the units speculated in it, and how
         # many executors' gradient slices of each unit have landed (the update waits for all of them)
         self.speculation: int | None = None
         self.speculated: set[int] = set()
         self.arrivals: dict[int, int] = {}
-        self.landing: tuple[int, int | None] | None = None  # (step, try) the arrivals are of
+        self.landing: tuple[int, int | None] | None = None  # (step, speculation) the arrivals are of
         self.stowing: set[int] = set()  # units of it some executor stowed (not updated beside the backward)
         self.stowed: set[int] = set()  # units whose gradient is on disk (staged back for its update), not in the arena
 
@@ -293,7 +293,7 @@ class AdamWShard:
         return True
 
     def _landed(self, unit_index: int, step: int, speculation: int | None, parts: int, stow: bool = False) -> bool:
-        """Counts an executor's slice of the unit's gradient in; True once all `parts` of the try have landed."""
+        """Counts an executor's slice of the unit's gradient in; True once all `parts` have (this speculation's)."""
         if (step, speculation) != self.landing:  # a new speculation: what a failed one recorded does not hold
             self.landing, self.arrivals, self.stowing, self.stowed = (step, speculation), {}, set(), set()
             self.speculation, self.speculated = speculation, set()
@@ -303,7 +303,7 @@ class AdamWShard:
         return self.arrivals[unit_index] >= parts
 
     def _stow(self, unit_index: int) -> None:
-        """Once a try: a second stow would write the range its first punched out (zeros) over the gradient."""
+        """Once a speculation: a second stow would write the range its first punched out (zeros) over the gradient."""
         if self.stager is not None and self.stager.holds(unit_index, "grads") and unit_index not in self.stowed:
             self.stager.stow(unit_index)
             self.stowed.add(unit_index)

@@ -16,7 +16,7 @@ RETIRED = {
     r"(?i)\bgradients? (are |were |stay )?kept\b|\bkept gradients?\b": "held gradients",
     r"\bput_back\b|\bput back\b": "roll back: a speculated update undone",
     r"\bunpublish\b": "roll_back_versions",
-    r"\battempts?\b": "a Speculation's number",
+    r"\battempts?\s*[=:,)]|\.attempts?\b|`attempts?`": "a Speculation's number",  # the identifier, not the English
     r"\bdef finish\(|\.finish\(unit|\bdef keep\(|\bactors\.keep\(|\b_validate\(": "settle / confirm",
 }
 

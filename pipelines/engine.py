@@ -60,7 +60,7 @@ from pipelines.generate import Generating
 from pipelines.logprobs import LogprobQueries, batch_of
 from pipelines.lora import record_lora_arena
 from pipelines.plan_prediction import run_calibration
-from pipelines.recovery import Recovery, is_actor_death, is_fault
+from pipelines.recovery import Recovery, is_fault
 from pipelines.run_actors import RunActors, absolute, get, save_target
 from pipelines.run_plan import resolve, uses_gpu
 
@@ -375,7 +375,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
                 self.pending = self.actors.flush_tier()  # and the NVMe tier's writes behind on disk: []
                 return
             except ray.exceptions.RayError as e:
-                if not is_actor_death(e):
+                if not is_fault(e):  # a collective failure too: a lost node's peer store fails its weight exchange
                     raise
                 self.recovery.recover(e, step_in_flight=False)
 

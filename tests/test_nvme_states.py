@@ -12,13 +12,12 @@ two executors, the simulated asynchronous streams, a resume from host memory int
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
 import test_nvme
 import torch
-from test_nvme import NUMEL, allocated, assert_same, checkpoint_state
+from test_nvme import ENGINE, NUMEL, allocated, assert_resumes_across_tiers, assert_same, checkpoint_state, train
 
 from megatrain.memory.nvme import StateFiles, _aligned_buffer
 from megatrain.memory.staging import SLOTS, STAGE_PREFIX, UnitStager, unit_extents
@@ -26,8 +25,6 @@ from megatrain.memory.staging import SLOTS, STAGE_PREFIX, UnitStager, unit_exten
 # tests/test_nvme.py's fixtures: the state files' directory (checked empty after), a sparse /dev/shm segment
 nvme_dir, shm_segment = test_nvme.nvme_dir, test_nvme.shm_segment
 
-ENGINE = dict(lr=1e-2, weight_decay=0.1, warmup_steps=1, total_steps=6, optimizer_workers=2, precision="fp32",
-              device="cpu", seed=0, batch_size=8, seq_len=24, metrics=False)
 # every step's gradient norm here is 1.3 to 1.5 (tests/test_nvme.py): 1.42 clips some steps and not others
 MIXED = 1.42
 
@@ -128,44 +125,6 @@ def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory
 
 # ---- the Engine ----
 
-def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, save_after: int | None = None,
-          kill_worker_at: int | None = None, **settings: object) -> tuple[list[float], dict[str, torch.Tensor], list]:
-    """Steps on `batches` (after loading `resume_from`; a checkpoint `tmp/after-N` after step `save_after`; a worker
-    SIGKILLed as step `kill_worker_at` hands out its update); the losses, the final checkpoint's tensors and how each
-    step's update ran."""
-    from helpers import kill_once_updates_are_handed_out, worker_pids
-
-    import megatrain
-    from pipelines.logprobs import batch_of
-
-    out = tmp / f"ckpt-{uuid.uuid4().hex[:6]}"
-    with megatrain.Engine(directory, **{**ENGINE, **settings}) as engine:
-        if resume_from is not None:
-            engine.load_checkpoint(resume_from)
-        losses, updates = [], []
-        for i, (ids, labels) in enumerate(batches):
-            if i == kill_worker_at:
-                kill_once_updates_are_handed_out(engine, worker_pids(engine)[-1])
-            result = engine.step_batch(batch_of(ids, labels))
-            losses.append(result.loss)
-            updates.append(result.update)
-            if i == save_after:
-                engine.save_checkpoint(tmp / f"after-{i + 1}")
-        if settings.get("nvme"):  # the streamed units' states on disk: none of them, nor a gradient, in /dev/shm
-            engine.wait_for_updates()
-            resident = sum(u.numel * 4 for u in engine.actors.layout.units[:engine.plan.resident_units])
-            for kind in engine.actors.tier.kinds:
-                assert allocated(engine.handle.path(kind)) <= resident, kind
-            assert kill_worker_at is None or engine.restarts == 1
-        engine.save_checkpoint(out)
-        engine.save_pretrained(out / "final")
-        weights = engine.parameters()
-    state = checkpoint_state(out)
-    final = checkpoint_state(out / "final")  # the export, read unit by unit from where the weights live
-    assert final.keys() == {k for k in state if k.startswith("model/")} == {f"model/{k}" for k in weights}
-    for k, v in final.items():
-        assert torch.equal(v, state[k]) and torch.equal(weights[k.removeprefix("model/")], v), k
-    return losses, state, updates
 
 
 @pytest.mark.parametrize("settings", [
@@ -228,16 +187,7 @@ def test_an_nvme_run_resumes_into_host_memory_and_back(ray_session: None, micro_
     _, directory = micro_llama
     batches = [rows(seed) for seed in (1, 2, 3)]
     settings = dict(max_grad_norm=MIXED, speculate="auto", precision="bf16", bf16_copy="keep")
-    runs = [tmp_path / name for name in ("first", "second", "third")]
-    for run in runs:
-        run.mkdir()
-    want = train(directory, tmp_path, batches, **settings)
-    first = train(directory, runs[0], batches[:1], save_after=0, nvme=nvme_dir, nvme_states="all", **settings)
-    second = train(directory, runs[1], batches[1:2], resume_from=runs[0] / "after-1", save_after=0, **settings)
-    third = train(directory, runs[2], batches[2:], resume_from=runs[1] / "after-1", nvme=nvme_dir,
-                  nvme_states="all", **settings)
-    assert first[0] + second[0] + third[0] == want[0]
-    assert_same(third[:2], (third[0], want[1]))
+    assert_resumes_across_tiers(directory, tmp_path, nvme_dir, batches, "all", settings)
 
 
 @pytest.mark.slow

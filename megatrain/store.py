@@ -181,14 +181,17 @@ class ParameterStore:
             write_adapters(self.layout, self.arena.params, adapters, str(self.adapter or "the initial adapters"))
         self._refresh_shadow()
         if REFERENCE_SEGMENT in self.arena.tensors:  # the initial weights, never written after (post_plan.py)
-            reference = self.arena.tensors[REFERENCE_SEGMENT]
-            for_each_unit(self.layout, lambda unit: unit.range_of(reference).copy_(unit.range_of(self.arena.params)))
+            self._copy_weights(REFERENCE_SEGMENT)
 
     def _refresh_shadow(self) -> None:
         """After the weights were written other than by the optimizer (which keeps the shadow itself)."""
         if SHADOW_SEGMENT in self.arena.tensors:
-            shadow, params = self.arena.tensors[SHADOW_SEGMENT], self.arena.params
-            for_each_unit(self.layout, lambda unit: unit.range_of(shadow).copy_(self.io.read(unit.range_of(params))))
+            self._copy_weights(SHADOW_SEGMENT)
+
+    def _copy_weights(self, segment: str) -> None:
+        """The weights into `segment`, unit by unit (read through the tier where the masters are on NVMe)."""
+        copy, params = self.arena.tensors[segment], self.arena.params
+        for_each_unit(self.layout, lambda unit: unit.range_of(copy).copy_(self.io.read(unit.range_of(params))))
 
     def reinitialize(self) -> None:
         """Back to the state before the first step: initial weights, zero moments, version 0."""

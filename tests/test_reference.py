@@ -122,3 +122,20 @@ def test_the_plan_counts_the_segment_and_says_where_it_does_not_fit() -> None:
     short = post_plan(config, "grpo", 32, 80, "bf16", kl=True, run=tight).report()
     assert "the reference segment does not fit" in short and "KL to the initial policy" in short
 
+
+
+def test_the_reference_is_the_initial_weights_with_the_masters_on_nvme(tmp_path: Path) -> None:
+    """The segment is filled from the masters where they are: on NVMe, through the tier (not the sparse arena range,
+    which holds no data): the same bits as the bf16 copy made from them, and as a store's without the tier."""
+    from megatrain.memory.nvme import TierSpec
+
+    spec = TierSpec(str(tmp_path), ("master",), ("params",))
+    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, reference="bfloat16",
+                             verify=False, check_memory=False, **extra) for extra in ({}, {"tier": spec})]
+    try:
+        host, tiered = (st.arena.tensors[REFERENCE_SEGMENT] for st in stores)
+        assert torch.equal(tiered, stores[1].arena.tensors[SHADOW_SEGMENT]) and torch.equal(tiered, host)
+        assert tiered.abs().sum() > 0
+    finally:
+        for st in stores:
+            st.close()

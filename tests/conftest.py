@@ -127,11 +127,9 @@ def fault_batches() -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def micro_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
     """A 2-layer Llama for helpers.rows (HF's model, and the directory it is saved in)."""
-    from helpers import build_hf_model, micro_llama_config
+    from helpers import micro_llama_config, saved_hf_model
 
-    hf = build_hf_model(micro_llama_config())
-    directory = tmp_path_factory.mktemp("micro")
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(micro_llama_config(), tmp_path_factory, "micro")
     yield hf, directory
 
 

@@ -121,6 +121,15 @@ def build_hf_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+def saved_hf_model(config: PretrainedConfig, tmp_path_factory: pytest.TempPathFactory, name: str
+                   ) -> tuple[torch.nn.Module, Path]:
+    """build_hf_model(config) and the directory it is saved in (a module fixture's model, as a user points at one)."""
+    hf = build_hf_model(config)
+    directory = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
 def hf_loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FAMILIES, build_hf_model, hf_reference, max_rel
+from helpers import FAMILIES, hf_reference, max_rel, saved_hf_model
 from transformers import Phi3Config
 from trl.trainer.utils import add_fused_lm_head
 
@@ -119,9 +119,7 @@ def post_model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
                     ) -> Iterator[tuple[torch.nn.Module, megatrain.api.Model]]:
     """(transformers' model, megatrain's of the same weights in this process) of MODELS[request.param]: a test module's
     fixture as `model_case = pytest.fixture(scope="module", params=list(MODELS))(post_model_case)`."""
-    hf = build_hf_model(MODELS[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(MODELS[request.param](), tmp_path_factory, request.param)
     with megatrain.from_pretrained(directory, loss_chunk_tokens=7) as model:
         yield hf, model
 

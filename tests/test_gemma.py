@@ -28,6 +28,7 @@ from helpers import (
     gemma3_config,
     hf_loss_and_grads,
     make_labels,
+    saved_hf_model,
 )
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, PretrainedConfig
@@ -54,9 +55,8 @@ def tiny(name: str) -> PretrainedConfig:
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[torch.nn.Module, Path]]:
-    hf = build_hf_model(tiny(request.param))  # every parameter perturbed off its init, norms included
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    # every parameter perturbed off its init, norms included
+    hf, directory = saved_hf_model(tiny(request.param), tmp_path_factory, request.param)
     yield hf, directory
 
 

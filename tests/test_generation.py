@@ -24,6 +24,7 @@ from helpers import (
     gemma2_config,
     gemma3_config,
     rel_err,
+    saved_hf_model,
 )
 from lora_helpers import lora_executor, peft_model, setup
 from post_helpers import PROMPTS, hf_greedy
@@ -74,9 +75,7 @@ class Family:
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
-    hf = build_hf_model(MODELS[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(MODELS[request.param](), tmp_path_factory, request.param)
     store = ParameterStore(directory, check_memory=False)
     logits: list[torch.Tensor] = []
     yield Family(hf, store, hf_greedy(hf, PROMPTS, NEW, logits=logits), logits)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, build_hf_model
+from helpers import FAMILIES, build_hf_model, saved_hf_model
 from post_helpers import PROMPTS, hf_greedy
 
 import megatrain
@@ -30,9 +30,7 @@ NEW = 8
 @pytest.fixture(scope="module", params=["llama-gqa", "qwen2-tied"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[str, torch.nn.Module, Path, ParameterStore]]:
-    hf = build_hf_model(FAMILIES[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(FAMILIES[request.param](), tmp_path_factory, request.param)
     store = ParameterStore(directory, check_memory=False)
     yield request.param, hf, directory, store
     store.close()

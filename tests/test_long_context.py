@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import OPTIM, build_hf_model, hf_reference, max_rel, rel_err
+from helpers import OPTIM, hf_reference, max_rel, rel_err, saved_hf_model
 from transformers import LlamaConfig
 
 import megatrain
@@ -35,9 +35,7 @@ def config(layers: int = 2) -> LlamaConfig:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, Path]]:
-    hf = build_hf_model(config())
-    directory = tmp_path_factory.mktemp("long")
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(config(), tmp_path_factory, "long")
     yield hf, directory
 
 

@@ -26,6 +26,7 @@ from helpers import (
     hf_loss_and_grads,
     make_labels,
     rel_err,
+    saved_hf_model,
 )
 from transformers import AutoModelForCausalLM
 
@@ -39,9 +40,7 @@ Family = tuple[str, torch.nn.Module, Path]  # (name, the HF model, the directory
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
-    hf = build_hf_model(FAMILIES[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(FAMILIES[request.param](), tmp_path_factory, request.param)
     yield request.param, hf, directory
 
 
@@ -149,9 +148,7 @@ def test_sharded_save_loads_in_transformers_and_megatrain(name: str, tmp_path: P
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[torch.nn.Module, megatrain.Model]]:
-    hf = build_hf_model(FAMILIES["llama-gqa"]())
-    directory = tmp_path_factory.mktemp("llama-bad-input")
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(FAMILIES["llama-gqa"](), tmp_path_factory, "llama-bad-input")
     with megatrain.from_pretrained(directory) as model:
         yield hf, model
 

@@ -20,6 +20,7 @@ from helpers import (
     build_hf_model,
     hf_loss_and_grads,
     make_labels,
+    saved_hf_model,
 )
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
@@ -47,9 +48,8 @@ VARIANTS = {"untied": {}, "tied-bias": dict(tie_word_embeddings=True, attention_
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def qwen3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[torch.nn.Module, Path]]:
-    hf = build_hf_model(tiny(**VARIANTS[request.param]))  # every parameter perturbed, q/k norms included
-    directory = tmp_path_factory.mktemp(f"qwen3-{request.param}")
-    hf.save_pretrained(directory)
+    # every parameter perturbed, q/k norms included
+    hf, directory = saved_hf_model(tiny(**VARIANTS[request.param]), tmp_path_factory, f"qwen3-{request.param}")
     yield hf, directory
 
 

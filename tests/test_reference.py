@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, build_hf_model, rel_err
+from helpers import FAMILIES, rel_err, saved_hf_model
 from lora_helpers import lora_executor, setup, tokens
 from post_helpers import hf_logprobs
 
@@ -32,9 +32,7 @@ TEMPERATURE = 0.9
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
-    hf = build_hf_model(FAMILIES["llama-gqa"]())
-    directory = tmp_path_factory.mktemp("llama")
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(FAMILIES["llama-gqa"](), tmp_path_factory, "llama")
     return hf, directory
 
 

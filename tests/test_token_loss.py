@@ -16,10 +16,10 @@ from helpers import (
     FAMILIES,
     assert_matches,
     batch,
-    build_hf_model,
     gemma2_config,
     make_labels,
     rel_err,
+    saved_hf_model,
 )
 from post_helpers import hf_logprobs
 from transformers import Phi3Config
@@ -37,9 +37,7 @@ TEMPERATURE = 0.7
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[tuple[str, torch.nn.Module, megatrain.api.Model]]:
-    hf = build_hf_model(MODELS[request.param]())
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
+    hf, directory = saved_hf_model(MODELS[request.param](), tmp_path_factory, request.param)
     with megatrain.from_pretrained(directory, loss_chunk_tokens=7) as model:  # chunks that straddle rows
         generic = type(model.executor.arch).__name__ == "GenericArchitecture"
         assert generic == request.param.endswith("generic")

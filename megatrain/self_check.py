@@ -1,30 +1,8 @@
 """The self-check: a model on the generic path is trained only once megatrain matched transformers on a tiny copy of it.
 
-Before anything is allocated for a model of the generic path (transformers' own layers, megatrain/model/hf_generic.py),
-`verify` shrinks its config to a tiny one of the same model type and options (megatrain/model/tiny_config.py: every
-layer structure kept), builds that model with transformers in fp32 from a fixed seed (train mode, every parameter
-moved off its init value), and runs one random batch (no special token ids) through transformers' forward and
-backward and through megatrain's executor, on plain CPU tensors. Exact: the loss and every gradient within 1e-5
-relative, or every one of them within twice transformers' own fp32 distance of an fp64 run (rounding, not a wrong
-formula; that distance the farthest of three fp32 runs of transformers whose roundings differ: the loss scaled by 1
-and 1 +- 2^-20); a persistent buffer, which streams frozen, must get a zero gradient. A gradient that is zero but for
-rounding (a key projection's bias under softmax: below 1e-6 of the model's largest gradient) is judged against the
-model's largest gradient, since relative to itself it is rounding noise only. Anything else refuses the model in one
-sentence (SelfCheckError) naming the part that differs, found from the layers' inputs and outputs of both forwards
-(the embedding, a layer structure, the head, the loss), else from the gradients, in backward order.
-
-Where no tiny model can be had (the shrinker cannot keep every structure, transformers cannot build or run it) the
-check cannot run: one warning line says why and the model trains unchecked, as before the check existed: refusing
-would turn a gap in the shrinker into a refusal of a model that may train exactly. A crash or a refusal of megatrain's
-own path on the tiny model refuses the real model: it would meet the same code.
-
-A verdict is cached as JSON in ${MEGATRAIN_CACHE_DIR:-~/.cache/megatrain}/self-check/<sha256>.json, keyed by the tiny
-config and the versions of transformers, torch and megatrain (and a digest of megatrain's source, so an edited
-checkout checks again): a cached pass costs the shrinking only; a cached refusal refuses again in the same sentence.
-
-The comparison itself (reference model and batch, errors, the fp64 judgement) is also what the model-type sweep
-(benchmarks/model_sweep.py) classifies every causal-LM model type of transformers with.
-"""
+`verify` shrinks the config (tiny_config.py), runs one batch through transformers and megatrain's executor in fp32 on
+the CPU, and refuses the model in one sentence naming the part that differs; where no tiny model can be had it warns
+and trains unchecked. Verdicts are cached. The tolerance and the cache key: docs/design.md#the-self-check."""
 
 from __future__ import annotations
 
@@ -391,7 +369,7 @@ def _versions() -> dict[str, str]:
 
 
 def cache_key(tiny: Any) -> str:
-    """sha256 of the tiny config (sorted JSON) and the versions (see the module docstring)."""
+    """sha256 of the tiny config (sorted JSON) and the versions (docs/design.md#the-self-check)."""
     text = json.dumps({"config": tiny.to_dict(), **_versions()}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -461,7 +439,7 @@ def check(config: ModelConfig, tiny: Any) -> str | None:
 
 def verify(config: ModelConfig) -> None:
     """Refuses (SelfCheckError) a model of the generic path whose tiny copy megatrain does not train exactly; a model
-    of a native family (no hf_config) passes untouched. See the module docstring."""
+    of a native family (no hf_config) passes untouched. See docs/design.md#the-self-check."""
     if config.hf_config is None:
         return
     start = time.monotonic()

@@ -1,22 +1,7 @@
-"""Record formats of JSON / JSON Lines files, and their conversion to the chats of the `messages` format.
+"""Record formats of JSON / JSON Lines files (messages, Alpaca, ShareGPT), and their conversion to `messages` chats.
 
-A record (one JSON object: a line of a JSONL file, an element of a JSON array; or a row of a Parquet / Arrow
-file, its columns as keys) is one of
-
-- messages: a `messages_field` chat (`[{"role", "content"}, ...]`) or a `text_field` text / token-id list;
-- Alpaca: `{"instruction", "input"?, "output", "system"?, "history"?}`, the Stanford Alpaca / LLaMA-Factory
-  layout. The user turn is the instruction, then a newline and the input when there is one (LLaMA-Factory's
-  `"\\n".join`); the output is the assistant turn; `history` (`[[user, assistant], ...]`) are earlier turns;
-- ShareGPT: `{"conversations": [{"from", "value"}, ...], "system"?}`, with `from` one of system, human / user,
-  gpt / assistant.
-
-Alpaca and ShareGPT records become `messages` chats here, before anything else sees them: tokenizing, chat
-templates, loss masks, packing and resume are those of the `messages` format, not copies of them.
-
-Consecutive turns of one role are kept as they are (not merged or refused), as a `messages` chat keeps them:
-the plain chat format renders them one after the other, and a template that wants alternating roles says so
-through its own raise_exception.
-"""
+Alpaca and ShareGPT records become chats here, before anything else sees them, so tokenizing, templates, loss masks,
+packing and resume are those of the `messages` format, not copies (docs/design.md#record-formats)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
-"""Tokenized samples and the rows they are packed into.
+"""Tokenized samples (BOS, document, EOS; labels as HF transformers has them) and the rows they are packed into.
 
-A sample is one document's tokens with its labels: BOS first when the tokenizer has one, then the
-document, then EOS (the separator between documents). Neither is added twice: a chat template that already
-starts with BOS, or pre-tokenized ids that already end with EOS, keep theirs.
-
-Labels follow HF transformers: the same shape as input_ids, *not* shifted (the model shifts inside), -100 =
-ignored. Pretraining trains every real token (padding is -100). SFT (chat documents) trains only assistant
-turns: system/user/prompt tokens, BOS and padding are -100, and the closing EOS is trained when it closes an
-assistant turn.
-
-Rows: `pack=True` concatenates samples and cuts the stream into rows of seq_len (a long document continues
-into the next row, the next batch or the next epoch's first batch; attention is not masked at document
-boundaries: the EOS separates them). `pack=False` puts one sample per row, right-padded with pad_id; longer
-samples are cut to seq_len (truncation=True) or refused (truncation=False). `document_positions=True` (pack mode)
-adds `position_ids`: each document's positions from 0, continuing where a row goes on with a document the
-previous row cut (and the padding of the final batch its own run from 0); the model then attends within each
-document only, as transformers does with packed position_ids. Right padding needs no attention
-mask under causal attention: real tokens never look right. The final batch of the data is padded to full
-size, so every batch has the same [batch_size, seq_len] shape.
-"""
+`pack=True` cuts the stream of samples into rows of seq_len (`document_positions` restarts positions per document);
+`pack=False` puts one right-padded sample per row. Every batch has the same [batch_size, seq_len] shape. Labels,
+SFT masks and positions: docs/design.md#packing."""
 
 from __future__ import annotations
 

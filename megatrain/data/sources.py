@@ -1,29 +1,8 @@
-"""Opening the source a DataConfig names: the synthetic documents, or a reader of its data files.
+"""Opening the source a DataConfig names: the synthetic documents, or a reader of its data files (text, JSON Lines,
+Parquet, Arrow, a Hugging Face data set).
 
-Sources (each a `documents.Source` of documents: text, chats or token ids):
-
-- synthetic: the default, no files. Seeded, learnable documents (see `synthetic_document`).
-- text (.txt .text .md, or any file with format="text"): documents are paragraphs separated by blank lines
-  (text_split="paragraph"), or whole files (text_split="file").
-- jsonl (.jsonl .ndjson .json): one JSON object per line (blank lines are skipped), or a file holding one JSON
-  array of objects. A record's document is its `messages_field` (a chat) or its `text_field` (text or token
-  ids), or it is an Alpaca or ShareGPT record, converted to a chat (formats.py). The record format is detected
-  per file from its first record (or set with `record_format`); every other record of the file must fit it.
-- parquet (.parquet .pq) and arrow (.arrow .feather .ipc .arrows, Arrow IPC file or stream format): one
-  column (`column`, else `text_field`, else `messages_field`) of strings, token-id lists or message lists; or,
-  detected from the column names as a first JSON record is (or set with `record_format`), each row an Alpaca
-  or ShareGPT record.
-A folder is read as all its files of one format, in sorted path order.
-- datasets (hf_datasets.py): a Hugging Face Hub data set by name (org/name[@revision], streamed), a directory
-  written by `save_to_disk`, or (format="datasets") files and folders as `load_dataset` reads them; its `split` (of
-  configuration `subset`), rows read as Parquet rows are.
-
-Every source is cut into shards that can be read on their own, so nothing is ever read whole: a Parquet row
-group, an Arrow record batch, about `shard_bytes` of a text/JSONL file cut at a line (text: a blank line) or
-of a JSON array cut between elements, a whole file with text_split="file", or 100 synthetic documents. The
-shard index is built when the source is opened (one pass over text/JSON files, parsing each element of a JSON
-array once, one at a time; metadata only for Parquet/Arrow).
-"""
+Every source is cut into shards that can be read on their own, so nothing is ever read whole; the kinds, their
+detection and their shards: docs/design.md#sources."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
 """Tokenizers: a byte-level default that needs no files, and HF `tokenizer.json` files via `tokenizers`.
 
-Both share one small interface: `encode(text) -> list[int]`, `decode(ids)`, `vocab_size`, `bos_id`,
-`eos_id`, `pad_id` and `apply_chat(messages) -> (ids, assistant_mask)`.
-
-`encode` never adds special tokens (the tokenizer.json post-processor is not applied): the packer adds BOS
-and EOS around each document itself, the same way for every tokenizer (see packing.py).
-
-Chat formatting. Where the tokenizer has a Jinja `chat_template` (tokenizer_config.json, chat_template.jinja,
-or one passed in) it is rendered like HF transformers' `apply_chat_template` (sandboxed, trim_blocks,
-lstrip_blocks). The assistant mask comes from rendering incrementally: the text of assistant turn i is what
-`render(messages[:i+1])` adds to `render(messages[:i], add_generation_prompt=True)`; tokens whose first
-character falls in such a span are assistant tokens. Without a template, the plain format is
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}<EOS>
-
-i.e. each message is the text `<|role|>` + newline + content, closed by a newline, except assistant turns,
-which are closed by the EOS token (so the model learns to stop); the assistant content and its EOS are the
-masked-in tokens. (With the byte tokenizer `<|role|>` is plain bytes, not a special token.)
-"""
+Both share one interface: `encode(text)` (no special tokens: the packer adds BOS and EOS), `decode(ids)`,
+`vocab_size`, `bos_id`, `eos_id`, `pad_id` and `apply_chat(messages) -> (ids, assistant_mask)`, which renders a
+Jinja chat template as transformers does, or a plain format without one (docs/design.md#tokenizers)."""
 
 from __future__ import annotations
 

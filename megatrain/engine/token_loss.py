@@ -1,19 +1,9 @@
-"""A loss on per-token log-probabilities, as `Engine.step(input_ids, labels=..., loss=fn, **fields)` takes it, and
-its way through the head: every position's log-prob of its label (and entropy) in a first chunked pass without
-gradients, `fn` on those [batch, seq] tensors under autograd, its gradients wrt them fed back into a second chunked
-pass (megatrain/model/logprob_head.py).
+"""A loss on per-token log-probabilities, as `Engine.step(input_ids, labels=..., loss=fn, **fields)` takes it, and its
+way through the head: log-probs (and entropy) in a first chunked pass without gradients, `fn` on those [batch, seq]
+tensors under autograd, its gradients fed back into a second chunked pass (megatrain/model/logprob_head.py).
 
-The tensors `fn(logprobs, entropy, fields)` gets are aligned with the labels, as `labels` are given (transformers'
-convention, shifted inside): logprobs[b, t] = log p(labels[b, t] | input_ids[b, :t]) for t >= 1, and 0 at t = 0 and
-wherever labels[b, t] is -100 (no gradient is taken there: a mask in fn is still the honest way to say so). entropy
-likewise (None unless asked for). `fields`: the per-sequence or per-token tensors the step was given (advantages,
-old and reference log-probs, masks), as tensors on the executor's device.
-
-Micro-batches: fn is evaluated once per step on the whole step's rows, whatever the micro-batching (the rows'
-log-probs are gathered from every micro-batch first), so a loss aggregates exactly as it says, token by token: a
-mean over the step's completion tokens stays that mean, a mean of per-sequence means stays that. This needs every
-micro-batch at the head at once: the layer-major schedule, one executor.
-"""
+fn sees the whole step's rows at once, so a loss aggregates exactly as it says; the tensors' alignment and the
+schedule this needs: docs/design.md#losses-on-log-probabilities."""
 
 from __future__ import annotations
 

@@ -2,29 +2,9 @@
 
     y = F.linear(x, W, b) + scaling * F.linear(F.linear(dropout(x), A), B)     A: (r, in), B: (out, r), W frozen
 
-How it enters the native layers without touching them. A layer's weights arrive as a dict of views (Weights);
-for a LoRA run that dict also holds the layer's adapters under PEFT's names inside the layer
-(`self_attn.q_proj.lora_A.weight`). LoraLayer wraps a family's layer function: before calling it, it puts a
-LoraWeight where each target's base weight stood. A LoraWeight is no tensor but a small object with
-`__torch_function__`, so the template's own `F.linear(h, w["self_attn.q_proj.weight"], bias)` dispatches to
-lora_linear; every other projection, norm and the attention run as they always do, and a run without adapters
-never meets a LoraWeight. The math knows nothing of adapters' storage, actors or streams: whoever binds a
-layer's weights adds its adapters to the dict.
-
-And the generic path's layers, transformers' own modules bound by functional_call (which binds tensors only, and
-whose nn.Linear may be read other than through F.linear): there the base weights are bound as always and, for the
-one call, a forward hook on each adapted nn.Linear adds the adapter's term to its output (hooked_adapters), which is
-what PEFT's LoRA Linear does around its base layer. Which modules are adapted: megatrain/lora/targets.py.
-
-Gradients: LoraLayer.backward reruns the layer from its input with only the adapters (and the input) as autograd
-leaves, so the base gets no gradient (none is computed, none allocated) and the result holds the adapters'
-gradients alone, by their names in the layer: the layer whole (templates.recompute_grads), or where the family's
-layer runs over sequence tiles (tile_tokens) its own tiled backward, told which weights train (the adapters) and
-how its weights become what the math reads (with_adapters, inside each tile's recompute). Dropout must draw the
-same mask in the forward and in that recompute: LoraArchitecture gives every batch a seed (LoraBatch appends it to
-each layer's arguments) and each target's mask is drawn from it; over tiles it is refused (refuse_tiled_dropout
-says why). A LoraWeight is opaque to torch.compile (LoraLayer says so with `compilable = False`).
-"""
+A LoraWeight stands where a target's base weight stood and routes the template's own F.linear to lora_linear, so the
+native layers are untouched; the generic path uses forward hooks instead. Gradients, dropout, tiles:
+docs/design.md#adapters."""
 
 from __future__ import annotations
 

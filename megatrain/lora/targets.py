@@ -1,23 +1,8 @@
-"""Which modules a LoRA run adapts: `target_modules` matched against the model's modules by PEFT's rule, each
-refusal one sentence, before anything is allocated.
+"""Which modules a LoRA run adapts: `target_modules` matched against the model's modules by PEFT's rule, each refusal
+one sentence, before anything is allocated.
 
-PEFT adapts a module when its name in the transformers model is a target or ends with "." + a target
-(`q_proj` and `self_attn.q_proj` both name `model.layers.3.self_attn.q_proj`). megatrain adapts the nn.Linear
-modules of the decoder layers, so a target must name one or more of them and nothing else. Refused: a target that
-names an embedding, a norm or the lm_head, a module outside the decoder layers, GPT-2's Conv1D (PEFT adapts it
-transposed, fan_in_fan_out), a matrix no nn.Linear holds (an MoE's router or fused experts, which PEFT adapts as
-parameters), a module of the checkpoint that transformers fuses on loading (Mixtral's per-expert w1: PEFT maps such
-targets onto the fused parameters), or that picks layers by their index (`layers.0.self_attn.q_proj`: every layer
-of one structure carries the same adapters). Modules the text forward never runs (a vision-language model's vision
-tower) are out of the match: PEFT's adapters there would get no gradient and keep B = 0, so the model it trains is
-the same. `all-linear` is PEFT's every nn.Linear but the output projection; it becomes the decoder layers' Linear
-modules by their last names, and is refused where PEFT's would reach more (a linear layer outside the decoder
-layers, a router or experts).
-
-What the model's modules are: a family that knows them says so (`module_kinds(config)`, `fused_names(config)`: the
-generic path reads them off transformers' own model); for a native family they follow from its layer tensors (every
-2-D `.weight` of a decoder layer is an nn.Linear's in transformers' model of that family).
-"""
+megatrain adapts the nn.Linear modules of the decoder layers, so a target must name one or more of them and nothing
+else; what is refused and why: docs/design.md#targets."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""What the executor runs of a model: per-layer pure functions, the context a batch gives them, the final norm
-and the head's options. Each family answers with one of these (Family.architecture); the executor knows
-nothing else of the model's math.
-
-    batch = arch.batch(batch_size, seq, device, dtype, position_ids)  # rotary tables, masks: once per batch
-    x = embed(rows, row_index) * arch.embed_scale
-    for i: x = arch.layer(i)(x, weights_i, *batch.layer_args(i))
-    loss += batch.forward_done()                             # a loss term over all layers (MoE routers)
-    head: arch.final_norm(x, norm weights), lm_head, cross-entropy (logits soft-capped at arch.logit_softcap); an
-          architecture with a `logits(hidden, head weights)` method makes its logits itself (the generic path)
-
-Generation (megatrain/engine/generation.py) runs the layers on new tokens beside the keys and values of the earlier
-ones, which it keeps: an architecture that can has `cached_batch(positions, key_positions, device, dtype)` (what every
-layer's cached step gets, given the new tokens' positions and every key's) and `cached_layer(i)`, a function
-fn(x, weights, past_kv, *cached.layer_args(i)) -> (x, new_kv) (templates.DecoderLayer.cached).
-
-Layers of one structure share one function object (`layer(i) is layer(j)`), so a compiled layer compiles once
-per structure. A layer function may be rerun, with grad, on the same arguments for the backward: whatever it
-records in the forward (`batch`) it must replay then.
-"""
+"""What the executor runs of a model: per-layer pure functions, the context a batch gives them, the final norm and the
+head's options. Each family answers with one (Family.architecture); the executor knows nothing else of the model's
+math. The contract (one function per layer structure, replayable forwards, cached steps for generation):
+docs/design.md#architecture."""
 
 from __future__ import annotations
 

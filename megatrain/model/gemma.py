@@ -1,25 +1,7 @@
 """Gemma 2 and Gemma 3 (text): their config.json in and out, and what their decoder layer (gemma_layers.py) is told.
 
-What differs from Llama, as transformers' Gemma2ForCausalLM / Gemma3ForCausalLM compute it:
-
-- the embedding's output is scaled by sqrt(hidden_size) (in the compute dtype; Architecture.embed_scale), and the
-  embeddings are tied unless config.json says otherwise;
-- every RMSNorm scales by (1 + w) in fp32 (ops.gemma_rms_norm), so its weights start at 0 (Family.norm_init);
-- a layer normalises around both halves: x + post_attention_norm(attn(input_norm(x))), then
-  x + post_feedforward_norm(mlp(pre_feedforward_norm(x))), the MLP gated by GELU's tanh approximation;
-- attention scores are scaled by query_pre_attn_scalar ** -0.5 (not head_dim's), sliding layers attend to the last
-  `sliding_window` tokens only (layer_types: Gemma 2 alternates, Gemma 3 has five sliding layers per full one);
-- Gemma 2 soft-caps the attention scores (attn_logit_softcapping, which no fused kernel computes) and the final
-  logits (final_logit_softcapping, Architecture.logit_softcap);
-- Gemma 3 puts a (1 + w) RMSNorm over each head's query and key before RoPE (q_norm, k_norm), does not cap the
-  attention scores (transformers ignores attn_logit_softcapping there), and rotates sliding layers with their own
-  base (rope_local_base_freq, no scaling) and full layers with rope_theta and rope_scaling.
-
-The Gemma-only keys live in ModelConfig.family_options, holding only what differs from transformers' defaults for
-the model type (so a config.json read in, a preset and a config written out compare equal). Which layers slide is
-kept as a period where there is one (every p-th layer full, as transformers derives layer_types), so that a
-config stays valid with fewer layers (the memory plan builds a one-layer layout); a list otherwise.
-"""
+The Gemma-only keys live in ModelConfig.family_options, only where they differ from transformers' defaults, so a
+config read in, a preset and a config written out compare equal. How Gemma differs from Llama: docs/design.md#gemma."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """What the executor runs of a model on the generic path: transformers' own modules, called statelessly.
 
 A layer is its meta module called through torch.func.functional_call with the streamed buffer's views bound as its
-parameters (and its persistent buffers, a router's correction bias, as frozen tensors), so the executor's weight
-buffers, recompute and gradient streaming work as for the native families. Layers of one structure
-(hf_model.layer_structure) share one function. A LoRA run adds its adapters around that call, by forward hooks on the
-layer's nn.Linear modules (`module`; megatrain/lora/adapters.py): nothing here knows of them.
-
-What the model's own forward computes around its layers (rotary tables, per-layer-type masks, position ids) is made
-by that forward: a skeleton of the base model whose layers are stand-ins that record what they are called with runs
-once per batch shape, on the real device, with only its parameter-free parts (rotary embeddings) real. What the
-forward runs on the embeddings before the first layer (GPT-2's position embedding, BLOOM's embedding norm, an
-embedding dropout) runs with the first layer, by that forward too, stopped where the first layer would begin
-(FirstLayer). The embedding rows stay megatrain's (gathered on the host, times the scale the embedding module
-applies); the final norm is the model's own module, bias and all; the logits are the model's own ForCausalLM forward
-after its base model (lm_head with a bias, logit scales, soft-caps), in token chunks.
-
-MoE models with `output_router_logits` add the router's auxiliary loss as transformers does (hf_router.py).
-Randomness (dropout, a router's jitter noise) is replayed exactly: each layer's recompute runs from the RNG state
-its forward began with, and the skeletons draw none.
-"""
+parameters, so weight buffers, recompute and gradient streaming work as for the native families. What the model's
+forward does around its layers comes from that forward, run as a skeleton (docs/design.md#the-generic-path)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,17 +1,8 @@
 """The flat, layer-contiguous layout of a model's fp32 state.
 
-The model is cut into *units*, the things that stream: the embedding, each decoder layer, and the head
-(final norm, plus lm_head unless embeddings are tied). Each unit is one contiguous range of a flat fp32
-buffer, so a layer crosses PCIe in one copy and its gradient comes back in one copy. Inside a unit every
-tensor has an offset and a shape and keeps its HF name, so checkpoints read and write HF files directly.
-
-What trains and what is frozen is the layout's to say: a unit's own tensors train (fp32, with gradients and Adam
-moments); a layout with a `frozen` layout beside it (a LoRA run: the adapters train, the base is frozen) has each
-unit's frozen tensors there, in a segment of their own, with neither.
-
-Offsets are multiples of ALIGN elements: units start on 4 KiB pages and optimizer shards can be cut on
-boundaries where torch's fused AdamW gives bit-identical results however the range is split.
-"""
+The model is cut into units, the things that stream (the embedding, each decoder layer, the head); each is one
+contiguous range of a flat fp32 buffer whose tensors keep their HF names, at offsets that are multiples of ALIGN
+elements (docs/design.md#layout). A `frozen` layout beside it holds what does not train (a LoRA run's base)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""The head's log-probability of each target token (and the entropy of each position's distribution), and the
-gradient of a loss on them, in token chunks: never more than [chunk_tokens, vocab] logits at once.
+"""The head's log-probability of each target token (and each position's entropy), and the gradient of a loss on them,
+in token chunks: never more than [chunk_tokens, vocab] logits at once.
 
-A loss on per-token log-probabilities L(logp, H) reaches the head as two per-token coefficients, a = dL/dlogp_y and
-c = dL/dH (autograd of the loss on the small [batch, seq] tensors: megatrain/engine/token_loss.py). With z a
-chunk's logits (soft-capped, then divided by the temperature, as a sampler applies it) and p = softmax(z):
-
-    dlogp_y/dz = onehot(y) - p        dH/dz = -p * (log p + H)
-
-so dL/dz = a * (onehot(y) - p) - c * p * (log p + H), then through the temperature and the cap to the logits. The
-second pass recomputes each chunk's logits and takes the head's gradients from that closed form, as the
-cross-entropy head does (templates.chunk_backward); the generic path runs its model's own logits under autograd with
-sum(a * logp_y + c * H) as the objective (templates.chunk_through).
-
-Cross-entropy is a = -1/n on each labelled token and c = 0; the closed form then computes what
-ops.cross_entropy_sum_and_grad computes, operation for operation: exp(logp) * (-a), then a added at the target.
-"""
+A loss reaches the head as two per-token coefficients, a = dL/dlogp_y and c = dL/dH, and the second chunked pass
+takes the head's gradients from a closed form in them (docs/design.md#log-probabilities)."""
 
 from __future__ import annotations
 
@@ -135,8 +123,9 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, 
 def _logits_grad(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, a: torch.Tensor,
                  c: torch.Tensor | None, softcap: float | None, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(0, dL/d fp32 logits [n, vocab]) of one chunk from its coefficients a = dL/dlogp_y, c = dL/dH (module doc).
-    With c None and temperature 1 the operations are ops.cross_entropy_sum_and_grad's with -a for its scale."""
+    """(0, dL/d fp32 logits [n, vocab]) of one chunk from its coefficients a = dL/dlogp_y, c = dL/dH
+    (docs/design.md#log-probabilities). With c None and temperature 1 the operations are
+    ops.cross_entropy_sum_and_grad's with -a for its scale."""
     logits, capped = _capped(F.linear(hidden, lm_head).float(), softcap)
     if temperature != 1.0:
         logits = logits / temperature

@@ -1,19 +1,8 @@
 """Stateless layer templates: the model as pure functions of (activations, weights).
 
-A template holds only the shape config. Weights arrive per call as a dict of views into whatever flat
-buffer the unit was just copied into (a GPU weight buffer, or the arena itself on the CPU path), so one
-template serves every layer and no autograd graph outlives a call.
-
-Backward never uses torch.utils.checkpoint (it recomputes with whatever weights a module holds at
-backward time and raises CheckpointError when they were swapped, DeepSpeed PR 8148). Instead
-`recompute_grads` binds the weights again as fresh leaves, reruns the forward from the saved input under
-enable_grad, and asks torch.autograd.grad for the input and weight gradients.
-
-Frozen weights, generically: a backward may take gradients for some weights only (`trainable`, a test on names;
-the others are passed in detached, and no gradient of theirs is computed or allocated) and read the weights through
-`bind` (the weights, trainable ones as autograd leaves, -> what the layer math reads), applied inside each
-recompute. LoRA's adapters use both (megatrain/lora/adapters.py); the math here knows nothing of them.
-"""
+Weights arrive per call as a dict of views into whatever buffer the unit was just copied into, so one template serves
+every layer and no autograd graph outlives a call. The backward recomputes explicitly (`recompute_grads`), never
+through torch.utils.checkpoint; frozen weights via `trainable` and `bind` (docs/design.md#templates)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Shrinks any transformers causal-LM config to a tiny one of the same model type and options.
 
-The widths come from megatrain/model/tiny_widths.py (hidden 64, heads of 16, experts of 32, vocabulary 256, ...).
-The depth comes from the layers themselves: the model is built once at full depth with tiny widths, on the meta
-device, and every decoder layer gets a structure: its modules' classes, parameter names and shapes, and string and
-flag attributes (a sliding or a full, a MoE or a dense, a mamba or an attention layer differ there), with its
-entries of the config's per-layer lists. The tiny config keeps at least one layer of every structure: the shortest
-prefix of the stack that has them all where that is short, else the first layer of each structure, else the
-shortest prefix with two of each (a block shared by several layers may need two); each choice is built again and
-kept only if every structure survived. Cutting the stack cuts the per-layer lists (`layer_types`,
-`no_rope_layers`, ...), renumbers lists of layer indices (`mlp_only_layers`, `full_attn_idxs`, ...), and recounts
-what counts layers (DeepSeek's `first_k_dense_replace`, Gemma 3n's KV-shared tail, Dory's segments). Towers
-besides the language model (vision, audio) keep their first two layers. It is deterministic.
-
-It is what megatrain's self-check shrinks a user's real config with, and what the model-type sweep
-(benchmarks/model_sweep.py) shrinks transformers' default config of every causal-LM model type with.
-"""
+Widths from tiny_widths.py; the depth from the layers themselves: at least one layer of every layer structure
+survives, and the per-layer lists and layer counts are cut to match. Deterministic. The self-check and the
+model-type sweep use it (docs/design.md#tiny-configs)."""
 
 from __future__ import annotations
 
@@ -135,7 +123,7 @@ def layer_structures(config: Any, per_layer_keys: set[str] | None = None
 
 
 def _choose_layers(structures: list[tuple[Any, ...]]) -> list[list[int]]:
-    """Which layers to keep, in the order to try: see the module docstring."""
+    """Which layers to keep, in the order to try: docs/design.md#tiny-configs."""
     depth = len(structures)
 
     def prefix_with(copies: int) -> list[int]:

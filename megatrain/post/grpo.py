@@ -1,23 +1,10 @@
-"""GRPO (Shao et al. 2024) as TRL's GRPOTrainer computes it (trl 1.16.0, trl/trainer/grpo_trainer.py): rewards
-weighted and summed per completion, advantages normalised within each prompt's group (_generate_and_score_completions:
-(r - group mean) / (group std + 1e-4), the std Bessel-corrected as trl's nanstd; or by the batch's std, or not
-scaled), and the clipped surrogate of _compute_loss with importance sampling per token. A reward function's None is
-TRL's NaN: the weighted sum skips it (nansum), a completion every function returned None for is unscorable (NaN:
-left out of its group's mean and std, nanmean and nanstd, its advantage 0), and a group's std of fewer than two
-scored completions is NaN, which makes the group's advantages 0 too (torch.nan_to_num after the division, as TRL).
+"""GRPO (Shao et al. 2024) as TRL's GRPOTrainer computes it (trl 1.16.0): group-normalised advantages and the clipped
+surrogate with a k3 KL term, per token, aggregated by loss type ("grpo", "bnpo", "dr_grpo", "dapo").
 
     ratio = exp(logp - old_logp)
     per token: -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * KL
-    KL (k3, to the reference): exp(ref - logp) - (ref - logp) - 1
 
-aggregated by loss type: "grpo" the mean over sequences of each one's mean over its tokens; "bnpo" the mean over
-the batch's tokens; "dr_grpo" the sum over tokens / (sequences x max_completion_length); "dapo" the sum over tokens /
-the tokens of the whole generation batch (`num_items`, default this batch's: one optimisation step over it).
-
-Rows are prompt then completion; the fields of a step, aligned with the labels as Engine.step gives log-probs:
-"mask" [B, seq] 1 on completion tokens, "advantages" [B], "old_logps" [B, seq] (the policy that sampled; absent:
-the current one, detached, as TRL with one iteration), "ref_logps" [B, seq] where beta > 0, "num_items" [] for dapo.
-"""
+Rewards' None, the fields a step takes, the aggregations: docs/design.md#grpos-loss."""
 
 from __future__ import annotations
 

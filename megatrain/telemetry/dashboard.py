@@ -4,14 +4,7 @@ workers, transfers and memory, as JSON in the form of Ray's own dashboards.
     json_text = dashboard_json()                     # what `megatrain dashboard --out FILE` writes
     write_into_ray_session(session_dir)              # beside Ray's: <session>/metrics/grafana/dashboards/
 
-Ray's dashboard writes its Grafana dashboards and the provisioning that loads them into the session directory of a
-cluster started with metrics export (`ray start --head --metrics-export-port=...`); a Grafana started on Ray's
-`grafana.ini` shows every JSON file of that folder. This one keeps Ray's conventions: the `${datasource}` variable,
-rows of panels two to a row (12 x 8 grid units). Its variables are the run, the node (Ray's `NodeAddress` label)
-and the executor. Every query is built from the metric specs (metric_specs.py), the same ones actors/metrics.py
-records; each panel's description says what a stall of its cause means and which setting moves it. Panels are
-Grafana's `timeseries` (Ray's own still use the older `graph`, which newer Grafana converts on load).
-"""
+Every query is built from the metric specs actors/metrics.py records (docs/design.md#the-grafana-dashboard)."""
 
 from __future__ import annotations
 

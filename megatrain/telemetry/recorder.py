@@ -1,18 +1,8 @@
 """Per-layer spans and the stall accounting of one training step.
 
-A `Recorder` collects `Span`s: intervals on named lanes. Device lanes ("h2d", "compute", "d2h") hold the
-work of the three CUDA streams; "host" holds host-side work; "wait" holds the times the host sat blocked
-(name = the cause); "grads-out" the gradient sender thread's waits for a free host slot; "handout" the moments the
-executor hands a unit's update to the optimizer pool as its gradient lands; "optimizer/<worker>" holds updates that
-CPU optimizer workers report from their own processes. All times are seconds on
-`time.monotonic()`, which on Linux is CLOCK_MONOTONIC, one clock for every process on the machine, so spans
-from the optimizer workers line up with the executor's.
-
-On a GPU the device lanes are timed with CUDA events recorded on the stream that does the work. Reading
-an event's time needs the event to have completed, so nothing is read inside the step: `end_step` waits
-once for the spanned streams and converts every event to the host clock against an anchor event recorded
-at that moment (host time of an event = host time of the anchor - elapsed_time(event, anchor)).
-"""
+A `Recorder` collects `Span`s on named lanes (the three streams, host work, the host's waits, the gradient sender's,
+the handouts, the optimizer workers'), all on time.monotonic(), one clock for every process on the machine. CUDA
+events are read once, at `end_step` (docs/design.md#spans)."""
 
 from __future__ import annotations
 

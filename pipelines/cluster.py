@@ -1,25 +1,8 @@
-"""Which Ray a run uses, and where on it the run's actors go.
+"""Which Ray a run uses (`init_ray`), and where on it the run's actors go (`NodePlacement`).
 
-Which Ray (`init_ray`), as Ray's own `ray.init()` decides it, with two differences: a dead cluster is found
-out by a quick TCP connect instead of Ray's minutes of retrying, and a dead *recorded* cluster is no error:
-  - address "local": a private local Ray, started here and stopped with the driver
-  - an explicit address (the `address` argument / --address, else RAY_ADDRESS): that cluster; "auto" means
-    the one `ray start --head` runs on this machine (its record, RAY_TMPDIR/ray/ray_current_cluster). Nothing
-    answering there is an error: the user asked for that cluster
-  - no address: the cluster `ray start` recorded, if it answers (one log line says which, and how to start
-    a private one instead); if the record is stale (a head killed or rebooted away), a private local Ray,
-    said in one log line; with no record, a private local Ray
-
-Where (`NodePlacement`): every actor of a run on one node, the driver's (several nodes: one placement per node,
-`run_nodes`, each holding that node's store, workers and executors; what follows holds for each). The driver
-maps the arena from its own /dev/shm (RunActors.arena), so the arena's node is the driver's. The optimizer workers'
-CPUs and the executor's GPU are reserved at once in a placement group pinned to that node (Ray's node-id label),
-sized by the node's free CPUs (not the cluster's: a bundle larger than any node would wait forever), and waited
-for with a deadline; actors that reserve nothing (parameter store, a CPU executor, the data loader) go into the
-same group, which puts them on its node. A replaced worker or executor takes its predecessor's bundle.
-
-What a killed run's local Ray leaves behind (`reap_orphaned_ray_agents`): its agent processes, re-parented to init.
-"""
+As ray.init() decides it, except that a dead cluster is found by a quick TCP connect and a dead recorded cluster
+falls back to a private local Ray; every actor of a node in one placement group pinned to it, the driver's node for
+the arena (docs/design.md#which-ray-and-where-on-it). `reap_orphaned_ray_agents`: what a killed local Ray left."""
 
 from __future__ import annotations
 
@@ -100,7 +83,7 @@ def ray_record() -> Path:
 
 def resolve_address(address: str | None) -> tuple[str | None, str]:
     """(host:port of the Ray cluster to join, or None to start a private local Ray; why), in Ray's order: an
-    explicit address, else RAY_ADDRESS, else the record of `ray start` (see the module doc)."""
+    explicit address, else RAY_ADDRESS, else the record of `ray start` (docs/design.md#which-ray-and-where-on-it)."""
     given, source = address or None, "address"
     if given in (None, "auto") and os.environ.get("RAY_ADDRESS"):
         given, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"

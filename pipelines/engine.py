@@ -5,27 +5,8 @@
     engine.save_checkpoint("ckpt/step-100")
     engine.shutdown()                          # or use it as a context manager
 
-One step, as the driver sees it:
-  1. the executor runs forward + backward; before loading a unit it waits until the previous step's
-     update of that unit is in the arena (the workers' version table). As each unit's gradient lands, the
-     workers update it at once: the update beside the backward
-  2. the executor returns the per-unit squared gradient norms, and the driver settles them: where the norm does not
-     exceed max_grad_norm, the updates stand (bit for bit the serial update); where it does, each worker takes
-     the updates back and applies the clipped ones in one pass, in forward order (`apply`, or with grads =
-     "device" the executor's `send_grads`, which copies each unit's gradient out of the GPU again); where a
-     gradient is not finite, they are rolled back and the step is skipped. A rollback is counted in the metrics.
-     Once the units landed so far clip, the rest wait for the step's coefficient; `speculate` (EngineConfig)
-     "auto" does not speculate after a step that clipped (the serial update: all units after the backward, in
-     forward order, overlapping the next step's forward), "off" never, "on" always
-     clipping off with one executor: each unit's update is final as its gradients land
-  3. units resident on the executor's device (EngineConfig.resident) are updated there once the norm is known; their
-     state is written back into the arena before something reads it there, and loaded again from a checkpoint
-Ray carries only control messages and token batches; weights and gradients stay in the arena. Where gradients wait
-(EngineConfig.grads) is settled before the arena is allocated ("auto": the host at 12 B/param wherever it can).
-
-The actors themselves (made, replaced, stopped): pipelines/run_actors.py. When one dies, pipelines/recovery.py
-replaces it and, where an update may be half applied, restores the last checkpoint and replays the steps since.
-"""
+A step's update runs beside the backward and the driver settles it once the norm is known; the actors:
+pipelines/run_actors.py; a dead one: pipelines/recovery.py. See docs/design.md#a-step-as-the-driver-sees-it."""
 
 from __future__ import annotations
 

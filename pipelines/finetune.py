@@ -3,24 +3,8 @@
     summary = finetune("models/qwen2-0.5b", "chats.jsonl", "runs/sft", overrides={"steps": 200})
     megatrain finetune --model models/qwen2-0.5b --data chats.jsonl --out runs/sft [--config sft.toml] [flags]
 
-What it adds to `pipelines.train.run` (which runs the loop, evaluation, checkpoints and the final save):
-  - the model directory's weights (the parameter store loads an HF directory into the arena) and its own
-    tokenizer (tokenizer.json); the byte tokenizer only when the directory has none and the vocab fits
-  - loss masks on assistant turns for chat data (the data room turns them on when the data holds chats)
-  - a held-out split (10% of the conversations unless the config says otherwise), evaluated every N steps
-  - fine-tuning defaults: a small LR, short warmup, cosine decay to zero, clipping 1.0, no weight decay
-  - OUT_DIR/final/: an HF directory with the tokenizer files and generation_config.json copied alongside
-    the weights, so `AutoModelForCausalLM/AutoTokenizer.from_pretrained(OUT_DIR/final)` just work
-  - with --lora (or a [lora] table): adapters on the frozen base (bf16 on the host unless --lora-base-dtype fp32),
-    at LoRA's default LR (LORA_LR); OUT_DIR/final/ then holds the adapter in PEFT's format with the tokenizer
-    files (`peft.PeftModel.from_pretrained(base, OUT_DIR/final)`), and with --merge OUT_DIR/merged/ the base with
-    the adapter merged in, an HF model directory
-  - checks in the driver before any actor starts, so a wrong path or a mismatched tokenizer is one line
-    (an error in an actor's constructor reaches the driver only as an opaque "actor died")
-
-Precedence, lowest first: FINETUNE_DEFAULTS, the TOML file, flags/overrides. Values derived from others
-(warmup, eval interval, sequence length, tokenizer) are derived only where neither TOML nor flags set them.
-"""
+It adds the model's weights and tokenizer, loss masks, a held-out split, fine-tuning defaults, an HF (or PEFT)
+directory in OUT_DIR/final/, and checks before any actor starts (docs/design.md#fine-tuning)."""
 
 from __future__ import annotations
 

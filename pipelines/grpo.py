@@ -1,20 +1,7 @@
 """`megatrain grpo --model M --prompts P.jsonl --reward module.py:function --group-size G --max-new-tokens N`:
-GRPO (megatrain/post/grpo.py) with rollouts sampled by the streamed model itself (Engine.generate, a KV cache over the
-streamed layers: pipelines/generate.py), as TRL's GRPOTrainer runs it.
-
-Each step: `prompts_per_step` prompts (TRL's format: a "prompt" column, text or chat messages; the other columns
-are passed on to the rewards), each sampled `group_size` times at `temperature` / `top_p`; every reward function
-called as TRL calls it, `function(prompts=..., completions=..., completion_ids=..., **columns) -> list[float]`
-(completions as text, or for chat prompts as [{"role": "assistant", "content": text}]), their weighted sum
-normalised within each prompt's group into advantages; then `iterations` optimisation steps on that rollout batch
-(TRL's num_iterations), the old log-probs those of the weights that sampled (computed where iterations > 1, else
-the current ones detached, as TRL). With beta > 0 the k3 KL term to the initial policy needs its log-probs of the
-new completions: the same Engine computes them from the initial weights, kept in an arena segment of their own and
-streamed by the executor for that forward (Engine.logprobs(reference=True), megatrain/engine/reference.py; a LoRA
-run's: its base with the adapters off): no second model on the device, no checkpoint written or read. Progress
-(the log and OUT/metrics.jsonl, one line a step): reward mean and std, each reward's mean, KL, the clip fractions,
-entropy, completion length, loss. The trained model: OUT/final.
-"""
+GRPO (megatrain/post/grpo.py) with rollouts sampled by the streamed model itself (Engine.generate), as TRL's
+GRPOTrainer runs it; the KL reference streamed from the initial weights in the arena, no second model
+(docs/design.md#grpo-runs)."""
 
 from __future__ import annotations
 

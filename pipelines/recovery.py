@@ -1,20 +1,8 @@
 """Recovery: what the driver does when an actor of the run dies, and the replay log that makes it exact.
 
-The driver keeps the refs of the batches since the last checkpoint (`ReplayLog`). When an actor dies:
-  - only the executor, and the workers' version table shows every unit at the last issued update: a new
-    executor maps the same arena and redoes the interrupted step (gradients are recomputed; no update of
-    that step had been applied: an update beside the backward bumps its unit's version as any update does)
-  - an optimizer worker (an in-place update may be half applied, or half rolled back: the settling of the
-    updates beside the backward included), or an executor whose step had already started updates: new actors,
-    the arena restored from the last checkpoint (or the initial weights), and the steps since replayed from the
-    kept batches, the driver's choice of whether to speculate restored with them (Engine.state). The result is
-    bit-identical to an uninterrupted run on the CPU; on a GPU, where the embedding's index_add_ and the
-    attention backward use atomics, equal to fp32 rounding.
-  - a parameter store: its arena died with it; the run stops, saying how to resume.
-Units resident on the executor's device die with it: the version table holds what the arena's copy of them holds
-(written back at the last checkpoint), so a lost executor with steps since restores and replays, and the new
-executors load them from the restored arena.
-"""
+A lost executor alone redoes its step; a lost worker (or an executor with updates under way) restores the last
+checkpoint and replays the logged batches, bit-identical on the CPU; a lost store stops the run
+(docs/design.md#recovery)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """A step's fixed costs, measured through Ray: what megatrain/perf/predict.py's fixed_costs adds to a step beyond its
-compute, copies and update (the driver's round trips, the executor's Ray messages to the optimizer workers), which
-an in-process timing of the layers cannot see.
+compute, copies and update, which an in-process timing of the layers cannot see.
 
     costs = measure_step_costs(cal)        # `megatrain calibrate` runs it: a private Ray, ~20 s on 2 cores
     cal = replace(cal, step_fixed_s=costs.step_fixed_s, unit_message_s=costs.unit_message_s)
 
-Two probe models (1 and 8 tiny decoder layers at 1 x 16 tokens: compute is small beside the costs) each run as an
-Engine on the CPU path, steps timed as the train loop times them (the driver's clock around Engine.step_batch).
-Each probe's fixed cost is its measured median step less the median step of the same model in an in-process
-Executor (executor_steps: the code `megatrain calibrate --model` times a model's layers in) and its update at
-the calibrated pool rate. The two probes differ in their unit messages (a streamed unit for each optimizer worker),
-which gives a cost a message and a cost a step. The cores are shared with whatever else runs: a loaded machine
-measures its load too."""
+Two probe models give a cost a step and a cost a unit message (docs/design.md#step-costs)."""
 
 from __future__ import annotations
 
@@ -51,7 +44,7 @@ class StepCosts:
 
 
 def measure_step_costs(cal: Calibration, steps: int = 20, warmup: int = 5, workers: int = 2) -> StepCosts:
-    """The fixed costs of a step on this machine (see the module's docstring), in a private Ray unless one runs in
+    """The fixed costs of a step on this machine (docs/design.md#step-costs), in a private Ray unless one runs in
     this process already. `cal`: this machine's calibration (the probes' updates at its optimizer pool's rate)."""
     from pipelines.cluster import init_ray
 

@@ -1,17 +1,8 @@
 """megatrain as a verl training engine: `import pipelines.verl_engine` registers MegatrainVerlEngine in verl's
 EngineRegistry (model_type "language_model", backend "megatrain"), so verl's trainer builds it without a fork of verl.
 
-verl hands the engine its no-padding batches (nested input_ids, loss/response masks, old log-probs, advantages) and
-a loss function `loss_function(model_output, data, dp_group) -> (loss, metrics)` (verl/workers/utils/losses.py).
-Here that function runs on megatrain's per-token log-probs (and entropy) inside the executor's process, once over
-the whole batch (megatrain/engine/token_loss.py): the gradient flows from verl's own loss through the chunked head
-and every streamed layer. verl must be importable (on PYTHONPATH) in the driver and, through it, in the actors.
-
-megatrain's step is fused (backward and the AdamW update in one): forward_backward_batch trains, optimizer_step
-returns that step's gradient norm. So one forward_backward_batch per optimizer_step, verl's train_batch pattern;
-anything else is refused, never silently merged. The learning-rate schedule is megatrain's (warm-up, cosine),
-advanced by each update; lr_scheduler_step reports it.
-"""
+verl's own loss runs on megatrain's per-token log-probs inside the executor's process; one forward_backward_batch per
+optimizer_step, anything else refused (docs/design.md#verl)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """Activation checkpoints: the layer inputs the backward recomputes from, held on the device up to a byte budget
-(device checkpoints), the rest offloaded to host memory (offloaded checkpoints).
-
-    forward   put(l, x): layer l's input. The top layers' (the first the backward needs) stay on the device as
-              long as they fit the budget; the others are copied to a page-locked host buffer on the D2H stream
-              (at most one such copy in flight: its device tensor is freed once it has landed)
-    backward  get(l) for l from the top: a host-resident input is brought back on the H2D stream, and `get`
-              starts bringing the one below too, so that it crosses while layer l computes (two transfer
-              buffers, like the weights')
-
-Checkpoints are in the compute dtype (bf16 in bf16 runs); how many stay on the device is the memory plan's count
-(megatrain/memory/buffers.py: device_checkpoints). The accounting (`device_bytes`, `transfer_bytes` and their
-peaks) is what the memory plan's numbers are checked against: device checkpoints never exceed the budget, transfers
-never more than two checkpoints. Host buffers are reused from step to step.
-"""
+(device checkpoints), the rest offloaded to page-locked host memory (offloaded checkpoints) and brought back one
+layer ahead of the backward. Their accounting is what the memory plan is checked against
+(docs/design.md#activation-checkpoints)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""What the executor runs through torch.compile when compiling (EngineConfig.compile on, or auto where it pays):
+"""What the executor runs through torch.compile when compiling (EngineConfig.compile on, or auto where it pays): each
+layer structure's function whole (or its token-wise tiles), and the head's final norm and chunked cross-entropy.
 
-    layers   each layer structure's function whole, one graph; on the tiled long-context path its token-wise tiles
-             instead (the template's compile_tiles), the loops over the tiles and the attention between them eager
-    head     the final norm (under autograd: its backward compiled with it) and the chunk's cross-entropy with its
-             gradient (the softmax's passes over [chunk, vocab] fused)
-
-Each function is compiled once here; torch compiles it again per input shape and grad mode, up to
-COMPILED_SHAPES_LIMIT. Nothing that changes from batch to batch enters a graph as a Python number: packed documents'
-boundaries are a tensor (ops.document_starts), the loss's 1 / tokens a 0-d tensor (templates.head_loss_and_grads).
-
-Kept eager, and why: a layer function that says `compilable = False` (LoRA's: its weights are __torch_function__
-wrappers a full graph cannot trace; the generic path's first layer: it stops the model's forward with an exception);
-the generic path's head, which runs the model's own logits and torch.autograd.grad per chunk
-(templates.chunk_through), which no full graph holds; the head of a loss on log-probabilities
-(megatrain/model/logprob_head.py). Attention itself is one SDPA call either way; over packed documents it is an opaque
-op (ops.packed_attention) that reads the boundaries when it runs.
-"""
+Each function is compiled once here; nothing that changes from batch to batch enters a graph as a Python number.
+What stays eager, and why: docs/design.md#compilation."""
 
 from __future__ import annotations
 

@@ -1,31 +1,10 @@
 """The layer-streaming schedule: forward, head, backward with recompute, per layer and micro-batch.
 
-    forward   layer 0's H2D and the embedding rows' gather, whichever unit's update is in first going first;
-              for each layer l: H2D weights(l+1) into the free buffer while compute runs layer l (the head's
-              weights right behind the last layer's, where their update is in by then);
-              keep the layer input x[l] as an activation checkpoint (or, for the top layers the plan chose, the
-              layer's autograd graph: kept activations)
-    head      final norm + lm_head + cross-entropy, forward and backward at once, in token chunks
-    backward  for each layer l from the top: H2D weights(l-1) while compute reruns layer l from x[l] (or takes
-              its kept graph) and takes gradients; D2H stream copies dW[l] into the arena; `grads_landed(unit)`
-              fires once they are there
-    (or, with hold_grads, the gradients stay on the device and `send_held` copies them out later, in
-    forward order, once the caller knows what to do with them: the global norm for clipping)
-
-The rooms beside this one: the two rotating weight buffers and the head's copy (weight_slots.py), when a unit's
-weights may be read (weight_waits.py), the embedding rows (embedding_rows.py), one layer's forward and backward
-over the micro-batches (layer_passes.py) with the layer inputs held for the backward (activation_checkpoints.py) or
-the layers' graphs (kept_activations.py), the gradients' way to the host and its waits for slots
-(grad_egress.py), what a batch must be (batch_checks.py), the units resident on the device with their
-optimizer state, whose weights are bound and gradients written there, never crossing (resident.py), and what a
-step is made of and returns (step_state.py).
-
-On the CPU path the "buffers" are views of the arena and every copy is a plain copy, so tests exercise the same
-schedule without a GPU.
-
-This file knows nothing of Ray or of the optimizer: it is told when a unit's weights may be read
-(`weight_waits`) and tells when a unit's gradients have landed (`grads_landed`).
-"""
+While compute runs layer l, the next layer's weights cross on the H2D stream and the last one's gradients leave on
+the D2H stream into the arena. The executor knows nothing of Ray or of the optimizer: it is told when a unit's weights
+may be read (`weight_waits`) and tells when its gradients have landed (`grads_landed`). On the CPU path the buffers
+are views of the arena, so tests run the same schedule. The schedule and the rooms beside this one:
+docs/design.md#the-schedule."""
 
 from __future__ import annotations
 

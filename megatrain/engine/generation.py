@@ -1,28 +1,8 @@
 """Generation by the streamed model: a batch of prompts, new tokens one at a time, a KV cache beside the pipeline.
 
-    prefill   the prompts left-padded into one [batch, longest] batch: each layer's weights stream in once for all of
-              it (the same two buffers and copies as a step's forward), the layer runs its cached step
-              (Architecture.cached_layer) and its keys and values go into the cache
-    decode    per new token: the token's embedding, then every layer again, its weights streamed (or bound where they
-              are resident), attending to the cache and appending its own keys and values; the head's logits of the
-              last position pick the next token of each row (greedy, or sampled with temperature and top-p from a
-              seeded generator); a row that picks the end-of-sequence token is done, and the batch stops once every
-              row is, or after max_new_tokens
-
-Weights kept for the call: every new token streams every layer again, so where the device has room beyond the run's
-resident units, the KV cache and a margin (megatrain/memory/residency.py: held_for_generation, margin), the next
-units in forward order are copied onto it once at the start of the call and bound from there for every token, then
-released at its end (Generated.held_units says which). The CPU path holds none unless given a budget.
-
-Sampling draws each row from a generator of its own, seeded from the seed and the row's index among all the call's
-prompts (`first_row` + its row here): a prompt's tokens do not depend on which other prompts share its batch, so the
-prompts can be split among executors and the same seed gives the same tokens.
-
-Padding: a row's tokens take positions 0, 1, ... from its first real token (transformers' generate with left padding
-and an attention mask does the same), and no token attends to a padding key (ops.cached_sees). The layers' math
-knows nothing of the cache: it takes the earlier keys and values and gives back the new ones (templates.py); the
-cache itself is here.
-"""
+A prefill streams each layer once for the left-padded prompts; each decoded token streams every layer again (or binds
+the units held on the device for the call) and picks the next token, greedy or sampled from a generator per row, so a
+prompt's tokens do not depend on its batch. The layers' math knows nothing of the cache (docs/design.md#generation)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """Gradient egress: each unit's gradients from the device into its range of the host `grads` segment, in order.
 
-A unit's gradients leave as a GradsOut (the device tensors, their host destinations, the squared norm, the
-event after which they exist). Sending one is a small state machine:
-
-    start   wait for its host slot to be free (`slot_free(previous occupant)`: the optimizer has read it),
-            then queue the copies (and the norm's) on the D2H stream           -> a Landing
-    finish  wait for the copies to land, scatter what needs it (the embedding's rows), call
-            `landed(unit, norm²)`, then release the device side (tensors, its place in flight)
-
-On a GPU (send_thread) this runs on a thread of its own that starts a unit before it finishes the one ahead,
-so that copies follow each other on the stream and the compute stream never waits on a slot or a copy; an
-error there is raised by the next `wait_sent`, and a unit queued after it is dropped, not sent. Elsewhere a
-unit is started and finished when it is emitted. Held gradients (`send_held`) take the same path in the
-calling thread, in forward order.
-
-This file knows nothing of the schedule: the executor emits, waits, and abandons a failed step's sends.
-"""
+Sending a GradsOut is a small state machine (wait for the host slot, queue the copies; wait for them to land, call
+`landed`, release the device side), run on a thread of its own on a GPU so that compute never waits on a slot or a
+copy. It knows nothing of the schedule (docs/design.md#gradient-egress)."""
 
 from __future__ import annotations
 

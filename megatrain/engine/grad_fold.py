@@ -1,29 +1,8 @@
 """Weight gradients summed over micro-batches inside their GEMMs: a linear layer's weight gradient for a micro-batch
 that is not the layer's first in the backward is accumulated straight into the layer's fp32 gradient buffer by its
-own GEMM (beta = 1, the add in the GEMM's epilogue), and no gradient tensor of its own is made or added. Megatron-LM's
-gradient_accumulation_fusion does the same for its own linear layers; here the model's math knows nothing of it:
-
-    forward   `FoldLinears(leaves)`, a torch function mode, is active while the micro-batch's layer runs under autograd
-              (its recompute, or the forward of a layer whose graph is kept): an F.linear whose weight is one of the
-              layer's weight leaves (by identity: a native template's w[name], a transformers nn.Linear's bound
-              parameter) runs as `_FoldedLinear`, the same product forward
-    backward  `accumulating_into(w, buffers)` names each weight's buffer while torch.autograd.grad runs; the folded
-              linear's backward computes dL/dx as autograd would and adds dL/dy^T @ x (over the tokens) into the
-              buffer of the weight it was given: fp32 by addmm_ in place; bf16 on CUDA in one GEMM from the bf16
-              inputs into the fp32 buffer (torch.addmm out_dtype=float32, out=buffer); bf16 on the CPU, which has no
-              such GEMM, the bf16 GEMM then one add (the arithmetic as it was: casting both inputs to fp32 for
-              addmm_ cost 62% more at 2048 tokens, benchmarks/grad_fold.py). It returns no gradient for the weight.
-
-A weight's other uses (a second linear call folds its own share too; anything else: a view, a product, an
-nn.Conv1D's addmm, an MoE expert's slice) keep autograd's gradient, which the caller adds to the buffer as before,
-so nothing is lost wherever the mode does not follow. The buffer is looked up when the backward runs (a kept graph's
-backward comes long after its forward), by the address of the weight the backward reads, through a custom op that a
-compiled layer (torch.compile, fullgraph) keeps opaque: the fold works inside compiled layers too, the mode traced
-into the graph (a folding recompute is one more compilation per batch shape beside the plain one).
-
-Not folded: a layer's first micro-batch (its gradients make the buffers), a single micro-batch, layers that take
-their own gradients (the tiled long-context path, LoRA's adapters: megatrain/engine/layer_passes.py).
-"""
+own GEMM, as Megatron-LM's gradient_accumulation_fusion does, while the model's math knows nothing of it (a torch
+function mode in the forward, a buffer named in the backward). How, where not, and why:
+docs/design.md#gradient-folding."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """Kept activations: a decoder layer's autograd graph kept from its forward to its backward, so the backward takes its
 gradients from it instead of rerunning the layer from its activation checkpoint.
 
-    forward   `forward(index, fn, x, w, args)` runs the layer under autograd, as the recompute would (the input and
-              the weights as fresh leaves), and keeps the graph: its saved tensors (the activations) stay where they
-              are, but a saved tensor that is (a view of) one of the layer's weights is packed as a reference (its
-              name in the layer's Weights, offset, shape and strides): the weight buffers rotate, so by the backward
-              another layer's weights fill the memory the forward read
-    backward  `backward(index, w, grad_out)` binds those references to `w`, the weights the backward brought in
-              again for that layer (the caller has made compute wait for them), and calls torch.autograd.grad on the
-              kept graph: the same graph, the same kernels in the same order as the recompute's, so the same bits
-
-The weights resolve only in the backward, so nothing of a weight buffer is read after the buffer was handed back.
-`saved_bytes` is what the pack hooks kept besides weights and the layer's arguments (rotary tables, shared by every
-layer): the activations' bytes the memory plan predicts (megatrain/memory/kept_activations.py).
-"""
+A saved weight is packed as a reference and bound in the backward to the weights brought in again (the buffers rotate
+in between): the same graph and kernels as the recompute's, so the same bits (docs/design.md#kept-activations)."""
 
 from __future__ import annotations
 

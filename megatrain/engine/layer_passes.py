@@ -1,20 +1,6 @@
 """One decoder layer's forward and backward over a pass's micro-batches, and what the forward leaves for the backward:
-
-    forward   the layer's input kept as an activation checkpoint (activation_checkpoints.py), the layer run without
-              grad; or, for the top `kept_layers` layers (the first the backward needs), the layer run under
-              autograd with its graph kept (kept_activations.py)
-    backward  the top micro-batch first (they come back in the reverse order of the forward): the layer rerun from
-              its checkpoint under autograd (recompute_grads; a tiled layer takes its own gradients, tile by tile),
-              or its gradients taken from the kept graph; the weight gradients summed over the micro-batches in fp32:
-              the first's (autograd's own) are the buffers, and each later one's linear weights fold into them in
-              their own GEMMs, in eager and compiled layers alike (grad_fold.py: not where a layer takes its own
-              gradients, tiled or LoRA's)
-
-Both ways run the same layer function on the same inputs under autograd and take torch.autograd.grad of the same
-graph, so a kept layer's gradients are the recompute's bit for bit; its backward span is "backward" where a
-recomputed one's is "recompute+backward". The layer functions are compiled here once per layer structure when
-compiling.
-"""
+an activation checkpoint and a recompute, or, for the top `kept_layers`, a kept graph; the weight gradients summed
+over the micro-batches in fp32 (docs/design.md#the-schedule)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
-"""Resident units: the first units in forward order (embedding, layers 0, 1, ...) kept on the executor's device with
-their fp32 weights, gradient and AdamW moments, and updated there. They skip PCIe and the CPU optimizer pool: the
-executor binds their weights from here (no copy in), writes their gradients here (no copy out), and after the step's
-norm is known `update` runs the same fused AdamW pass as an optimizer worker (megatrain/engine/optimizer.py: same
-kernel, same decay groups, same clip coefficient and step count), so on the CPU path, where the "device" is host
-memory apart from the arena, the weights and moments are bit for bit those of the streamed path.
+"""Resident units: the first units in forward order (embedding, layers 0, 1, ...) that live on the executor's device
+with their fp32 weights, gradient and AdamW moments, and are updated there by the optimizer workers' own fused AdamW
+pass, so they skip PCIe and the CPU pool and train bit for bit as the streamed path.
 
-In bf16 runs compute reads bf16 weights, in one of two ways (EngineConfig.resident_weights): a bf16 copy kept here
-beside the fp32 weights and rewritten by each update's pass (2 B a parameter), or none, each use casting the fp32
-weights into the pipeline's weight buffers (megatrain/engine/weight_slots.py), as a streamed unit's copy would land
-there: a pass over the layer's weights on the device twice a step, for an eighth more units in the same memory. The
-cast rounds to nearest even as the pass's copy does: the same bits either way.
-
-The arena keeps a range for every unit: `load` fills the resident state from it (at start, after a checkpoint is
-loaded or a recovery restored one), `write_back` copies the weights, moments and bf16 copy there (before a checkpoint
-or an export reads the arena). `version` is the update count the state holds (the arena's version table holds
-what the arena's copy holds).
-"""
+`load` fills them from the arena and `write_back` copies them there; the bf16 copy or cast:
+docs/design.md#resident-units."""
 
 from __future__ import annotations
 
@@ -36,7 +24,8 @@ class ResidentUnits:
     """The state of the first `count` units of `layout` on `device`, laid out at the arena's offsets from 0."""
 
     def __init__(self, layout: ModelLayout, count: int, device: torch.device, dtype: torch.dtype, cast: bool = False):
-        """dtype: what compute reads; cast: in bf16 runs no bf16 copy is kept, each use casts (this module's doc)."""
+        """dtype: what compute reads; cast: in bf16 runs no bf16 copy, each use casts
+        (docs/design.md#resident-units)."""
         self.units = layout.units[:count]
         self.numel = self.units[-1].offset + self.units[-1].numel if self.units else 0
         self.device = device

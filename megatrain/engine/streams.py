@@ -4,20 +4,7 @@
     cpu        every call is immediate: a copy has happened when it returns, so there is nothing to order
     cpu-async  the CPU with the GPU's asynchrony simulated, so that a missing wait fails a test on a CPU
 
-The simulation (SimulatedStreams). Each copy stream is a worker thread that runs the copies queued on it in
-order, each after a random (seeded) delay; an event recorded on a stream is set once the work queued before
-it has run. The compute stream runs on the calling thread, but its events are set late, in order, by a
-thread of their own: a copy stream that waits for compute to free a buffer really waits. Three checks turn
-the orderings a real GPU allows into failures:
-  - poison: a buffer about to be refilled (a weight buffer, a staging buffer, a gradient's host slot, a
-    fresh device tensor) is filled with NaN (integers: a huge id) when the copy into it is queued, so a read
-    before the copy has landed gives NaN, not a stale but plausible number;
-  - compute reads: `compute_uses(t)` (the executor calls it before compute reads a buffer) raises
-    StreamOrderError if compute has not waited for the last copy queued into `t`;
-  - copy hazards: a copy reading or writing a tensor compute used (`compute_uses`) raises StreamOrderError
-    unless its stream waited for a compute event recorded after that use: the CUDA rule that a buffer may be
-    reused, or a result read, only after an event that follows compute's work on it.
-"""
+The simulation's checks (poison, compute reads, copy hazards): docs/design.md#streams."""
 
 from __future__ import annotations
 
@@ -248,7 +235,7 @@ def _stop(streams: list[SimStream]) -> None:
 
 
 class SimulatedStreams(Streams):
-    """The CPU with CUDA's asynchrony simulated; see the module docstring."""
+    """The CPU with CUDA's asynchrony simulated; see docs/design.md#streams."""
 
     asynchronous = True
 

@@ -1,30 +1,6 @@
-"""Which decoder layers keep their activations: their autograd graph kept from the forward to the backward, so the
-backward takes their gradients without rerunning them (megatrain/engine/kept_activations.py does it).
-
-The memory plan calls `plan_kept` once everything else is placed (weight buffers, gradients, activation checkpoints, the
-head's workspace), with the bytes the layers may take (megatrain/memory/on_device.py: what the device has left, less
-a margin, shared with the resident units): layers from the top, whose backward comes first, each costing its saved
-tensors for every micro-batch whose activations exist at once (all of a step's under the layer-major schedule, one
-under per-micro-batch). A kept layer's input is in its graph or is the layer below's output, so it needs no
-checkpoint of its own: its checkpoint's bytes in the plan stand for the output the executor keeps to take the
-gradient from.
-
-A layer's saved tensors per token (`saved_bytes_per_token`) follow the Llama template's ops (megatrain/model/
-templates.py DecoderLayer; ops.py), a being the compute dtype's bytes:
-    each RMSNorm   its input in fp32 (4 h) and the inverse rms (4), the normalised input cast back and the scaled
-                   output the projections read (2 a h)
-    attention      q, k and v as SDPA keeps them (k and v expanded to every head where no fused kernel takes groups:
-                   fp32 grouped-query), its output (which o_proj reads: the same memory), the log-sum-exp per head in
-                   fp32; Qwen3's q/k norms keep q and k in fp32, an inverse rms per head and the normalised heads
-                   (a); packed documents one more output (their attention's outputs, concatenated)
-    MLP            gate, silu(gate), up, and their product (4 a f)
-The rotary tables are the batch's, shared by every layer; the weights are references (never kept). Other layers
-(Gemma's, the generic path's, a sliding window shorter than the sequence) are not in the formula: "auto" keeps none
-of them, a count asked for is kept without a byte count.
-
-"auto" keeps on a GPU whose free memory is known; on the CPU path none unless a count (or "all") is asked for. The
-tiled long-context path runs no layer whole under autograd: it keeps none, and refuses a count.
-"""
+"""Which decoder layers keep their activations (megatrain/engine/kept_activations.py does it): from the top, within
+the bytes the memory plan leaves them, each costing its saved tensors for every micro-batch whose activations exist
+at once (`saved_bytes_per_token`, the Llama template's). The formula and "auto": docs/design.md#kept-activations."""
 
 from __future__ import annotations
 
@@ -48,7 +24,7 @@ def check_keep_activations(value: object) -> None:
 
 def saved_bytes_per_token(config: ModelConfig, precision: str, seq: int, documents: bool = False) -> int | None:
     """Bytes a decoder layer's kept graph holds per token of a `seq`-token sequence (weights and rotary tables not
-    counted), by the formula in this module's doc; None where the layers are not the Llama template's."""
+    counted), by the formula in docs/design.md#kept-activations; None where the layers are not the Llama template's."""
     if not isinstance(config.family, LlamaFamily) or (config.sliding_window or seq) < seq:
         return None
     a = 2 if precision == "bf16" else 4

@@ -1,25 +1,7 @@
 """What the GPU holds beyond the pipeline's buffers and checkpoints, and how its spare memory is split between the
-units kept resident with their optimizer state (megatrain/memory/residency.py) and the decoder layers that keep their
-activations (megatrain/memory/kept_activations.py).
-
-Both take from one budget: what the plan leaves free on the device, less a margin (residency.margin). A count (or
-"none", "all") asked for either is placed first and the other, where "auto", takes the rest. Where both are "auto"
-they compete for it: a resident unit takes its copies off PCIe and its update off the CPU pool, which bound a step of
-few micro-batches; a kept layer skips its recompute, a quarter of its compute, which bounds a step of many.
-
-With a predictor of the step (`step_time`: megatrain/perf/predict.py's on the run's calibration, handed in by the
-caller, since perf imports memory) the plan predicts a handful of splits, from resident first (the units in the
-budget, the kept layers in what they leave) through more kept layers with the units in the rest, to kept first, and
-takes the shortest (ties: the one with more resident units). Without one it follows a rule from the plan's own
-counts and nominal rates (NOMINAL_*): resident first where the CPU pool's update of every parameter would take longer
-than the backward's compute (recompute included: 6 FLOPs a parameter and token), else kept first. Either way the
-resident and kept lines of the plan say which split and why.
-
-In bf16 runs the resident units' weights reach compute as a bf16 copy kept beside them (2 B a parameter) or cast at
-each use (megatrain/engine/resident.py: an eighth more units, a pass over them twice a step): with a predictor and
-both "auto", the plan places the GPU's spare memory both ways and takes the shorter predicted step (ties: the copy);
-otherwise the copy, unless "cast" is asked for.
-"""
+resident units (megatrain/memory/residency.py) and the decoder layers that keep their activations
+(megatrain/memory/kept_activations.py): by predicted step time where a predictor is given, else by a rule from the
+plan's counts (docs/design.md#the-devices-spare-memory)."""
 
 from __future__ import annotations
 
@@ -68,10 +50,10 @@ def spare_budget(plan: MemoryPlan) -> int | None:
 def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | str, keep_activations: int | str,
                     precision: str, world: int, step_time: StepTime | None = None, resident_weights: str = AUTO
                     ) -> MemoryPlan:
-    """The plan with its resident units and kept layers placed as this module's doc says. world: executors of the
-    run, all nodes'; step_time: the predictor the split is chosen by (None: the rule); resident_weights: "copy",
-    "cast" or "auto" (EngineConfig.resident_weights). A LoRA run's resident units are its adapters' (lora_resident),
-    and its layers keep no activations."""
+    """The plan with its resident units and kept layers placed as docs/design.md#the-devices-spare-memory says.
+    world: executors of the run, all nodes'; step_time: the predictor the split is chosen by (None: the rule);
+    resident_weights: "copy", "cast" or "auto" (EngineConfig.resident_weights). A LoRA run's resident units are its
+    adapters' (lora_resident), and its layers keep no activations."""
     if plan.adapter_numels:
         plan = lora_resident(plan, resident, world)
         return _with_kept(plan, plan_kept(plan, config, keep_activations, precision, None))

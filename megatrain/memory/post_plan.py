@@ -1,19 +1,6 @@
-"""What post-training adds to a run's memory plan (megatrain/memory/plan.py), by mode (`megatrain plan --post`):
-
-policy      a step on a loss on log-probs (megatrain/engine/token_loss.py): the head's two chunked passes hold what
-            cross-entropy's does (three [chunk, vocab] fp32 at the peak, as the plan budgets it), plus per-token
-            tensors of the step's rows on the device: log-probs, entropy, the loss's two gradients and up to four
-            fields of [rows, seq] fp32 (old and reference log-probs, a mask, weights)
-reference   the reference's log-probs: a forward per batch without gradients, within the policy step's memory; kept
-            on the host: DPO two numbers a pair (OUT/reference_logps.json), GRPO [rows, seq] fp32 a rollout batch.
-            With GRPO's KL term the executor streams the initial weights for that forward from an arena segment of
-            their own (REFERENCE_SEGMENT, made at the start: 2 B a parameter in bf16 runs, else 4; `with_reference`
-            adds it to the run's plan); a LoRA run's reference is its base with the adapters off: nothing more
-rollout     the KV cache of a rollout batch on the device (megatrain/engine/generation.py): keys and values of
-            every layer, [rows, kv_heads, seq, head_dim] each, in the compute dtype, beside the weight buffers; and
-            the units each generate call keeps on the GPU beyond the resident ones, in what the GPU has free beyond
-            the run's plan and the cache, less the margin (residency.py: held_for_generation)
-"""
+"""What post-training adds to a run's memory plan (megatrain/memory/plan.py), by mode (`megatrain plan --post`): policy
+(a loss on log-probs), reference (its log-probs, and GRPO's reference segment), rollout (the KV cache and the units
+held on the GPU for each generate call). The bytes of each: docs/design.md#post-trainings-memory."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""Which units stay resident on the executor's device: their fp32 weights, gradient and AdamW moments kept there and
-updated there, so they skip PCIe and the CPU optimizer pool (megatrain/engine/resident.py holds them).
-
-The memory plan calls `choose_resident` once everything else is placed (the pipeline's weight buffers, gradients,
-activation checkpoints), with the bytes it may take (megatrain/memory/on_device.py: what the device has left, less a
-margin, shared with the layers that keep their activations): units in forward order, the embedding first, then
-layers 0, 1, ...: the next forward needs those first, and the pool's serial update (in forward order) would
-otherwise gate them. Each costs 16 B a parameter (weights, gradient, m, v in fp32) plus, in bf16 runs, a bf16 copy
-of its weights for compute (2 B), unless those are cast from the fp32 weights at each use (resident_weights "cast":
-megatrain/engine/resident.py), which fits an eighth more units for a pass over them on the device twice a step.
-
-"auto" keeps units resident on a GPU whose free memory is known; on the CPU path the "device" is host memory the
-arena already holds, so none unless a count is asked for. Several executors or nodes keep none: each executor
-would hold its own copy of the state, and the nodes' weight exchange reads the arena.
-"""
+"""Which units are resident on the executor's device (megatrain/engine/resident.py holds them): in forward order, the
+embedding first, within the bytes the memory plan leaves them, each 16 B a parameter (plus a bf16 copy of its weights
+in bf16 runs unless they are cast). None on the CPU path unless asked, none with several executors or nodes
+(docs/design.md#resident-units)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """Several nodes: keeping every node's copy of the weights equal after each update.
 
-Each node's parameter store holds the whole fp32 weights (its executors stream them) and 1/M of the Adam moments
-(NodeShard). The executors of all nodes are one process group: each unit's gradient is reduce-scattered over all
-of them, so node m's arena receives exactly the part of the gradient that node m's optimizer updates. After the
-update, that part of the weights exists only on node m; the stores, one process group of their own (gloo over TCP),
-then broadcast every node's part to the others, unit by unit in forward order as the local workers finish it:
-
-    per unit u:  wait until this node's workers applied update s to u (their columns of the version table)
-                 for m in 0..M-1: broadcast u's part m from node m      (an all-gather of the updated weights)
-                 versions[u, sync] = s + 1                              (the executors wait for this column)
-
-so the next step's forward starts on unit 0 while later units are still being updated or sent. Per step each
-node receives (M-1)/M of the weights; with NCCL between GPU hosts the all-gather could instead run from device
-memory over the executors' group, which today sends gradients only.
-"""
+Each node's optimizer updates its part of every unit; the stores (gloo over TCP) then broadcast every node's part to
+the others, unit by unit in forward order as the local workers finish it, and mark the version table's sync column,
+so the next forward starts while later units are still being sent (docs/design.md#the-weight-exchange)."""
 
 from __future__ import annotations
 

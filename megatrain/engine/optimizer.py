@@ -1,34 +1,9 @@
 """Sharded AdamW over the arena, in place: the work of one optimizer worker.
 
-Worker w of N owns the w-th contiguous shard of every unit's range. Shard boundaries fall on multiples of
-ALIGN elements from the unit start, where torch's fused CPU AdamW gives bit-identical results however a
-tensor is split, so the trained weights do not depend on N.
-
-One pass over memory per parameter: a unit's shard is walked in pieces of at most PIECE_NUMEL elements (cut on
-ALIGN boundaries, so bit for bit the update of the whole), and each piece gets the clip scale, the fused AdamW
-and the bf16 shadow while it is in the cache: 16 B read and 14 B written per parameter (18 with the clip scale,
-which writes the gradient back) where a pass per step reads and writes the parameters three times (42 B).
-
-The global gradient norm is not computed here: the executor measures each unit's squared norm on the
-device as gradients are produced, and the driver turns their sum into one clip coefficient, the same for
-every worker. After updating a unit a worker bumps its entry in the shared `versions` table; the executor
-reads that table before it loads a unit's weights for the next step.
-
-The update beside the backward (pipelines/engine.py): a unit may be updated with clip coefficient 1 as soon as its
-gradient lands (`speculate`), before the step's norm is known. If the step then clips, `settle` replaces that
-update with the clipped one, and if it has a non-finite gradient, `roll_back` removes it: both invert AdamW in
-closed form from the gradient, still in the arena (m = (m' - (1-b1) g) / b1, v = (v' - (1-b2) g^2) / b2, p from
-the update term and the decay factor), in one pass with the redo. Where the step does not clip nothing is undone:
-the weights are bit for bit the serial update's. Where it does, the result differs from the serial update by the
-rounding of m' and v', relative to what the clipped update leaves: about 2^-24 |m'| / |m''| and 2^-24 v' / v'',
-at most 1/c and 1/c^2 ulps for clip coefficient c, reached where the step's gradient dwarfs the moments' history
-(a first step, a spike). Measured against fp64 with moments from earlier steps and a gradient 5x theirs: the
-weights within 2x of the serial fp32 update's own distance down to c = 0.1 (18x at c = 0.01); with moments near
-zero, lr 2^-24 / c^2 more (tests/test_speculative_update.py). A put-back unit is within a few ulps of where it
-was (its moments exactly, after update number 0, which starts from zero moments). Keeping a copy of what the
-update overwrote instead would be exact, but writes 12 B more per parameter on every step (about half the
-pass's speed, benchmarks/RESULTS.md) and holds 12 B per parameter of host memory.
-"""
+Worker w of N owns the w-th contiguous shard of every unit's range, cut on ALIGN boundaries so the weights do not
+depend on N, and walks it in pieces (clip scale, fused AdamW, bf16 copy) in one pass over memory. A speculated update
+is settled (confirmed, or rolled back in closed form and redone clipped) or rolled back in one pass too. Why, and the
+arithmetic's error bounds: docs/design.md#the-optimizer and #the-speculative-updates-arithmetic."""
 
 from __future__ import annotations
 

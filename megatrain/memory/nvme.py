@@ -1,17 +1,8 @@
 """The NVMe tier: state files on a local disk, moved with direct I/O to and from the arena, no Ray.
 
-A run keeps the kinds of state the plan puts on NVMe (fp32 masters, Adam m and v, held gradients: the arena's segment
-names) in one file per kind under `<nvme>/megatrain-<run>-<pid>-<start>/`, laid out element for element as the arena's
-segment of that kind, so a unit's range (4 KiB aligned, megatrain/model/layout.py ALIGN) is the same range in both.
-The arena is the staging buffer (megatrain/memory/staging.py): a worker reads its share of a unit into its staging
-slots there (O_DIRECT into a MAP_SHARED /dev/shm mapping works), updates it in place and writes it back; a gradient is
-written from the arena range it landed in, whose pages are then punched out of /dev/shm, so only the units in flight
-hold RAM.
-
-Direct I/O because the page cache would quietly keep what the tier was meant to take out of RAM (mmap, numpy.memmap and
-torch.from_file all go through it); tmpfs accepts O_DIRECT since Linux 6.6 and keeps the data in RAM, so it is refused
-by filesystem type. os.preadv/os.pwritev release the GIL: a few threads give parallel requests without a C extension.
-"""
+One file per kind of state the plan puts on NVMe, laid out element for element as its arena segment; the arena is the
+staging buffer, so only the units in flight hold RAM. Direct I/O because the page cache would quietly hold what the
+tier takes out of RAM (docs/design.md#the-nvme-tier)."""
 
 from __future__ import annotations
 

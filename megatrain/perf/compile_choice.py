@@ -1,17 +1,9 @@
-"""Whether a run's layers and head run through torch.compile (EngineConfig.compile), and the log's line saying why:
-
-    on    compiled, on any device
-    off   eager
-    auto  the CPU path ("cpu", "cpu-async"): eager (inductor builds C++ for minutes, and the CPU path is for tests
-          and small runs); the generic path's layers (transformers' own modules): eager, as a full graph of any
-          architecture's module is not assured (compile = on tries it: tests/test_compile.py); CUDA: what this GPU's
-          calibration (`megatrain calibrate --model ...`) measured faster for this model's layer shape at this
-          precision, eager or compiled (CompiledTiming); where it measured neither, compiled, and the line says so
-          (a 7B layer in bf16 ran at 434 TFLOP/s compiled, 311 eager, on the H100)
+"""Whether a run's layers and head run through torch.compile (EngineConfig.compile: on, off, auto), and the log's line
+saying why; auto is eager on the CPU path and on the generic path, and on CUDA what the calibration measured faster
+(docs/design.md#compile-choice).
 
     choice = compile_choice(engine.compile, engine.device, config, engine.precision)
-    Executor(..., compile=choice.on); log.info(choice.why)
-"""
+    Executor(..., compile=choice.on); log.info(choice.why)"""
 
 from __future__ import annotations
 

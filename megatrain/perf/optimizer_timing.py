@@ -1,24 +1,11 @@
-"""Timing the optimizer as a run has it: the CPU pool, N worker processes, each an AdamWShard of one arena in shared
-memory (the workers' own code, megatrain/engine/optimizer.py), timed alone and while host-memory copies run beside
-it; and the resident units' fused AdamW on the GPU. `time_optimizer` is calibration's entry point.
-The workers are processes of their own (`python -m megatrain.perf.optimizer_timing`, told what to do a line at a time
-on stdin), started once for the largest pool; a pool of N is the first N of them.
+"""Timing the optimizer as a run has it: the CPU pool of N worker processes on one shared arena (the workers' own code),
+alone and while host-memory copies run beside it (in a run they share the host's memory bandwidth), the rollback
+pass, and the resident units' fused AdamW on the GPU. `time_optimizer` is calibration's entry point.
 
-    fields = time_optimizer("cuda", config_for_params(2e8), cores=16, precision="bf16", max_workers=16)
     rates = pool_rates(config, OptimConfig(), (1, 2, 4, 8), repeats=2, copies=CopyLoad("cuda", 2**28), cores=16)
     rates[8].alone, rates[8].beside, rates[8].rollback, rates[8].copies_gbps   # G params/s, GB/s
 
-Why beside copies: in a run the pool's update shares the host's memory bandwidth with the executor's copies (weights
-in, gradients out, DMA from and into the arena). On the H100 a pool of 8 did ~3 G params/s in the 7B runs against
-6.9 alone (benchmarks/RESULTS.md); one process with as many threads, what calibration timed before, did 1.9.
-The rollback (the update beside the backward taken back and the clipped one applied, one pass: AdamWShard.settle)
-is timed beside the copies too, as it runs after a clipped step's backward, beside the next forward.
-
-The copies (CopyLoad): on a GPU the real path, H2D from and D2H into page-locked host buffers on two streams as fast
-as the copy engines go (what the executor's backward does); on the CPU path, which sends nothing over PCIe, a thread
-copying between two host buffers, paced to `gbps` of host memory traffic (the rate of the PCIe copies it stands
-for, both directions), or as fast as one core copies where that is less: a simulation, reported as such.
-"""
+The workers' processes, the copies on a GPU and on the CPU: docs/design.md#optimizer-timing."""
 
 from __future__ import annotations
 
@@ -55,7 +42,8 @@ class PoolRate:
 
 
 class CopyLoad:
-    """Copies beside the pool's update: H2D + D2H on a GPU, a paced host memcpy on the CPU (the module docstring)."""
+    """Copies beside the pool's update: H2D + D2H on a GPU, a paced host memcpy on the CPU
+    (docs/design.md#optimizer-timing)."""
 
     def __init__(self, device: str, nbytes: int, gbps: float | None = None):
         """nbytes: each direction's buffer; gbps: pace to this much host memory traffic (None: as fast as it goes;

@@ -4,35 +4,9 @@
     plan = plan_run(config, 2, 256, ...)
     pred = predict(plan, config, cal, optimizer_workers=2, clipping=True, speculate="auto", clip_rate=0.0)
     pred.step_s, pred.tokens_per_s, pred.bound, pred.phases, pred.cases
-    # where resident units and kept layers are both "auto", the plan splits the GPU's spare memory between them for
-    # the shortest step this predicts (megatrain/memory/on_device.py):
-    plan = plan_run(config, 2, 256, ..., step_time=step_time(config, cal, precision="bf16", optimizer_workers=2))
 
-A step, one function per part below, each saying which engine behaviour it follows:
-  compute    layer_times + compute_phases: the executor's forward, head, and recompute + backward of every
-             micro-batch, from this model's layers timed by the calibration at this micro-batch shape (compiled
-             where the run compiles and the calibration timed it so), else from matmul FLOPs at the calibrated rate
-             (optimistic: no elementwise work; compute_source says which). Layers that keep their activations
-             (plan.kept, megatrain/memory/kept_activations.py) skip the recompute.
-  copies     copy_times: plan.h2d_bytes / d2h_bytes at the calibrated PCIe rates (weights in for the forward and
-             again for the backward, gradients out in the backward); resident units' bytes are already out of them.
-  update     update_times: the streamed units' AdamW in the CPU pool at the rate calibration measured for that pool
-             WHILE COPIES RAN BESIDE IT (they share host memory bandwidth; the rate alone where only that was
-             measured), the rollback pass (undo + clipped redo) at its measured rate, and the resident units'
-             update on the device (plan.resident_params: no PCIe, no pool).
-  overlap    speculated / rolled_back / serial: how much of the update the GPU waits for, in each of the three
-             ways a step's update runs (pipelines/engine.py), and mix_cases: how often each runs, from `speculate`
-             and `clip_rate` (the share of steps whose gradient norm exceeds max_grad_norm: an assumption, not a
-             measurement; 0 by default, a run past its first steps; the H200's 7B runs on random weights clipped
-             every step, 1).
-  data       tokens x the calibrated per-token data time (0 where not measured: the loader prefetches).
-  network    several nodes: plan.network_bytes at `link_gbps` (one machine cannot measure the link between two), whole,
-             an upper bound. Each node's pool updates 1/nodes of the parameters; each executor computes its own rows.
-  fixed      fixed_costs: what a step costs beyond compute, copies and the update: the driver's round trips, and one
-             Ray message for each streamed unit to each optimizer worker, again in a rollback, at the costs measured
-             through Ray (pipelines/step_costs.py); 0 where the calibration did not measure them (fixed_source says).
-On the CPU path compute, the pool and the loader share the same cores: the parts add up.
-"""
+A step's parts (compute, copies, update, overlap, data, network, fixed), one function each, each following one engine
+behaviour: docs/design.md#the-predicted-step."""
 
 from __future__ import annotations
 
@@ -68,7 +42,7 @@ class Prediction:
     step_s: float  # mean over the cases, weighted by how often each runs
     tokens_per_s: float
     bound: str  # the part with the largest time: compute | h2d | d2h | optimizer | data | network
-    compute_source: str  # where the compute came from (see the module's docstring)
+    compute_source: str  # where the compute came from (docs/design.md#the-predicted-step)
     exposed: dict[str, float] = field(default_factory=dict)  # what each part adds beyond compute (the mean case)
     network_s: float = 0.0
     resident_update_s: float = 0.0  # the resident units' update on the device
@@ -342,9 +316,9 @@ def predict(plan: MemoryPlan, config: ModelConfig, cal: Calibration, *, precisio
             speculate: str = "auto", clip_rate: float = 0.0, compiled: bool = False, kept_layers: int | None = None
             ) -> Prediction:
     """The step time of the run `plan` describes on the calibrated machine, with `executors` executors on each of
-    plan.nodes nodes (see the module docstring). speculate: as EngineConfig.speculate; clip_rate: the share of steps
-    assumed to clip (0 to 1); compiled: the run's layers run through torch.compile; kept_layers: None, the plan's
-    (plan.kept)."""
+    plan.nodes nodes (docs/design.md#the-predicted-step). speculate: as EngineConfig.speculate; clip_rate: the share
+    of steps assumed to clip (0 to 1); compiled: the run's layers run through torch.compile; kept_layers: None, the
+    plan's (plan.kept)."""
     check_choice("speculate", speculate, SPECULATE)
     if not 0.0 <= clip_rate <= 1.0:
         raise ValueError(f"clip_rate is a share of steps, 0 to 1, got {clip_rate}")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatrain.config import PRESETS, ConfigError, ModelConfig, is_hub_name
-from megatrain.distributed.node_exchange import NodeGroup
+from megatrain.distributed.node_exchange import MasterParts, NodeGroup
 from megatrain.io import checkpoint as ckpt
 from megatrain.io.hub import hub_model
 from megatrain.io.slot_io import IN_PLACE, SlotIO
@@ -125,6 +125,7 @@ class ParameterStore:
         self.versions = self.arena.versions.view(len(self.layout.units), -1)
         self.seed, self.adapter = plan.seed, adapter
         self.node_group: NodeGroup | None = None
+        self.master_parts: MasterParts | None = None  # several nodes, the masters on NVMe: their exchange's buffers
         self.passthrough: dict[str, torch.Tensor] = {}  # pass-through tensors (a vision tower), as stored
         self.tier: StoreTier | None = None
         try:
@@ -219,12 +220,15 @@ class ParameterStore:
     def join_nodes(self, address: str) -> None:
         """Several nodes: joins the other nodes' stores (at tcp://host:port) to keep the weights equal."""
         self.node_group = NodeGroup.join(self.node, address)
+        if self.tier is not None and self.tier.holds("params"):
+            self.master_parts = MasterParts(self.tier.files, self._tier_starts(self.plan.tier.from_unit)["params"],
+                                            max(u.numel for u in self.layout.units))
 
     def sync_weights(self, step: int) -> None:
         """Several nodes: once this node's workers applied update `step`, unit by unit, the updated parts of the
         weights are exchanged with the other nodes (NodeGroup.sync_weights)."""
         self.node_group.sync_weights(self.layout, step, self.arena.params, self.versions,
-                                     self.arena.tensors.get(SHADOW_SEGMENT))
+                                     self.arena.tensors.get(SHADOW_SEGMENT), self.master_parts)
 
     def version_range(self) -> tuple[int, int]:
         """(min, max) of the version table: the update every unit has, and the newest any part of one has."""

@@ -129,7 +129,7 @@ def resolve_settings(request: Request, machine: Machine) -> RunPlan:
         shadow=memory.shadow_bytes > 0, compile=compiled.on, compile_why=compiled.why, update=update,
         clipping=clipping, loss_chunk_tokens=e.loss_chunk_tokens, seed=e.seed, lora=lora,
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
-        tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units, machine.nodes,
+        tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units,
                           lora is not None, memory.grads, memory.shadow_bytes > 0),
         arena_bytes=memory.arena_bytes, reference=e.reference and lora is None, gpu_memory=held,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,

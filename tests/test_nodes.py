@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers import TIMEOUT, assert_nothing_left, build_hf_model, dead_segments, private_ray_env
 from safetensors.torch import load_file
+from test_nvme import checkpoint_state
 from transformers import LlamaConfig
 
 import megatrain
@@ -160,6 +161,7 @@ import megatrain
 from actors.data_loader import DataLoaderActor
 from megatrain.data import DataConfig
 from pipelines.cluster import NodePlacement
+from pipelines.logprobs import batch_of
 
 shm0, shm1, out, mode = sys.argv[1:5]
 full = mode == "full"
@@ -285,6 +287,23 @@ try:
             result["restarts"] = two.restarts
             lose_the_second_node(two)
     result["drivers_node"].update(gpu_placement())
+    # bf16 on the two nodes (norms 1.24, 1.27, 1.45: the third clips): in host memory, a checkpoint after a step;
+    # with every state on NVMe, a step from its own init, then the rest from that checkpoint
+    # (test_two_nodes_with_every_state_on_nvme_train_bit_for_bit)
+    bf16 = dict(settings, nodes=2, executors=1, precision="bf16", bf16_copy="keep", max_grad_norm=1.3, speculate="on")
+    os.mkdir(out + "/nvme")
+    for name, tier in (("host", {}), ("nvme", dict(nvme=out + "/nvme", nvme_states="all"))):
+        with megatrain.Engine("tiny", **bf16, **tier) as engine:
+            runs = [engine.step_batch(batch_of(ids, None)) for ids in batches[:1]]
+            engine.save_checkpoint(out + "/bf16-1") if not tier else engine.load_checkpoint(out + "/bf16-1")
+            runs += [engine.step_batch(batch_of(ids, None)) for ids in batches[1:3]]
+            engine.save_checkpoint(out + f"/bf16-{name}")
+            save_file(engine.parameters(), out + f"/bf16-{name}.safetensors")
+            result[f"bf16-{name}"] = [[r.loss for r in runs], [r.update for r in runs]]
+            if tier:  # no page of a tiered kind in either node's /dev/shm, each store's state directory
+                result["tiered"] = [sum(h.path(k).stat().st_blocks for k in engine.actors.tier.kinds)
+                                    for h in engine.handles] + [len(os.listdir(out + "/nvme"))]
+    result["tiered"].append(len(os.listdir(out + "/nvme")))
     if not full:
         result["files"] = sorted(os.listdir(out + "/ckpt"))
         print(json.dumps(result))
@@ -389,6 +408,25 @@ def test_two_nodes_train_resume_and_recover(two_nodes: TwoNodesRun) -> None:
     assert result["lost"].startswith("node 1 of the run (") and f"Ray node {second[:8]}) was lost" in result["lost"]
     assert result["lost"].endswith("on 2 nodes once it is back or on fewer (--nodes 1: checkpoints reshard).")
     assert_nothing_left(two_nodes.env, two_nodes.dead_before)
+
+
+def test_two_nodes_with_every_state_on_nvme_train_bit_for_bit(two_nodes: TwoNodesRun) -> None:
+    """The fp32 masters, moments and held gradients on NVMe on two nodes (bf16, the copy streamed; updates beside the
+    backward, the last step's clipped and rolled back, its gradients read back from disk): the losses, the checkpoint
+    (an ordinary one: it resumes in host memory as the host run's would) and Engine.parameters bit for bit the
+    host-memory run's on the same nodes, which the NVMe run resumed from after its own first step; nothing of a tiered
+    kind in either node's /dev/shm, one state directory per store, none after."""
+    result, out = two_nodes.result, two_nodes.out
+    assert result["bf16-nvme"] == result["bf16-host"]
+    assert result["bf16-host"][1] == ["speculated", "speculated", "rolled back"]
+    assert result["tiered"] == [0, 0, 2, 0]
+    host, nvme = checkpoint_state(out / "bf16-host"), checkpoint_state(out / "bf16-nvme")
+    assert any(k.startswith("optimizer-node001") for k in host)
+    weights = [load_file(out / f"bf16-{name}.safetensors") for name in ("host", "nvme")]
+    for want, got in ((host, nvme), weights):
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
 
 
 @pytest.mark.slow  # two Engines and a recovery of every actor (~90 s on 2 cores); no LoRA over nodes in CI

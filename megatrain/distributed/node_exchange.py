@@ -6,6 +6,7 @@ so the next forward starts while later units are still being sent (docs/design.m
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +14,64 @@ import torch.distributed as dist
 
 from megatrain.config import MegatrainError
 from megatrain.distributed.process_group import join_process_group, leave_process_group
+from megatrain.memory.nvme import MAX_ALIGN, StateFiles
 from megatrain.memory.versions import VersionTable
-from megatrain.model.layout import ModelLayout, NodeShard, aligned_split
+from megatrain.model.layout import ALIGN, ModelLayout, NodeShard, aligned_split
+
+PART_NUMEL = 8192 * ALIGN  # elements (32 MiB of fp32) a tiered part crosses in at a time: 3 such buffers per store
+
+
+class MasterParts:
+    """The exchange where the fp32 masters are on NVMe (megatrain/memory/nvme.py): each node's state file holds the
+    whole masters, as on one node, so checkpoints, exports and Engine.parameters read any node's. The owner reads its
+    updated part of a unit back from its file (its workers publish a unit's version once its write is on disk) and
+    broadcasts it; the others write it into their files (direct I/O, behind: done before sync_weights returns) and
+    round it into the bf16 copy. Through three aligned buffers of PART_NUMEL elements (one read, two written in turn),
+    never a whole unit. Per step and streamed parameter, each of M nodes' disks moves for the masters 4/M B read and
+    4/M written by its workers, 4/M read and 4 (M-1)/M written here: 8/M read, 4 written (2 nodes: 4 and 4, as on
+    one)."""
+
+    def __init__(self, files: StateFiles, first: int, largest: int):
+        """first: the element of the params segment the units on NVMe start at (the resident units' are in the arena);
+        largest: elements of the largest unit (the buffers need no more)."""
+        self.files, self.first = files, first
+        self.buffers = [_aligned(min(PART_NUMEL, largest)) for _ in range(3)]
+        self.writes: list[Future | None] = [None, None]
+        self.turn = 0
+
+    def holds(self, at: int) -> bool:
+        return at >= self.first
+
+    def read(self, at: int, numel: int) -> torch.Tensor:
+        """Elements [at, at + numel) of the masters (at most PART_NUMEL), from the file."""
+        buf = self.buffers[2][:numel]
+        self.files.read("params", at * 4, buf).result()
+        return buf
+
+    def receive(self, numel: int) -> torch.Tensor:
+        """The next buffer to receive `numel` elements in, once its last write is on disk."""
+        self.turn = 1 - self.turn
+        self._wait(self.turn)
+        return self.buffers[self.turn][:numel]
+
+    def write(self, at: int, part: torch.Tensor) -> None:
+        """`part` (the buffer `receive` gave) into elements [at, ...) of the file, behind."""
+        self.writes[self.turn] = self.files.write("params", at * 4, part)
+
+    def flush(self) -> None:
+        for i in range(len(self.writes)):
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        pending, self.writes[i] = self.writes[i], None
+        if pending is not None:
+            pending.result()
+
+
+def _aligned(numel: int) -> torch.Tensor:
+    raw = torch.empty(numel + MAX_ALIGN // 4, dtype=torch.float32)
+    at = (-raw.data_ptr()) % MAX_ALIGN // 4
+    return raw[at : at + numel]
 
 
 @dataclass
@@ -34,21 +91,44 @@ class NodeGroup:
         return cls(shard, timeout_s)
 
     def sync_weights(self, layout: ModelLayout, step: int, params: torch.Tensor, versions: torch.Tensor,
-                     shadow: torch.Tensor | None = None) -> None:
+                     shadow: torch.Tensor | None = None, masters: MasterParts | None = None) -> None:
         """After update `step` (0-based): every node's part of each unit broadcast to the others (see the module
-        doc). versions: [units, workers + 1], the last column written here."""
+        doc). versions: [units, workers + 1], the last column written here. masters: where the fp32 masters are on
+        NVMe (the units from masters.first on), their state file's exchange."""
         nodes, me = self.shard.nodes, self.shard.node
         table = VersionTable(versions)
-        for unit in layout.units:
-            self._wait_updated(table, step + 1, unit.index)
-            for owner in range(nodes):
-                lo, hi = aligned_split(unit.numel, owner, nodes)
-                part = params[unit.offset + lo : unit.offset + hi]
-                if part.numel():
-                    dist.broadcast(part, src=owner)
-                if owner != me and shadow is not None:  # the owner's workers rounded their own part
-                    shadow[unit.offset + lo : unit.offset + hi].copy_(part)
-            table.set(unit.index, -1, step + 1)
+        try:
+            for unit in layout.units:
+                self._wait_updated(table, step + 1, unit.index)
+                for owner in range(nodes):
+                    lo, hi = aligned_split(unit.numel, owner, nodes)
+                    if masters is not None and masters.holds(unit.offset):
+                        self._send_tiered(masters, owner, unit.offset + lo, unit.offset + hi, shadow)
+                        continue
+                    part = params[unit.offset + lo : unit.offset + hi]
+                    if part.numel():
+                        dist.broadcast(part, src=owner)
+                    if owner != me and shadow is not None:  # the owner's workers rounded their own part
+                        shadow[unit.offset + lo : unit.offset + hi].copy_(part)
+                table.set(unit.index, -1, step + 1)
+        finally:  # the parts received are on disk before anything reads the file (a checkpoint, a later exchange)
+            if masters is not None:
+                masters.flush()
+
+    def _send_tiered(self, masters: MasterParts, owner: int, start: int, end: int, shadow: torch.Tensor | None
+                     ) -> None:
+        """Elements [start, end) of the masters, node `owner`'s part of a unit, from its state file to the others'
+        (and their bf16 copies), PART_NUMEL elements at a time."""
+        for at in range(start, end, PART_NUMEL):
+            numel = min(PART_NUMEL, end - at)
+            if owner == self.shard.node:
+                dist.broadcast(masters.read(at, numel), src=owner)
+                continue
+            part = masters.receive(numel)
+            dist.broadcast(part, src=owner)
+            masters.write(at, part)
+            if shadow is not None:
+                shadow[at : at + numel].copy_(part)
 
     def _wait_updated(self, table: VersionTable, version: int, unit: int) -> None:
         """Until this node's workers (every column but the last) applied update `version` to `unit`."""

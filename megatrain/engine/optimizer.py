@@ -209,6 +209,7 @@ class AdamWShard:
             self.stowed.discard(unit_index)
             if stager is not None:
                 stager.give(unit_index)  # behind: the version is published before the states are back on disk
+                self._masters_sent(unit_index)
             self.publish(unit_index, version)
         elif keep:
             self.stowed.add(unit_index)
@@ -216,7 +217,14 @@ class AdamWShard:
         else:
             stager.drop(unit_index)
             stager.give(unit_index)
+            self._masters_sent(unit_index)
             self.publish(unit_index, version)
+
+    def _masters_sent(self, unit_index: int) -> None:
+        """Several nodes with the masters on NVMe: the store sends this node's part from its state file once the
+        version says it is updated (megatrain/distributed/node_exchange.py MasterParts), so that waits for the write."""
+        if self.node.nodes > 1 and self.stager.holds(unit_index, "params"):
+            self.stager.wait(unit_index)
 
     def _undo(self, piece: _Piece, grads: list[torch.Tensor], step: int, lr: float, weight_decay: float) -> None:
         """The fused kernel's update number `step` with clip coefficient 1, inverted from what it left and the

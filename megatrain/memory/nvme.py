@@ -385,7 +385,7 @@ class TierSpec:
     threads: int = 4
 
 
-def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int = 0, nodes: int = 1,
+def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int = 0,
                  lora: bool = False, grads: str = "arena", copy: bool = True) -> TierSpec | None:
     """The run's tier of the nvme_states the plan placed (`names`; what this build cannot place, the memory plan's
     check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here. grads: where the
@@ -397,10 +397,6 @@ def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int =
     if lora:
         raise MegatrainError("a LoRA run's trained states are small: the NVMe tier is for a whole model's; drop "
                              "--nvme (the frozen base streams from host memory).")
-    if nodes > 1 and "master" in names:
-        raise MegatrainError("on several nodes the stores exchange the updated fp32 weights in host memory, so the "
-                             "masters cannot live on NVMe there; leave master out of nvme_states (the moments and "
-                             "held gradients may stay).")
     if "master" in names and not copy:
         raise MegatrainError("the fp32 master weights cannot live on NVMe in this run: the executor streams them "
                              "from host memory, as there is no bf16 copy to stream instead (precision fp32/tf32, or "

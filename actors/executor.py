@@ -189,7 +189,7 @@ class GPUExecutor:
     def generate(self, prompts: list[list[int]], sampling: Sampling, expected_version: int,
                  pending: list[ray.ObjectRef], first_row: int = 0, hold: bool = True) -> dict[str, Any]:
         """New tokens for each prompt (megatrain/engine/generation.py) with the weights of update `expected_version`;
-        first_row: the first prompt's index among the call's (several executors share its prompts); hold: units kept
+        first_row: the first prompt's index among the call's (several executors share its prompts); hold: units held
         on the device for the call where they fit."""
         if self.generator is None:
             self.generator = Generator(self.executor)

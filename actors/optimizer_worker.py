@@ -87,9 +87,9 @@ class OptimizerWorker:
         """Step `step` is skipped (a non-finite gradient): what speculation number `speculation` speculated is rolled
         back in `unit` (None: every streamed unit); their versions are `step` again."""
         units = self._streamed() if unit is None else [unit]
-        undo = self.shard.roll_back
+        roll_back = self.shard.roll_back
         return [span for u in units
-                for span in self._timed(u, step, lambda u=u: "undo" if undo(u, step, speculation) else None)]
+                for span in self._timed(u, step, lambda u=u: "roll_back" if roll_back(u, step, speculation) else None)]
 
     def roll_back_versions(self, step: int) -> None:
         """Every unit's version back to `step`, before clipped updates replace the ones beside the backward."""

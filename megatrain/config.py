@@ -324,18 +324,19 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 GRAD_PLACEMENTS = ("auto", "arena", "stream", "device")
 # how a step's micro-batches meet the streamed weights (megatrain/engine/executor.py: Executor.run)
 SCHEDULES = ("layer-major", "per-micro-batch")
-# the update beside the backward (pipelines/engine.py): each unit's AdamW as its gradient lands, taken back where the
+# the update beside the backward (pipelines/engine.py): each unit's AdamW as its gradient lands, rolled back where the
 # step then clips or has a non-finite gradient; "auto": not in the step after one that clipped
 SPECULATE = ("auto", "on", "off")
 COMPILE = ("auto", "on", "off")  # torch.compile: megatrain/perf/compile_choice.py says what auto does
-# in bf16 runs, how compute reads the resident units' weights: a bf16 copy kept beside them on the device (2 B a
+# in bf16 runs, how compute reads the resident units' weights: a bf16 copy beside them on the device (2 B a
 # parameter), or cast from their fp32 weights at each use (more units fit); auto: the memory plan picks (residency.py)
 RESIDENT_WEIGHTS = ("auto", "copy", "cast")
 # in bf16 runs, a bf16 copy of the weights in the arena (2 B a parameter on the host, half the bytes on PCIe); auto:
 # the memory plan keeps it only where the calibrated step predicted without it is longer (uncalibrated: where it fits)
 BF16_COPY = ("auto", "keep", "none")
 # what stays on the executor's device (the memory plan picks for "auto": what the GPU has room for; none on CPUs)
-RESIDENT_HELP = "auto | none | N: units kept on the device with their optimizer state (megatrain/memory/residency.py)"
+RESIDENT_HELP = ("auto | none | N: units resident on the device with their optimizer state "
+                 "(megatrain/memory/residency.py)")
 LINK_GBPS = 12.5  # 10^9 B/s between hosts where none is given (predicted step times): 100 Gb Ethernet
 
 
@@ -385,7 +386,7 @@ class EngineConfig:
     keep_activations: int | str = "auto"  # auto | none | all | N top layers not recomputed (memory/kept_activations.py)
     bf16_copy: str = "auto"  # BF16_COPY; resolved to "keep" or "none" by the memory plan
     gpu_memory_gib: float | None = None  # the run's GPU held to this many GiB (the plan's and the allocator's cap)
-    # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is kept
+    # a LoRA run: a LoraConfig (megatrain/lora/config.py), its adapters trained beside the frozen base, which is stored
     # on the host in lora_base_dtype ("bf16" | "fp32"); None: every parameter trains
     lora: Any = None
     lora_base_dtype: str = "bf16"
@@ -393,7 +394,7 @@ class EngineConfig:
     # "all" or a list of master, moments, grads); None: every state in host memory
     nvme: str | None = None
     nvme_states: str | tuple[str, ...] = "auto"
-    # the initial weights kept in an arena segment of their own, for Engine.logprobs(reference=True): GRPO's KL
+    # the initial weights stored in an arena segment of their own, for Engine.logprobs(reference=True): GRPO's KL
     # reference (megatrain/engine/reference.py); a LoRA run's reference is its base with the adapters off, no copy
     reference: bool = False
 

@@ -63,7 +63,7 @@ class StorePlan:
     shadow: bool = False  # a bf16 copy of the weights
     nodes: int = 1  # each node's store holds the whole weights and 1/nodes of the Adam moments
     seed: int = 0
-    lora: LoraConfig | None = None  # the adapters trained beside a frozen base kept in lora_base_dtype
+    lora: LoraConfig | None = None  # the adapters trained beside a frozen base stored in lora_base_dtype
     lora_base_dtype: str = "bf16"
     tier: TierSpec | None = None  # the states on NVMe
     reference: str | None = None  # the initial weights' segment, in this dtype (megatrain/memory/post_plan.py)

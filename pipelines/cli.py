@@ -107,7 +107,7 @@ def _add_on_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", type=_word_or_count("auto", "none"), help=RESIDENT_HELP + "; auto: as many as the GPU "
                    "has room for, the embedding and the first layers, none on the CPU path")
     p.add_argument("--resident-weights", choices=RESIDENT_WEIGHTS,
-                   help="bf16: the resident units' bf16 weights for compute are a copy kept on the GPU (copy, 2 B a "
+                   help="bf16: the resident units' bf16 weights for compute are a copy on the GPU (copy, 2 B a "
                         "parameter) or cast from their fp32 weights at each use (cast: more units fit); auto: the "
                         "faster predicted where this GPU is calibrated, else copy")
     p.add_argument("--gpu-memory-gib", "--gpu-memory", dest="gpu_memory_gib", type=float, metavar="GIB",

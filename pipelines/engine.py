@@ -62,7 +62,7 @@ class StepResult:
     skipped: bool  # non-finite loss or gradient: no update applied
     stats: dict[str, Any] | None = None
     spans: list[Any] = field(default_factory=list)
-    rolled_back: bool = False  # the updates beside the backward were taken back (the step clipped, or was skipped)
+    rolled_back: bool = False  # the updates beside the backward were rolled back (the step clipped, or was skipped)
     # how its update ran, as the prediction's cases name them (megatrain/perf/predict.py CASES): "speculated" beside
     # the backward (or final as each gradient landed), "rolled back", "serial" (after the step, its norm known first)
     update: str = "speculated"
@@ -87,7 +87,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         self.steps_done = 0  # steps run, skipped ones included
         self.updates_applied = 0  # updates in the arena: AdamW's step count and the LR schedule's index
         self.nonfinite_in_row = self.skipped_steps = 0
-        self.rollbacks = 0  # steps whose updates beside the backward were taken back
+        self.rollbacks = 0  # steps whose updates beside the backward were rolled back
         self.speculating = True  # speculate "auto": whether the next step does (not after one that clipped)
         self.speculations = 0  # Speculations made: each has its own number and record at the workers
         self.pending: list[ray.ObjectRef] = []  # the last step's updates
@@ -286,7 +286,7 @@ class Engine(Generating, LogprobQueries):  # Engine.generate, Engine.logprobs: p
         if finite and coef == 1.0 and len(out.speculated) == streamed:
             self.pending = out.updates + self.actors.confirm(self.updates_applied, speculation)
             return "speculated"
-        get(out.updates)  # every update beside the backward is in before one is taken back
+        get(out.updates)  # every update beside the backward is in before one is rolled back
         if finite:
             self.actors.roll_back_versions(self.updates_applied)
             self.pending = self.actors.update(self.updates_applied, coef, speculation)

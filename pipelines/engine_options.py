@@ -26,7 +26,7 @@ class EngineOptions:
     seq_len: int = 2048
     max_nonfinite_steps: int = 5
     max_restarts: int = 10
-    max_replay_steps: int = 1000  # batches kept since the last checkpoint for exact recovery
+    max_replay_steps: int = 1000  # batches logged since the last checkpoint for exact recovery
     resource_timeout: float = 60.0  # seconds to wait for Ray to grant the run's CPUs (and GPU)
     trace: bool = False
     metrics: bool = True

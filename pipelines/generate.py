@@ -137,7 +137,7 @@ class Generating:
                 for ex, (first, end) in zip(engine.executors, shares, strict=False)]
         out = completions(ids, get(refs), tokenizer)
         if any(out.held_units):
-            log.info("generate: %s kept on the device for the call beyond the resident units (%s)",
+            log.info("generate: %s held on the device for the call beyond the resident units (%s)",
                      "; ".join(f"executor {k}: {len(h)} units" for k, h in enumerate(out.held_units)),
                      ", ".join(f"{b / 2**30:.2f} GiB" for b in out.held_bytes))
         return out

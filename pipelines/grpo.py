@@ -177,7 +177,7 @@ def grpo_step(engine: Any, records: list[dict[str, Any]], tokenizer: Tokenizer, 
     fields: dict[str, torch.Tensor] = {"mask": batch.mask, "advantages": advantages, "num_items": batch.mask.sum()}
     if cfg.iterations > 1:  # the sampling policy's log-probs, fixed over the passes
         fields["old_logps"] = engine.logprobs(batch.input_ids, batch.labels, temperature=cfg.temperature)
-    if cfg.beta > 0:  # the initial policy's, from its weights kept in the arena
+    if cfg.beta > 0:  # the initial policy's, from its weights stored in the arena
         fields["ref_logps"] = engine.logprobs(batch.input_ids, batch.labels, temperature=cfg.temperature,
                                               reference=True)
     metrics: dict[str, float] = {}

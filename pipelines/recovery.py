@@ -73,7 +73,7 @@ class ReplayLog:
     def add(self, batch: ray.ObjectRef) -> None:
         if len(self.batches) >= self.max_steps:
             if self.complete:
-                log.warning("%d steps without a checkpoint: the batches kept to replay them after a fault are "
+                log.warning("%d steps without a checkpoint: the batches logged to replay them after a fault are "
                             "dropped; save checkpoints more often to keep faults recoverable", len(self.batches))
             self.batches, self.complete = [], False
         self.batches.append(batch)

@@ -82,7 +82,7 @@ class TrainConfig:
     device: str = "auto"
     grads: str = "auto"  # where gradients wait: auto | arena | stream | device (EngineConfig.grads)
     speculate: str = "auto"  # the update beside the backward: auto | on | off (EngineConfig.speculate)
-    resident: int | str = "auto"  # units kept and updated on the GPU: auto | none | N (EngineConfig.resident)
+    resident: int | str = "auto"  # units resident and updated on the GPU: auto | none | N (EngineConfig.resident)
     resident_weights: str = "auto"  # bf16: their compute weights a copy or cast at each use (EngineConfig)
     bf16_copy: str = "auto"  # bf16: a bf16 copy of the weights in the arena: auto | keep | none (EngineConfig)
     gpu_memory_gib: float | None = None  # the GPU held to this many GiB (EngineConfig.gpu_memory_gib)
@@ -106,7 +106,7 @@ class TrainConfig:
     nodes: int = 1
     seed: int = 0
     # LoRA (megatrain/lora/): adapters trained on the frozen base instead of every weight, as the command line writes
-    # them ("r=16,alpha=32,targets=q_proj,v_proj") or a [lora] table; the base kept in lora_base_dtype (bf16 | fp32);
+    # them ("r=16,alpha=32,targets=q_proj,v_proj") or a [lora] table; the base stored in lora_base_dtype (bf16 | fp32);
     # adapter: a PEFT adapter directory to start from; merge: final/ holds the adapter, merged/ the merged model
     lora: str | dict[str, Any] | None = None
     lora_base_dtype: str = "bf16"
@@ -450,7 +450,7 @@ def _tokens_per_s(result: StepResult, step_time: float) -> float:
 def _progress_fields(result: StepResult, step_time: float, flops_per_token: float, skipped: int,
                      predicted: float | None = None, rollbacks: int = 0) -> dict[str, str]:
     """The progress line's fields; `predicted`: the predicted step time, shown beside the measured one; rollbacks:
-    steps so far whose updates beside the backward were taken back."""
+    steps so far whose updates beside the backward were rolled back."""
     tps = _tokens_per_s(result, step_time)
     stall = result.stats["stall_fraction"] if result.stats else float("nan")
     out = {"loss": f"{result.loss:.4f}", "tok/s": f"{tps:,.0f}", "TFLOP/s": f"{tps * flops_per_token / 1e12:.3g}",

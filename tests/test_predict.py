@@ -245,8 +245,8 @@ def test_the_resident_weights_are_cast_where_the_units_it_fits_pay_for_the_casts
     assert cast.gpu_resident == cast.resident_params * 16 and copy.gpu_resident == copy.resident_params * 18
     assert predicted(cast) < predicted(copy)
     assert chosen.resident_note.endswith(f"; their bf16 weights cast at each use: {predicted(cast):.2f} s predicted, "
-                                         f"against {predicted(copy):.2f} s with a bf16 copy of their weights kept")
-    assert "their bf16 weights cast at each use, no copy kept" in chosen.report()
+                                         f"against {predicted(copy):.2f} s with a bf16 copy of their weights")
+    assert "their bf16 weights cast at each use, no bf16 copy" in chosen.report()
     # the casts are in the prediction: the units' compute weights read in fp32 and written in bf16, twice a step
     cast_s = 2 * cast.resident_params * 6 / (cal.device_adamw_gparams * 1e9 * 28)
     as_copy = predict(replace(cast, resident_weights="copy"), SEVEN_B, cal, **settings)
@@ -256,7 +256,7 @@ def test_the_resident_weights_are_cast_where_the_units_it_fits_pay_for_the_casts
     big = plan_run(SEVEN_B, 1, 2048, micro_batches=1, resident="auto", keep_activations="auto", step_time=h200,
                    **{**ON_H100, "gpu_free": 139 * GiB})
     assert big.resident_weights == "copy" and big.resident_units == 33
-    assert "; a bf16 copy of their weights kept: " in big.resident_note
+    assert "; a bf16 copy of their weights: " in big.resident_note
     # no predictor (the rule splits), a count asked for, or not bf16: the copy, or what is asked for
     assert plan().resident_weights == "copy" and plan(resident_weights="cast").resident_weights == "cast"
     assert plan(resident=3, step_time=predicted).resident_weights == "copy"

@@ -361,7 +361,7 @@ def test_rollbacks_in_the_progress_line_and_the_report(tmp_path: Path) -> None:
     lines = [json.dumps({"step": s, "loss": 1.0, "rolled_back": s == 1, "stats": {**stats, "step": s}})
              for s in range(3)]
     (tmp_path / "steps.jsonl").write_text("\n".join(lines) + "\n")
-    assert "rollbacks: 1 of 3 steps took back their updates beside the backward" in report(tmp_path)
+    assert "rollbacks: 1 of 3 steps rolled back their updates beside the backward" in report(tmp_path)
 
 
 # ---- two nodes ----

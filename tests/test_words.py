@@ -14,10 +14,16 @@ RETIRED = {
     r"\b(peak_)?kept_bytes\b": "device_bytes: the device checkpoints' bytes",
     r"\bkept\s*:\s*dict\[str, torch\.Tensor\]": "passthrough: the pass-through tensors",
     r"(?i)\bgradients? (are |were |stay )?kept\b|\bkept gradients?\b": "held gradients",
-    r"\bput_back\b|\bput back\b": "roll back: a speculated update undone",
+    r"\bput_back\b|\bput back\b": "roll back: a speculated update",
     r"\bunpublish\b": "roll_back_versions",
     r"\battempts?\s*[=:,)]|\.attempts?\b|`attempts?`": "a Speculation's number",  # the identifier, not the English
     r"\bdef finish\(|\.finish\(unit|\bdef keep\(|\bactors\.keep\(|\b_validate\(": "settle / confirm",
+    r"(?i)\b(taken|took|takes?|taking) back\b|\"undo\"|\bundo \+": "rolled back (the span: roll_back)",
+    r"(?i)\bkept (and updated )?on the (device|gpu|host)\b|\bkept (resident|by one executor)\b|\bunits kept\b":
+        "resident units / units held for generation",
+    r"(?i)\bcopy( of (the|their) weights)? kept\b|\bno (bf16 )?copy (of them )?(is )?kept\b|\bkept as a bf16 copy\b":
+        "the bf16 copy (in the arena; bf16_copy = keep is the setting's value)",
+    r"(?i)\bbatches kept\b|\bkept batches\b": "logged batches (ReplayLog)",
 }
 
 
@@ -40,6 +46,7 @@ def test_retired_words_are_gone() -> None:
 def test_the_patterns_find_the_retired_words() -> None:
     samples = ["every layer checkpoint on the device", "self.peak_kept_bytes", "kept: dict[str, torch.Tensor] = {}",
                "the gradients kept on the device", "w.put_back.remote(step)", "self.unpublish(step)",
-               "Speculation(self.attempts)", "shard.finish(unit, step)"]
+               "Speculation(self.attempts)", "shard.finish(unit, step)", "steps took back their updates",
+               "units kept on the device", "a bf16 copy of their weights kept", "the batches kept to replay them"]
     for sample, pattern in zip(samples, RETIRED, strict=True):
         assert re.search(pattern, sample), (pattern, sample)

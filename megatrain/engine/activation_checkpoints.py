@@ -15,7 +15,7 @@ from megatrain.memory.buffers import device_checkpoints
 
 
 class ActivationCheckpoints:
-    """One step's layer inputs, put by the forward and taken back, top first, by the backward."""
+    """One step's layer inputs, put by the forward and got by the backward, top first."""
 
     def __init__(self, streams: Streams, budget: int | None = None):
         """budget: bytes of device memory for device checkpoints (None: every checkpoint stays on the device; 0:

@@ -50,7 +50,7 @@ class ExecutorOptions:
     kept_layers: int = 0  # the top decoder layers keep their autograd graphs for the backward (kept_activations.py)
     # a LoRA run's frozen base, which streams (self.layout) while `params` holds what trains (self.trainable)
     frozen: torch.Tensor | None = None
-    resident_cast: bool = False  # bf16: the resident units' weights cast at each use, no bf16 copy of them kept
+    resident_cast: bool = False  # bf16: the resident units' weights cast at each use, no bf16 copy of them
     reference: torch.Tensor | None = None  # the initial weights, for the reference's pass (reference.py)
 
 
@@ -97,7 +97,7 @@ class Executor:
             raise MegatrainError("several executors write slices of every unit's gradient into the arena, which needs "
                                  "grads = 'arena'; set grads = 'arena' (or 'auto').")
         if o.resident_units and self.dp is not None:
-            raise MegatrainError("resident units are kept by one executor; with several, set resident = none.")
+            raise MegatrainError("resident units live on one executor; with several, set resident = none.")
         # what trains on the device (a LoRA run's adapters: fp32, cast in the layer), and whose weights are there
         self.resident = ResidentUnits(layout, o.resident_units, self.device, torch.float32 if self.lora else self.dtype,
                                       cast=o.resident_cast)

@@ -48,7 +48,7 @@ class Generated:
 
     token_ids: list[list[int]]
     finished: list[bool]
-    held_units: list[int] = field(default_factory=list)  # kept on the device for the call (beyond the resident)
+    held_units: list[int] = field(default_factory=list)  # held on the device for the call (beyond the resident)
     held_bytes: int = 0
 
 

@@ -30,7 +30,7 @@ class ResidentUnits:
         self.numel = self.units[-1].offset + self.units[-1].numel if self.units else 0
         self.device = device
         self.tensors = {name: torch.zeros(self.numel, device=device) for name in ("grads", *STATE)}
-        # whether compute's weights are cast from the fp32 ones at each use (no copy kept)
+        # whether compute's weights are cast from the fp32 ones at each use (no bf16 copy)
         self.cast = cast and dtype != torch.float32 and bool(self.units)
         if dtype != torch.float32 and self.units and not cast:  # what compute reads, rewritten by each update's pass
             self.tensors[SHADOW_SEGMENT] = torch.zeros(self.numel, dtype=dtype, device=device)

@@ -115,7 +115,7 @@ def adapter_activations(one: LoraLayout, plan: MemoryPlan, compute: int) -> int:
 
 
 def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryPlan:
-    """The plan with the adapters of the first units kept on the device with their Adam state and updated there:
+    """The plan with the adapters of the first units resident on the device with their Adam state and updated there:
     "auto" all of them on a GPU whose free memory holds them (none on the CPU path, where the pool updates them in
     the arena), or a count; none with several executors (each would hold its own copy)."""
     check_resident(requested)
@@ -123,7 +123,7 @@ def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryP
     count, why = 0, ""
     if world > 1:
         if requested not in ("auto", "none", 0):
-            raise ConfigError(f"resident units are kept by one executor; with {world} executors set resident = none "
+            raise ConfigError(f"resident units live on one executor; with {world} executors set resident = none "
                               "(or auto).")
         why = f"{world} executors: the CPU pool updates the adapters in the arena"
     elif requested in ("none", 0):

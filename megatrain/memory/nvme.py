@@ -390,7 +390,7 @@ def resolve_tier(nvme: str | None, names: tuple[str, ...], resident_units: int =
     """The run's tier of the nvme_states the plan placed (`names`; what this build cannot place, the memory plan's
     check refuses: megatrain/memory/tier_plan.py TierPlan.problem), or one sentence why not here. grads: where the
     gradients wait (EngineConfig.grads, resolved): only those held in the arena go to disk, a ring's or the device's
-    leave as they are read. copy: the executor streams a bf16 copy of the weights (bf16 precision, a bf16 copy kept),
+    leave as they are read. copy: the executor streams a bf16 copy of the weights (bf16 precision, in the arena),
     which the optimizer writes beside each update: the masters then need not be in the arena."""
     if not nvme or not names:
         return None

@@ -63,7 +63,7 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
         return _placed(plan, config, resident, keep_activations, precision, world, step_time,
                        cast=resident_weights == "cast")
     assert step_time is not None
-    names = ("a bf16 copy of their weights kept", "their bf16 weights cast at each use")
+    names = ("a bf16 copy of their weights", "their bf16 weights cast at each use")
     ways = [_placed(plan, config, resident, keep_activations, precision, world, step_time, cast)
             for cast in (False, True)]
     times = [step_time(way) for way in ways]
@@ -77,7 +77,7 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
 
 def _placed(plan: MemoryPlan, config: ModelConfig, resident: int | str, keep_activations: int | str, precision: str,
             world: int, step_time: StepTime | None, cast: bool) -> MemoryPlan:
-    """place_on_device's placement with the resident units' weights kept as a bf16 copy, or cast at each use."""
+    """place_on_device's placement with the resident units' weights as a bf16 copy, or cast at each use."""
     budget = spare_budget(plan)
 
     def resident_in(room: int | None) -> Residency:

@@ -1,14 +1,10 @@
 """The memory plan: bytes per tier before anything is allocated, and a clear refusal when it won't fit.
 
-Host: the arena (fp32 params and Adam m and v, 12 B/param; bf16 runs 2 more for the bf16 shadow of the weights; plus the
-gradients: 4 B/param when they all wait in the arena, a few layers' worth when they stream, see GRAD_PLACEMENTS in
-megatrain/config.py) and the resident size of the processes (Ray, parameter store, optimizer workers, data loader,
-executor).
-GPU: two weight buffers sized for the largest decoder layer, the head, gradient buffers (all of the step's gradients
-when they stay on the device), the activation checkpoints, one layer's recompute working set, and one chunk of logits;
-then, in what is left, the units kept resident with their optimizer state and the top layers that keep their
-activations instead of recomputing, the split between them chosen by megatrain/memory/on_device.py.
-"""
+Host: the arena (fp32 params and Adam m and v, 12 B/param; bf16 runs 2 more for the bf16 copy of the weights; plus the
+gradients: 4 B/param when they all wait in the arena, a few layers' worth when they stream, see GRAD_PLACEMENTS) and
+the processes' resident size (Ray, store, workers, loader, executor). GPU: two weight buffers for the largest decoder
+layer, the head, gradient buffers, the activation checkpoints, one layer's recompute working set and one chunk of
+logits; then, in what is left, the resident units and the kept activations (megatrain/memory/on_device.py)."""
 
 from __future__ import annotations
 
@@ -303,7 +299,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
         host_checkpoints=offloaded, micro_batches=k, schedule=schedule, h2d_bytes=h2d,
         d2h_bytes=d2h, buffers=(*segments, *device_weights, *checkpoints),
-    )  # lora: its adapters train beside the frozen base, kept in lora_base_dtype (megatrain/memory/lora_plan.py)
+    )  # lora: its adapters train beside the frozen base, stored in lora_base_dtype (megatrain/memory/lora_plan.py)
     return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)
 
 
@@ -336,7 +332,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
              ) -> MemoryPlan:
     """plan_one's plan, in bf16 runs with the bf16 copy of the weights (2 B a parameter on the host, half the bytes
     on PCIe) as bf16_copy says: "keep" or "none" as asked; "auto" (BF16_COPY_RULE): the run planned both ways, the copy
-    kept where only the run with it fits, or where both fit and the fp32 weights' H2D would bound the step without it
+    made where only the run with it fits, or where both fit and the fp32 weights' H2D would bound the step without it
     (pcie_bound)."""
     s = replace(settings or RunSettings(), **overrides)
     check_choice("bf16_copy", s.bf16_copy, BF16_COPY)
@@ -344,8 +340,8 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
         return plan_one(config, batch, seq, s)
     if s.bf16_copy != AUTO:
         plan = plan_one(config, batch, seq, s)
-        return replace(plan, bf16_copy_note=f"bf16 copy of the weights {'kept' if plan.shadow_bytes else 'none'}: "
-                                            f"bf16_copy = {s.bf16_copy}")
+        where = "in the arena" if plan.shadow_bytes else "none"
+        return replace(plan, bf16_copy_note=f"bf16 copy of the weights {where}: bf16_copy = {s.bf16_copy}")
     kept, dropped = (plan_one(config, batch, seq, replace(s, bf16_copy=c)) for c in ("keep", "none"))
     fits = [not (p.host_problem() or p.gpu_problem()) for p in (kept, dropped)]
     if fits[0] and fits[1]:
@@ -353,24 +349,25 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
     else:
         keep, why = fits[0], ("only the run with it fits (the fp32 weights' staging buffers do not fit the GPU)"
                               if fits[0] else NO_ROOM)
+    where = "in the arena" if keep else "none"
     return replace(kept if keep else dropped,
-                   bf16_copy_note=f"bf16 copy of the weights {'kept' if keep else 'none'}: {why}; {BF16_COPY_RULE}")
+                   bf16_copy_note=f"bf16 copy of the weights {where}: {why}; {BF16_COPY_RULE}")
 
 
 def plan_one(config: ModelConfig, batch: int, seq: int, s: RunSettings) -> MemoryPlan:
     """The plan of the run an Engine starts with these settings, as `megatrain plan` shows it: where gradients wait
-    resolved (resolve_grads), in bf16 runs the bf16 copy of the weights as bf16_copy asks ("auto": kept only where the
+    resolved (resolve_grads), in bf16 runs the bf16 copy of the weights as bf16_copy asks ("auto": made only where the
     host has room for it, else fp32 weights cross PCIe and are cast on the GPU), and what was left "auto" picked:
 
     tile_tokens: untiled up to TILE_TOKENS tokens a batch, else TILE_TOKENS, halved down to MIN_TILE_TOKENS while the
     GPU is short. checkpoint_budget: every checkpoint on the device where they fit (always on the CPU path, whose device
     is the host), else as many as fit beside everything else, the rest offloaded. schedule: "layer-major" where it fits
     (or more than one micro-batch is not asked for), else "per-micro-batch" with the gradients in the arena, where that
-    fits. resident: units kept on the device with their optimizer state (the Engine and `megatrain plan` pass theirs,
+    fits. resident: units on the device with their optimizer state (the Engine and `megatrain plan` pass theirs,
     "auto" by default), and keep_activations: the layers that keep activations, in what is left; where both are "auto"
     the split between them is the one `step_time` (a predictor: megatrain/perf/predict.py step_time) predicts shortest,
     or without one a rule's (megatrain/memory/on_device.py); resident_weights: in bf16 runs the resident units' bf16
-    weights a copy kept or cast at each use, "auto" the shorter predicted with a predictor (else the copy). Where the
+    weights a bf16 copy or cast at each use, "auto" the shorter predicted with a predictor (else the copy). Where the
     result does not fit, its `longest_seq` says the longest sequence that would (find_longest)."""
     if s.schedule != AUTO:
         check_choice("schedule", s.schedule, SCHEDULES)

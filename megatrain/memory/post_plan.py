@@ -59,23 +59,23 @@ class PostPlan:
     rows: int
     seq: int
     per_token_bytes: int  # policy: on the device, beside the training plan's
-    reference_host_bytes: int  # reference: kept on the host (DPO: the whole data's; GRPO: a rollout batch's)
+    reference_host_bytes: int  # reference: held on the host (DPO: the whole data's; GRPO: a rollout batch's)
     kv_cache_bytes: int  # rollout: on the device while generating (GRPO)
     reference_bytes: int  # GRPO's KL term: the initial weights' arena segment, in host memory
     room: int | None = None  # host bytes free beside the run's plan (None: not known)
-    held: tuple[int, int] | None = None  # rollout: (units, bytes) a generate call keeps on the GPU (None: not known)
+    held: tuple[int, int] | None = None  # rollout: (units, bytes) a generate call holds on the GPU (None: not known)
 
     def report(self) -> str:
         lines = [f"post-training ({self.mode}, {self.rows} rows x {self.seq} tokens):",
                  f"  policy step: the head within the plan's three [chunk, vocab] fp32; per-token tensors "
                  f"{_mib(self.per_token_bytes)} on the device",
                  f"  reference log-probs: a forward without gradients, within the step; "
-                 f"{_mib(self.reference_host_bytes)} kept on the host"]
+                 f"{_mib(self.reference_host_bytes)} held on the host"]
         if self.mode == "grpo":
             lines.append(f"  rollout KV cache: {_mib(self.kv_cache_bytes)} on the device while generating (beside the "
                          "weight buffers and resident units; the step's activations are not alive then)")
             if self.held is not None:
-                lines.append(f"  rollout weights: {self.held[0]} more units kept on the GPU for each generate call "
+                lines.append(f"  rollout weights: {self.held[0]} more units held on the GPU for each generate call "
                              f"({_mib(self.held[1])}), the rest streamed for every new token")
             if self.reference_bytes:
                 lines.append(f"  KL to the initial policy: the initial weights in an arena segment of their own, "

@@ -44,7 +44,7 @@ class Residency:
     total_units: int = 0
     why: str = ""  # one line for the plan's report
     freed_grads: int = 0  # device bytes of held gradients (grads = "device") they no longer take
-    cast: bool = False  # bf16 compute casts their fp32 weights at each use: no bf16 copy kept (bytes_per_param)
+    cast: bool = False  # bf16 compute casts their fp32 weights at each use: no bf16 copy (bytes_per_param)
 
     @property
     def embed(self) -> bool:
@@ -62,7 +62,7 @@ class Residency:
         parts = (["the embedding"] if self.embed else []) + (
             ["layer 0" if self.layers == 1 else f"layers 0-{self.layers - 1}"] if self.layers else []) + (
             ["the head"] if self.head else [])
-        weights = "; their bf16 weights cast at each use, no copy kept" if self.cast else ""
+        weights = "; their bf16 weights cast at each use, no bf16 copy" if self.cast else ""
         return (f"resident units: {' + '.join(parts)} ({self.units} of {self.total_units} units, "
                 f"{self.params / 1e9:.2f} G params, {self.bytes / GiB:.2f} GiB): updated on the device, no PCIe, no "
                 f"CPU pool{weights}; {self.why}")
@@ -95,7 +95,7 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
     """The units to keep resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
     take, the margin already left (None: not known). world: executors of the run, all nodes'. held_grads: the plan
     holds every gradient on the device until the step ends, so a resident unit costs its held gradient less. cast:
-    in bf16 runs their weights are cast at each use, no bf16 copy kept."""
+    in bf16 runs their weights are cast at each use, no bf16 copy."""
     check_resident(requested)
     total = config.num_layers + 2
     if not on_gpu and requested in ("auto", "none", 0):
@@ -104,7 +104,7 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
         return Residency(total_units=total, why="resident = none")
     if world > 1:
         if requested != "auto":
-            raise ConfigError(f"resident units are kept by one executor; with {world} executors set resident = none "
+            raise ConfigError(f"resident units live on one executor; with {world} executors set resident = none "
                               "(or auto).")
         return Residency(total_units=total, why=f"{world} executors: each would hold its own copy")
     if requested == "auto":

@@ -168,8 +168,8 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
             continue
         tiered = replace(base, tier=tier if tier.on_disk else None)
         if base is not plan:
-            tiered = replace(tiered, bf16_copy_note="bf16 copy of the weights kept: the fp32 masters are on NVMe, and "
-                                                    "the executor streams the copy instead")
+            tiered = replace(tiered, bf16_copy_note="bf16 copy of the weights in the arena: the fp32 masters are on "
+                                                    "NVMe, and the executor streams the copy instead")
         options.append(TierOption(tiered, tiered.host_fits and tiered.gpu_problem() is None,
                                   tier.seconds() if tier.on_disk else (0.0 if rates else None),
                                   step_time(tiered) if step_time is not None else None,

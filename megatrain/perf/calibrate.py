@@ -73,7 +73,7 @@ class Calibration:
     compiled: dict[str, CompiledTiming] = field(default_factory=dict)  # layer_key(...) -> eager vs compiled (GPUs)
     data_s_per_token: float = 0.0
     # the pool while copies ran beside it (what a run sees: they share host memory bandwidth), its rollback pass
-    # (undo + clipped redo) beside them, the copies' host memory traffic then and what they were, the resident
+    # (roll back + clipped redo) beside them, the copies' host memory traffic then and what they were, the resident
     # units' fused AdamW on the GPU (megatrain/perf/optimizer_timing.py; adamw_gparams: the same pool alone)
     adamw_beside_copies_gparams: dict[str, float] = field(default_factory=dict)
     rollback_gparams: dict[str, float] = field(default_factory=dict)

@@ -37,7 +37,7 @@ class PoolRate:
 
     alone: float
     beside: float  # while the copies ran
-    rollback: float  # the rollback pass (undo + clipped redo), while the copies ran
+    rollback: float  # the rollback pass (roll back + clipped redo), while the copies ran
     copies_gbps: float  # the copies' host memory traffic while they ran (read + written, 10^9 B/s)
 
 

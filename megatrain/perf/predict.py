@@ -144,7 +144,7 @@ def compute_phases(plan: MemoryPlan, config: ModelConfig, times: LayerTimes, kep
 
 
 def resident_cast_s(plan: MemoryPlan, cal: Calibration) -> float:
-    """Compute's casts of the resident units' fp32 weights to bf16 where no copy of them is kept (resident_weights
+    """Compute's casts of the resident units' fp32 weights to bf16 where they have no bf16 copy (resident_weights
     "cast": WeightSlots.fetch): each unit's twice a pass (its forward, its backward), CAST_BYTES a parameter, at the
     device's memory rate as its fused AdamW's rate gives it (DEVICE_ADAMW_BYTES a parameter)."""
     rate = cal.device_adamw_gparams if plan.on_gpu else cal.adamw_rate(1, beside=False)
@@ -269,7 +269,7 @@ def speculated(p: Pipeline, update: Update) -> float:
 
 def rolled_back(p: Pipeline, update: Update, sends: bool) -> float:
     """A speculated step that clips: the driver waits for every update beside the backward (Engine._settle), then the
-    pool's rollback pass (undo + clipped redo, one pass: AdamWShard.settle) runs as the serial update does (grads =
+    pool's rollback pass (roll back + clipped redo, one pass: AdamWShard.settle) runs as the serial update does (grads =
     "device": each unit's gradient sent out of the GPU again first, send_grads)."""
     backlog = max(0.0, speculated_backlog(p, update.pool_s))
     return backlog + serial_exposed(p, update.rollback_s, sends, update.resident_s)

@@ -141,8 +141,8 @@ OPTIMIZER = [
     PanelSpec("Update time per worker", "The last layer update time of each worker: one slower than the rest "
               "(a busy core, another NUMA node) sets the pace of all.", "s",
               (Query(select(m.UPDATE_SECONDS), PER_WORKER),)),
-    PanelSpec("Rollbacks", "Steps so far whose updates beside the backward were taken back: the step's gradient "
-              "norm exceeded --max-grad-norm (each unit's update taken back and redone with the clipped gradient, "
+    PanelSpec("Rollbacks", "Steps so far whose updates beside the backward were rolled back: the step's gradient "
+              "norm exceeded --max-grad-norm (each unit's update rolled back and redone with the clipped gradient, "
               "in one pass over its weights and moments) or a gradient was not finite. Rising with every "
               "step: clipping is on most steps (with speculate = auto, the engine's default, a step after one "
               "that clipped updates after its backward instead, so a rollback follows a step that did not clip).",

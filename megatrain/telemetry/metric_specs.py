@@ -51,7 +51,7 @@ LOSS = MetricSpec("megatrain_loss", "gauge", "Training loss of the last step.")
 STEPS = MetricSpec("megatrain_steps", "counter", "Steps run.")
 SKIPPED_STEPS = MetricSpec("megatrain_skipped_steps", "counter", "Steps skipped (non-finite loss or grads).")
 ROLLBACKS = MetricSpec("megatrain_rollbacks", "gauge", "Steps of the run so far whose updates beside the backward "
-                       "were taken back (the step clipped, or a gradient was not finite).")
+                       "were rolled back (the step clipped, or a gradient was not finite).")
 UPDATE_SECONDS = MetricSpec("megatrain_optimizer_update_seconds", "gauge",
                             "Last layer update time of an optimizer worker (s).", ("worker",))
 UPDATE_DURATION = MetricSpec("megatrain_optimizer_update_duration_seconds", "histogram",

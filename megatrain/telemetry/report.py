@@ -241,11 +241,11 @@ def _step_records(run_dir: Path) -> list[dict]:
 
 
 def rollback_line(run_dir: Path) -> str:
-    """How many of the logged steps took back their updates beside the backward (pipelines/train.py's records say
+    """How many of the logged steps rolled back their updates beside the backward (pipelines/train.py's records say
     "rolled_back"), or "" where none did."""
     logged = [r for r in _step_records(run_dir) if "rolled_back" in r]
     rolled = sum(bool(r["rolled_back"]) for r in logged)
-    return (f"\nrollbacks: {rolled} of {len(logged)} steps took back their updates beside the backward (the step "
+    return (f"\nrollbacks: {rolled} of {len(logged)} steps rolled back their updates beside the backward (the step "
             "clipped, or a gradient was not finite)") if rolled else ""
 
 

@@ -273,3 +273,35 @@ def test_two_nodes_with_moments_and_gradients_on_nvme_train_bit_for_bit(tmp_path
     assert host.keys() == nvme.keys() and any(k.startswith("optimizer-node001") for k in host)
     for k, v in host.items():
         assert torch.equal(nvme[k], v), k
+
+
+def test_each_nodes_tier_keeps_the_whole_masters_and_its_part_of_the_moments(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan of one node of M: on its disk the whole fp32 masters (the exchange reads its part back and writes the
+    others'), 1/M of the moments, the whole gradient file of which it moves its part; the host bytes the tier takes out
+    are what the node's arena holds of each kind. Every state on NVMe on 2 nodes (bf16, the copy streamed) fits."""
+    import json
+
+    from megatrain.config import ModelConfig
+    from megatrain.memory.plan import plan_memory
+    from megatrain.memory.tier_plan import plan_tier, with_tier
+    from pipelines.cli import main
+
+    n = 1 << 20
+    for m in (1, 2, 4):
+        tier, part = plan_tier("d", ("master", "moments", "grads"), n, n, 1024, nodes=m), -(-n // m) * 4
+        assert dict(tier.on_disk) == {"params": 4 * n, "exp_avg": part, "exp_avg_sq": part, "grads": 4 * n}
+        assert tier.read_bytes == 4 * n // m * (2 if m > 1 else 1) + 2 * part + 4 * n // m
+        assert tier.write_bytes == 4 * n + 2 * part + 4 * n // m
+    config = ModelConfig.from_name("1b")
+    two = plan_memory(config, 1, 512, nodes=2, host_free=2**40)
+    tiered = with_tier(two, config, str(tmp_path), "moments")
+    assert dict(tiered.tier.on_disk)["exp_avg"] == 4 * -(-two.arena_numel // 2)
+    assert two.host_total - tiered.host_total == tiered.tier.saved_bytes > 0
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    code = main(["plan", "--model", "1b", "--nodes", "2", "--precision", "bf16", "--bf16-copy", "keep", "--device",
+                 "cuda", "--gpu-gib", "80", "--host-gib", "256", "--max-grad-norm", "1", "--nvme", str(nvme),
+                 "--nvme-states", "all", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"] and out["run_plan"]["tier"]["names"] == ["master", "moments", "grads"]

@@ -92,20 +92,23 @@ class TierPlan:
 
 
 def plan_tier(directory: str, names: tuple[str, ...], streamed_numel: int, grads_numel: int, max_unit_numel: int,
-              rates: tuple[float, float] | None = None) -> TierPlan:
+              rates: tuple[float, float] | None = None, nodes: int = 1) -> TierPlan:
     """The tier of kinds `names` for `streamed_numel` elements (the streamed units'; the held gradients':
     `grads_numel`, 0 where they do not wait in the arena), staged up to `max_unit_numel` elements a unit (the workers
-    share each unit)."""
-    on_disk = []
+    share each unit). One node's of `nodes`: 1/nodes of the moments on its disk, its part of each gradient moved, the
+    whole masters (their exchange reads its part again, writes the others': megatrain/distributed/node_exchange.py)."""
+    on_disk, read, written = [], 0, 0
     for name in names:
         for kind in KINDS[name]:
-            numel = grads_numel if kind == "grads" else streamed_numel
+            numel = {"grads": grads_numel, "params": streamed_numel}.get(kind, -(-streamed_numel // nodes))
             if numel:
                 on_disk.append((kind, numel * 4))
+            moved = numel * 4 // nodes if kind in ("grads", "params") else numel * 4  # this node's part
+            read += moved * (2 if kind == "params" and nodes > 1 else 1)
+            written += numel * 4 if kind == "params" else moved
     per_unit = sum(4 for k, _ in on_disk) * max_unit_numel
     staging = min(sum(n for _, n in on_disk), STAGED_UNITS * per_unit) if on_disk else 0
-    traffic = sum(n for _, n in on_disk)
-    return TierPlan(directory, names, tuple(on_disk), staging, traffic, traffic, *(rates or (None, None)))
+    return TierPlan(directory, names, tuple(on_disk), staging, read, written, *(rates or (None, None)))
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
             continue
         streamed = base.arena_numel - base.resident_params
         grads = base.grads_bytes // 4 if base.grads == "arena" else 0
-        tier = plan_tier(directory, names, streamed, grads, largest, rates)
+        tier = plan_tier(directory, names, streamed, grads, largest, rates, base.nodes)
         placed = {n for n in names if any(kind in KINDS[n] for kind, _ in tier.on_disk)}
         if states == "auto" and placed != set(names):  # a kind with nothing to move: the smaller set covers it
             continue

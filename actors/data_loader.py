@@ -1,14 +1,6 @@
-"""Ray shell of the data loader: a BatchLoader in its own process with a background thread that keeps
-`prefetch` batches ready, so tokenization and packing overlap the GPU step.
-
-Exact resume through the prefetch: each prefetched batch travels with the loader position right after it,
-and `state_dict()` returns the position of the last batch *handed out*, never of batches still queued. A
-driver that keeps a `next_batch.remote()` in flight ahead of the step it is checkpointing asks for
-`state_dict(unconsumed=1)`: the position as of one `next_batch` call earlier (Ray runs one caller's actor
-calls in order, so that call has been answered by then). `load_state_dict()` stops the thread, drops the
-queue, moves the loader and starts again.
-Batches arrive as numpy arrays from the object store: read-only on the receiving side.
-"""
+"""Ray shell of the data loader: a BatchLoader in its own process with a background thread that has `prefetch` batches
+ready, so tokenization and packing overlap the GPU step. Resume is exact through the prefetch: `state_dict()` is the
+position of the last batch handed out (docs/design.md#the-data-loader)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Ray shell of the GPU executor: maps and registers the arena, runs the layer-streaming step, and talks
-to the optimizer workers: it waits for their updates before loading a unit, and hands them units as their
-gradients land in the host arena, during the backward: with clipping off and one executor the update is final;
-otherwise, where the driver asks for it (a Speculation), it is the update beside the backward, which the driver
-settles once the step's norm is known. With gradients held on the device they are sent out (again) in forward
-order once the driver has the step's clip coefficient: `send_grads`, which runs in a concurrency group of its own
-so that it overlaps the next step's forward. Units resident on the executor's device (megatrain/engine/resident.py) are
-never handed out: the driver has them updated here (`update_resident`) once the step's norm is known, and written
-back into the arena (`write_back`) before it reads the arena."""
+"""Ray shell of the GPU executor: maps and registers the arena, runs the layer-streaming step, and talks to the
+optimizer workers: it waits for their updates before loading a unit, and hands them units as their gradients land,
+during the backward. Held gradients go out later (`send_grads`); resident units are updated here
+(`update_resident`). See docs/design.md#the-executor-actor."""
 
 from __future__ import annotations
 

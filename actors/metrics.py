@@ -1,16 +1,7 @@
 """Ray metrics of a run: what Prometheus / Grafana (or `curl <node>:<metrics_export_port>/metrics`) sees.
 
-Every name starts with `megatrain_`; Ray exports them with its own `ray_` in front (`ray_megatrain_loss`,
-counters with `_total` after), from the metrics agent of each node every few seconds. Metrics are
-per-process objects: each process that records (the driver, the executor, each optimizer worker) makes its
-own EngineMetrics; pickling one (to hand it to an actor) makes a fresh one there with the same tags.
-Ray drops a gauge that is not set again within two of its report intervals (10 s each by default): the driver's
-EngineMetrics sets every gauge's last value again from a thread of its own (`start_repeating`, until `stop`), so
-that steps longer than that still show on a dashboard between their ends.
-
-The driver also leaves megatrain's Grafana dashboard beside Ray's in the Ray session it joined
-(`write_session_dashboard`), where Ray's Grafana provisioning loads it.
-"""
+Every name starts with `megatrain_` (Ray adds `ray_`); each recording process makes its own EngineMetrics, and the
+driver's sets its gauges again from a thread so long steps still show. See docs/design.md#metrics."""
 
 from __future__ import annotations
 

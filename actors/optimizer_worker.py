@@ -1,14 +1,8 @@
 """Ray shell of one optimizer worker: a process with its own threads, updating its shard of the arena, and
 recording its update times and queue depth as Ray metrics from its own process.
 
-Who calls what: the executor, as a unit's gradient lands, `update_unit` (clipping off, one executor: the update
-is final) or `speculate` (the update beside the backward, which the driver settles once the step's norm is
-known); the driver after the step `apply` (every unit, forward order: the serial update, or the settling's
-redo of what clipped), or with a non-finite gradient `roll_back`; with grads = "device" the executor's
-`send_grads` calls `update_unit` / `roll_back` unit by unit as it sends the gradients again; where the NVMe tier
-holds the gradients, the executor `stow`s each landed one the workers do not update beside the backward. Units the
-executor keeps resident on its device (the arena's resident flags) are never handed out and `apply` / `roll_back` leave
-them: the executor updates them there."""
+The executor calls `update_unit`, `speculate` or `stow` as gradients land; the driver `apply` and `roll_back` after
+the step; resident units are never handed out. Who calls what: docs/design.md#optimizer-workers."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """`megatrain dpo --model M --data pairs.jsonl --out OUT`: DPO (megatrain/post/dpo.py) on the streamed model.
 
-The data is TRL's preference format, one record a line: "prompt", "chosen", "rejected" as text, or as chat
-messages (or "chosen"/"rejected" conversations alone, sharing their first turns). A fraction of the pairs is held
-out. Before the first step the same Engine computes the reference's sequence log-probs of every pair from the
-initial weights (no second copy of the model), cached in OUT/reference_logps.json for the data, model and length
-it was made for: a rerun into the same OUT reuses it. Each step trains on `batch_pairs` pairs (2 x batch_pairs
-rows: chosen, then rejected); its TRL metrics (rewards/chosen, rewards/rejected, rewards/margins,
-rewards/accuracies, logps/chosen, logps/rejected) come back with the step and go to OUT/metrics.jsonl and the log,
-as do the held-out pairs' at the start, every `eval_every` steps and at the end ("eval/..."). The trained model is
-OUT/final, an HF directory with the tokenizer's files.
-"""
+TRL's preference format; the reference's log-probs from the initial weights by the same Engine, cached in
+OUT/reference_logps.json; TRL's metrics each step; the trained model in OUT/final (docs/design.md#dpo-runs)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ RETIRED = {
     r"\battempts?\s*[=:,)]|\.attempts?\b|`attempts?`": "a Speculation's number",  # the identifier, not the English
     r"\bdef finish\(|\.finish\(unit|\bdef keep\(|\bactors\.keep\(|\b_validate\(": "settle / confirm",
     r"(?i)\b(taken|took|takes?|taking) back\b|\"undo\"|\bundo \+": "rolled back (the span: roll_back)",
-    r"(?i)\bkept (and updated )?on the (device|gpu|host)\b|\bkept (resident|by one executor)\b|\bunits kept\b":
+    r"(?i)\bkept (and updated )?on the (device|gpu|host)\b|\b(kept|keeps?) (resident|by one executor)\b|\bunits kept\b":
         "resident units / units held for generation",
     r"(?i)\bcopy( of (the|their) weights)? kept\b|\bno (bf16 )?copy (of them )?(is )?kept\b|\bkept as a bf16 copy\b":
         "the bf16 copy (in the arena; bf16_copy = keep is the setting's value)",

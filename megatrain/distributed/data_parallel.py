@@ -1,14 +1,8 @@
 """Data parallelism between executors: each runs its share of a step's rows, and every unit's gradient is summed
 over them before it leaves the device, each executor writing only its 1/N slice of the sum into the arena.
 
-    rank r of N: rows [r R/N, (r+1) R/N) of the step's R rows; loss scaled by the whole step's labelled tokens
-    per unit:    the unit's gradients, flattened in arena order, reduce-scattered (NCCL) or all-reduced and
-                 sliced (gloo, which has no reduce-scatter), so host-side traffic per executor is 1/N a unit
-
-The process group is made inside the executor actors (as Ray Train does): torch.distributed over TCP on the
-loopback, gloo on the CPU path and NCCL between GPUs. Model math knows nothing of it: the executor hands each
-unit's flat gradient to `reduce`.
-"""
+The process group (gloo on the CPU path, NCCL between GPUs) is made inside the executor actors; model math knows
+nothing of it (docs/design.md#data-parallelism)."""
 
 from __future__ import annotations
 

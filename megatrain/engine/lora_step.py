@@ -1,15 +1,7 @@
 """A LoRA run's side of the executor: the frozen base streams as a whole model's weights do, and each decoder
 layer's adapters are bound beside them (megatrain/lora/adapters.py: LoraLayer, whose backward gives the adapters'
-gradients alone; on a native family's layers or, hooked onto their nn.Linear modules, on the generic path's).
-
-The run's layout is a LoraLayout (megatrain/lora/layout.py): its units' own tensors are the adapters, unit for unit
-beside the base's (`layout.frozen`). The executor streams `layout.frozen` from the arena's frozen segment, in the
-dtype it was loaded in (bf16 by default: cast to the compute dtype on the device), and writes each unit's
-gradients into the adapters' ranges: the embedding and the head have none (their units are empty), so nothing of
-the base's is computed or sent. The adapters are read where they live: on the device with their optimizer state
-when resident (ResidentUnits over the adapter units, fp32 masters, cast to the compute dtype inside lora_linear as
-PEFT casts them), else from the arena's trainable ranges, once the optimizer's update of the unit is in.
-"""
+gradients alone). Nothing of the base's gradients is computed or sent; the adapters are read where they live, on the
+device when resident, else in the arena (docs/design.md#layout-step-and-memory)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The reference policy's pass (GRPO's KL term): the same executor, the same buffers and the same schedule, reading the
 initial weights instead of the current ones, so that no second model is on the device and no checkpoint goes to disk.
 
-A full run keeps the initial weights in an arena segment of their own (REFERENCE_SEGMENT, filled by the parameter store
-when it loads the model and never written after, in the dtype compute reads: megatrain/memory/post_plan.py); for the
-pass the weight slots and the embedding rows read it, the resident units' device weights (the current ones) set aside.
-A LoRA run's reference is its frozen base with the adapters off: the base streams as always and no adapter is bound
-(LoraLayer then runs the family's layer alone), which is PEFT's `disable_adapter()`: nothing more in memory.
-
-The weight buffers are forgotten before and after: they hold the other weights' copies.
-"""
+A full run reads the initial weights from an arena segment of their own; a LoRA run's reference is its base with the
+adapters off (docs/design.md#the-reference-pass)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The layout of a LoRA run: its units' own tensors are the adapters (what trains: fp32, gradients, Adam moments),
 and the base model's layout is their `frozen` part, unit for unit (megatrain/model/layout.py).
 
-The units mirror the base's: the embedding and the head have no adapter (no tensor, no gradient: an empty range),
-decoder layer l has the A and B matrices of its adapted projections under their names inside the layer
-(`self_attn.q_proj.lora_A.weight`, what LoraLayer reads and whose gradients it returns) and PEFT's names as
-their model names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). So everything that handles
-units by index (optimizer shards, gradient ranges, versions, resident units, checkpoints of the moments, the nodes'
-weight exchange) handles the adapters as it handles a whole model, and the executor streams the base beside them.
-AdamW decays the adapters' weights, as torch.optim.AdamW over PEFT's trainable parameters does.
-"""
+The units mirror the base's, so everything that handles units by index handles the adapters as it handles a whole
+model (docs/design.md#layout-step-and-memory)."""
 
 from __future__ import annotations
 

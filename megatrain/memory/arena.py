@@ -1,14 +1,8 @@
 """The host arena: the model's fp32 params, grads and Adam moments in files under /dev/shm.
 
-Every process that works on the model (parameter store, optimizer workers, GPU executor) maps the same
-files with torch.from_file(shared=True), so a write in one is a read in all, with no copies and no Ray
-serialisation. The GPU executor additionally registers the mapping with cudaHostRegister: an
-unregistered mapping copies to the GPU at ~7.8 GB/s, a registered one at ~55 GB/s (DESIGN.md).
-
-Files rather than multiprocessing.shared_memory: its resource tracker unlinks segments when any process
-that opened them exits (bpo-39959). The names carry the run id and the owner's pid and process start
-time, so a later start can tell a live run's segments from those of a killed one and remove the latter.
-"""
+Every process that works on the model maps the same files (torch.from_file(shared=True)), so a write in one is a read
+in all, with no copies and no Ray serialisation; the executor registers them for fast copies. Why files, and how a
+killed run's segments are told apart: docs/design.md#the-arena."""
 
 from __future__ import annotations
 

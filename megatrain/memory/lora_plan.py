@@ -1,16 +1,7 @@
 """The memory plan of a LoRA run: a whole model's plan (megatrain/memory/plan.py) with what the frozen base and the
-adapters change in it.
-
-Host: the base in the arena's frozen segment at 2 B a parameter in bf16 (4 in fp32), and no gradient, Adam moment or
-bf16 copy of it; the adapters with their fp32 weights, gradients (all of them, in the arena: they are small) and
-Adam m, v: 16 B an adapter parameter. GPU: the same weight buffers (the base's layers cross in its own dtype, cast
-to the compute dtype there), activation checkpoints and working set (whole or over sequence tiles, as the whole
-model's), less what the base's gradients took and plus the adapters' own activations (r-sized per token and target,
-and with dropout the dropped input): each layer's recompute takes the adapters' gradients alone, the head only the
-gradient with respect to its input, the embedding none. PCIe: the base's layers in twice a pass, the adapters'
-gradients out (nothing of the adapters crosses where they are resident: `lora_resident`, which keeps them all on the
-GPU where they fit, as the issue asks).
-"""
+adapters change in it: the base frozen in the arena (2 B a parameter in bf16) without gradients or moments, the
+adapters at 16 B a parameter, resident on the GPU where they fit (`lora_resident`). The lines host, GPU and PCIe:
+docs/design.md#layout-step-and-memory."""
 
 from __future__ import annotations
 

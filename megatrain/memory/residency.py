@@ -92,7 +92,7 @@ def margin(room: int) -> int:
 
 def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,
                     world: int = 1, held_grads: bool = False, cast: bool = False) -> Residency:
-    """The units to keep resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
+    """The units to make resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
     take, the margin already left (None: not known). world: executors of the run, all nodes'. held_grads: the plan
     holds every gradient on the device until the step ends, so a resident unit costs its held gradient less. cast:
     in bf16 runs their weights are cast at each use, no bf16 copy."""

@@ -1,14 +1,8 @@
 """The arena as the NVMe tier's staging buffer: a unit's NVMe-resident states brought into staging slots in the arena
 before the optimizer's pass over it and sent back behind it, no Ray.
 
-Each optimizer worker has one UnitStager over its shard of every unit. `take(u)` returns once u's states are in its
-slot (read ahead where the order was foreseen); `give(u)` writes them behind. The order is foreseen from the last two
-units taken: the backward takes L-1, L-2, ..., the serial update and the rollback 0, 1, ...; a wrong guess costs one
-read. All I/O of a unit goes through its own future, so a read of it never overtakes its write. Held gradients land
-in their own arena range (the executor writes there): `stow` writes them from there and punches the range's pages out
-of /dev/shm, `take` brings them back into a slot. The parameter store reads and writes the states on disk one tensor
-at a time (TierReader: init, loads, checkpoints, exports), never a whole kind in RAM.
-"""
+Each optimizer worker has one UnitStager: `take(u)` (read ahead where the order was foreseen), `give(u)` (written
+behind), `stow` for held gradients (docs/design.md#staging)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Generation on the generic path: transformers' own layers run on new tokens beside the keys and values of the earlier
-ones, which megatrain/engine/generation.py keeps. A transformers attention hands its new keys and values to its
-`cache` argument's `update` and attends to what that returns: here a LayerKV, holding the earlier ones it was given
-and keeping the new ones for the caller, so the layer stays a function (past in, new out) and the cache itself stays
-the executor's. What the model's forward makes for its layers (the mask of each layer type, padding and sliding
-windows included; the rotary tables at the new tokens' positions) is made by that forward, in the skeleton
-(hf_architecture.py), told by a SeenTokens how many tokens came before, as a cache would tell it.
-
-The layers run in eval mode here (no dropout), as transformers' generate runs them. A layer that keeps other state
-between tokens (a linear attention's, a convolution's) asks more of its cache than `update`: it is refused.
-"""
+ones, which megatrain/engine/generation.py holds. A LayerKV stands in for transformers' cache, so a layer stays a
+function (past in, new out); a layer that needs more of its cache than `update` is refused
+(docs/design.md#the-generic-path)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,15 +1,8 @@
 """The generic path: any decoder-only transformers model, its layers run from transformers' own code, statelessly.
 
-Nothing of the model is ever materialised by transformers. The model is built once on the meta device, for its
-parameter names and shapes (the layout) and for its layer modules, which are pure code there (hf_model.py); the
-stack, the embedding, what runs before the first layer, the final norm and the head are found by structure
-(hf_parts.py), whatever their names (`model.layers`, `transformer.h`, `gpt_neox.layers`), and keep them in
-`save_pretrained`. The executor runs what hf_architecture.py makes of it.
-
-transformers is needed by this path only (pip install -e '.[hf]'). Registering the family imports neither it nor
-torch (the data loader's process, which imports megatrain, needs neither): each method that builds the meta model
-imports what does so when it is called.
-"""
+The model is built once on the meta device, for its layout and its layer modules; its parts are found by structure
+(hf_parts.py) and the executor runs what hf_architecture.py makes of it. transformers is imported only when a method
+builds the meta model (docs/design.md#the-generic-path)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -1,15 +1,6 @@
-"""Where a transformers causal LM keeps its parts, found by structure rather than by name.
-
-The stack is the ModuleList of as many blocks as the config has layers (`model.layers`, `transformer.h`,
-`gpt_neox.layers`, `model.decoder.layers`, ...); the base model is the module that holds it and runs it; the token
-embedding and the output projection are what the model itself answers for `get_input_embeddings()` and
-`get_output_embeddings()`. What else the base holds with parameters is placed by running its forward once with
-every layer and every such module a recording stand-in: called after the last layer, it belongs to the head (the
-final norm, with its bias); called before the first (GPT-2's position embedding, BLOOM's embedding norm, an embedding
-dropout), it runs with the first layer (hf_architecture.FirstLayer). Parameters outside the base (a vision-language
-model's vision tower and projector) pass through untrained: text batches never run them. The names all stay the
-model's own, so `save_pretrained` writes them back.
-"""
+"""Where a transformers causal LM keeps its parts, found by structure rather than by name: the stack, the base model,
+the embedding and the output projection, and (by a forward of recording stand-ins) what belongs to the head or runs
+with the first layer. The names stay the model's own (docs/design.md#the-generic-path)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Qwen3 (dense): Llama's layer with an RMSNorm over each head's query and key vector after the projections and
 before RoPE (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, head_dim long, shared by the heads).
 
-The template is templates.DecoderLayer with its q/k norm on (ModelConfig.qk_norm, from `qk_norm` below); the
-layout adds the two norm weights to every layer (not weight-decayed, as norms never are). What differs from
-Llama's config.json: head_dim is explicit (128 when absent), attention_bias puts a bias on q, k, v and o as
-Llama's does, and the sliding-window keys are Qwen2's (use_sliding_window, max_window_layers, layer_types:
-llama.sliding_layers).
-Published Qwen3 models use full attention in every layer; a config with sliding layers is not implemented here and
-takes the generic path (transformers' own layers; NotNative).
-"""
+Its config.json's differences from Llama's, and why sliding layers take the generic path: docs/design.md#qwen3."""
 
 from __future__ import annotations
 

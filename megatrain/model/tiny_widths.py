@@ -1,16 +1,6 @@
-"""The widths of a tiny config: every size of a transformers config made tiny, by what its key names.
-
-Hidden 64, 4 attention heads of 16 (key/value heads: 4 where the model is multi-head, 1 where it is multi-query, 2
-otherwise), feed-forward 128, experts of 32 (up to 16 of them: more than ten, so that a checkpoint's experts.10 is
-not ordered before experts.2; top-2; groups of two), MLA ranks of 32 with 8 rope and 16
-no-rope dimensions per head, mamba mixers of expand x 64 in heads of 16, vocabulary 256 (special token ids beyond it
-renumbered into it), 64 positions, windows and attention chunks of 8. A key no rule names keeps its value, unless
-it is an int equal to one of the config's own widths (a width named otherwise: OPT's word_embed_proj_dim, a vision
-projector's output); keys the config derives from others (DeepSeek's qk_head_dim, Zamba's attention widths) are
-left out, so the tiny config derives them from its own sizes. Per-frequency rope lists and mrope sections are
-resized to the tiny head. Sub-configs (a VLM's text and vision towers) are shrunk the same way, each after its own
-widths and the language model's. The depth is left to megatrain/model/tiny_config.py.
-"""
+"""The widths of a tiny config: every size of a transformers config made tiny, by what its key names (hidden 64, heads
+of 16, experts of 32, vocabulary 256, ...); sub-configs the same way. The depth is left to
+megatrain/model/tiny_config.py. The rules: docs/design.md#tiny-configs."""
 
 from __future__ import annotations
 
@@ -253,7 +243,7 @@ def _shrink_mamba(values: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def shrink_widths(values: dict[str, Any], cls: type, text: Widths | None = None) -> dict[str, Any]:
-    """Every size of one (sub-)config's dict made tiny (see the module docstring); `text`: the language model's
+    """Every size of one (sub-)config's dict made tiny (docs/design.md#tiny-configs); `text`: the language model's
     widths, which a tower's projector follows too."""
     from transformers import CONFIG_MAPPING
 

@@ -1,16 +1,8 @@
-"""DPO (Rafailov et al. 2023) as TRL's DPOTrainer computes it (trl 1.16.0, trl/trainer/dpo_trainer.py
-_compute_loss, the "sigmoid" loss type with the default reverse-KL divergence): per sequence the sum of its
-completion tokens' log-probs, the policy's and the reference's log-ratios of chosen and rejected,
+"""DPO (Rafailov et al. 2023) as TRL's DPOTrainer computes it (trl 1.16.0, the "sigmoid" loss type), and its metrics:
 
     loss = mean over pairs of -logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
 
-and its logged metrics, rewards/chosen = beta * (chosen - ref_chosen) (mean), rewards/rejected, rewards/margins
-(their difference) and rewards/accuracies (the fraction of pairs whose chosen reward is the higher).
-
-A batch of n pairs is 2n rows, the n chosen completions then the n rejected ones (TRL's order), each row its
-prompt then its completion, right-padded; the labels -100 but on the completion. The reference log-probs are the
-same sums under the initial weights, computed once before training (pipelines/dpo.py).
-"""
+A batch of n pairs is 2n rows, the chosen then the rejected, each prompt then completion (docs/design.md#dpos-loss)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -123,6 +123,55 @@ def test_slotted_stager_keeps_each_unit_in_its_slot_whatever_the_order(tmp_path:
         files.unlink()
 
 
+def test_a_unit_larger_than_a_slot_is_staged_in_parts(tmp_path: Path, shm_segment: tuple[Path, torch.Tensor]) -> None:
+    """Units of several parts each (two slots' worth, and three): a pass takes them part by part in the order `order`
+    gives (the backward's descending, the update's ascending), reads the next part ahead, and `stow` and `after`
+    cover every part of a unit before their callback runs."""
+    from megatrain.memory.staging import SLOTS, STAGE_PREFIX, Extent
+
+    path, seg = shm_segment
+    files = StateFiles.create(tmp_path, {"grads": NUMEL * 4, "exp_avg": NUMEL * 4})
+    parts = {0: [0, 1], 1: [2, 3, 4], 2: [5, 6, 7]}  # units of 2, 3 and 3 parts of 1024 elements
+    extents = {p: [Extent(k, p * 4096, (p + 1) * 4096) for k in ("grads", "exp_avg")] for p in range(8)}
+    tensors = {"grads": seg, STAGE_PREFIX + "exp_avg": torch.zeros(SLOTS * 1024),
+               STAGE_PREFIX + "grads": torch.zeros(SLOTS * 1024)}
+    tensors = {k: v if k == "grads" else nvme._aligned_buffer(v.numel() * 4).view(torch.float32).zero_()
+               for k, v in tensors.items()}
+    stager = UnitStager(files, tensors, {"grads": path}, extents, slot_numel=1024, landing=("grads",), parts=parts)
+    published = []
+
+    def on_disk(unit: int) -> None:  # every part's gradient written when the unit's callback runs
+        data = files.handle.path("grads").read_bytes()
+        assert all(torch.frombuffer(bytearray(data[p * 4096 : p * 4096 + 4]), dtype=torch.float32).item() == p
+                   for p in parts[unit]), unit
+        published.append(unit)
+
+    try:
+        seg.copy_(torch.arange(8).repeat_interleave(1024).float())
+        for u in (2, 1, 0):  # the backward: each unit's gradient stowed as it lands
+            stager.stow(u, then=lambda u=u: on_disk(u))
+        stager.flush()
+        assert sorted(published) == [0, 1, 2] and allocated(path) == 0
+        for step in range(2):
+            taken = []
+            for u in ((2, 1, 0) if step == 0 else (0, 1, 2)):
+                for p in stager.order(u):
+                    stager.take(p)
+                    taken.append(p)
+                    assert torch.equal(stager.view("grads", p), torch.full((1024,), float(p)))
+                    stager.view("exp_avg", p).add_(p + 1)
+                    stager.give(p)
+                stager.after(u, lambda u=u: published.append(u))
+            assert taken == (list(range(7, -1, -1)) if step == 0 else list(range(8)))
+        stager.flush()
+        assert sorted(published) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        check = torch.from_file(str(files.handle.path("exp_avg")), size=NUMEL, dtype=torch.float32)
+        assert torch.equal(check.view(8, 1024)[:, 0], 2 * torch.arange(1, 9).float())
+    finally:
+        stager.close()
+        files.unlink()
+
+
 def test_faults_are_one_sentence(tmp_path: Path, shm_segment: tuple[Path, torch.Tensor]) -> None:
     path, seg = shm_segment
     files = StateFiles.create(tmp_path, {"exp_avg": NUMEL * 4, "exp_avg_sq": NUMEL * 4})
@@ -176,10 +225,11 @@ def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = None, save_after: int | None = None,
-          kill_worker_at: int | None = None, **settings: object) -> tuple[list[float], dict[str, torch.Tensor], list]:
+          kill_worker_at: int | None = None, inspect: Callable | None = None, **settings: object
+          ) -> tuple[list[float], dict[str, torch.Tensor], list]:
     """Steps on `batches` (after loading `resume_from`; a checkpoint `tmp/after-N` after step `save_after`; a worker
-    SIGKILLed as step `kill_worker_at` hands out its update); the losses, the final checkpoint's tensors and how each
-    step's update ran."""
+    SIGKILLed as step `kill_worker_at` hands out its update; `inspect(engine)` after the steps); the losses, the final
+    checkpoint's tensors and how each step's update ran."""
     from helpers import kill_once_updates_are_handed_out, worker_pids
 
     import megatrain
@@ -204,6 +254,8 @@ def train(directory: Path, tmp: Path, batches: list, resume_from: Path | None = 
             for kind in engine.actors.tier.kinds:
                 assert allocated(engine.handle.path(kind)) <= resident, kind
             assert kill_worker_at is None or engine.restarts == 1
+        if inspect is not None:
+            inspect(engine)
         engine.save_checkpoint(out)
         engine.save_pretrained(out / "final")
         weights = engine.parameters()
@@ -294,6 +346,44 @@ def test_a_killed_optimizer_worker_recovers_exactly_with_moments_on_nvme(ray_ses
     got = train(directory, tmp_path, batches, save_after=0, kill_worker_at=1, nvme=nvme_dir,
                 nvme_states="moments", **settings)
     assert_same(got, want)
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/helpers.py's micro Llama with a 2,048-token vocabulary: its embedding and head 4x a layer."""
+    from helpers import build_hf_model, micro_llama_config
+
+    config = micro_llama_config()
+    config.vocab_size = 2048
+    directory = tmp_path_factory.mktemp("wide-vocab")
+    build_hf_model(config).save_pretrained(directory)
+    return directory
+
+
+def test_a_large_embedding_trains_bit_for_bit_through_slots_of_a_layer(ray_session: None, wide_vocab_llama: Path,
+                                                                       tmp_path: Path, nvme_dir: Path) -> None:
+    """Every state on NVMe (bf16, the copy streamed), steps that clip and do not (rolled back, then serial): the
+    embedding and the head go through each worker's slots in parts of its share of a layer, and the run is bit for bit
+    the host-memory run; the staging segments are SLOTS slots of that share per worker (not of the embedding's), as
+    the plan counts them."""
+    from helpers import rows
+
+    from megatrain.memory.staging import SLOTS, STAGE_PREFIX
+
+    def staged(engine: object) -> None:
+        layout, workers = engine.actors.layout, ENGINE["optimizer_workers"]
+        share = -(-layout.max_layer_numel() // 1024 // workers) * 1024
+        assert layout.embed.numel // workers >= 4 * share  # the embedding in parts
+        sizes = [os.stat(engine.handle.path(STAGE_PREFIX + k)).st_size for k in engine.actors.tier.kinds]
+        assert sizes == [workers * SLOTS * share * 4] * 4
+        assert 0 <= sum(sizes) - engine.plan.tier.staging_bytes <= 4 * workers * SLOTS * 1024 * 4  # ALIGN rounding
+
+    settings = dict(max_grad_norm=1.42, speculate="auto", precision="bf16", bf16_copy="keep")
+    batches = [rows(seed) for seed in (1, 2, 3)]
+    want = train(wide_vocab_llama, tmp_path, batches, **settings)
+    got = train(wide_vocab_llama, tmp_path, batches, nvme=nvme_dir, nvme_states="all", inspect=staged, **settings)
+    assert got[2] == want[2] and {"rolled back", "serial"} <= set(want[2]), want[2]
+    assert_same(got[:2], want[:2])
 
 
 # ---- the plan, the refusals, the commands ----

@@ -73,41 +73,52 @@ def test_landed_gradients_are_stowed_from_their_range_and_staged_back_into_a_slo
         files.unlink()
 
 
-def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory(nvme_dir: Path) -> None:
+@pytest.mark.parametrize("vocab, workers", [(260, 1), (4096, 2)], ids=["tiny", "large-embedding-in-parts"])
+def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory(nvme_dir: Path, vocab: int,
+                                                                                 workers: int) -> None:
     """AdamWShard without Ray through the orders a run takes its units in: two executors' slices updated beside the
     backward (the update stands), executors disagreeing (one stows its slice where the other speculated: that unit
     waits) and the rollback, the serial update of stowed gradients, roll_back: the passes on a store whose masters,
-    moments and held gradients are on NVMe leave bit for bit what they leave in host memory, and nothing in RAM."""
+    moments and held gradients are on NVMe leave bit for bit what they leave in host memory, and nothing in RAM. With
+    an embedding and a head larger than a layer, each worker stages them in parts of at most its share of a layer."""
+    from dataclasses import replace
+
     from megatrain.config import ModelConfig, OptimConfig
-    from megatrain.engine.optimizer import AdamWShard, shard_stager
+    from megatrain.engine.optimizer import AdamWShard, shard_bounds, shard_stager
     from megatrain.memory.nvme import TierSpec
     from megatrain.model.layout import GradLayout
     from megatrain.store import ParameterStore
 
     spec = TierSpec(str(nvme_dir), ("master", "moments", "grads"), ("params", "exp_avg", "exp_avg_sq", "grads"))
-    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, verify=False,
-                             check_memory=False, **extra) for extra in ({}, {"tier": spec})]
+    config = replace(ModelConfig.from_name("tiny"), vocab_size=vocab)
+    stores = [ParameterStore(config, num_workers=workers, shadow=True, verify=False, check_memory=False, **extra)
+              for extra in ({}, {"tier": spec})]
     try:
         layout, optim = stores[0].layout, OptimConfig(lr=1e-2, weight_decay=0.1)
-        shards = [AdamWShard(layout, st.arena.tensors, optim, 0, 1, st.versions, GradLayout.build(layout, "arena"),
-                             stager=shard_stager(layout, st.arena, 0, 1)) for st in stores]
+        shards = [[AdamWShard(layout, st.arena.tensors, optim, w, workers, st.versions,
+                              GradLayout.build(layout, "arena"), stager=shard_stager(layout, st.arena, w, workers))
+                   for w in range(workers)] for st in stores]
+        share = max(b - a for w in range(workers) for a, b in [shard_bounds(layout.embed, w, workers)])
+        assert shards[1][0].stager.slot_numel == -(-layout.max_layer_numel() // 1024 // workers) * 1024
+        assert (share > shards[1][0].stager.slot_numel) == (vocab > 260)  # the large embedding goes in parts
         units, gen = [u.index for u in layout.units], torch.Generator().manual_seed(0)
 
         def step(number: int, first: str, second: str, speculation: int | None, after: str, coef: float) -> None:
             grads = torch.randn(layout.numel, generator=gen)  # what the executors land (both slices at once here)
-            for st, shard in zip(stores, shards, strict=True):
+            for st, pool in zip(stores, shards, strict=True):
                 st.arena.grads.copy_(grads)
-                for u in reversed(units):  # the backward's order, each executor's call in turn
-                    for call in (first, second if u % 2 else first):  # serially a second stow does nothing
-                        getattr(shard, call)(u, number, speculation, 2 if speculation is not None else 1)
-                if after == "finish":
-                    shard.roll_back_versions(number)
-                for u in units:
+                for shard in pool:
+                    for u in reversed(units):  # the backward's order, each executor's call in turn
+                        for call in (first, second if u % 2 else first):  # serially a second stow does nothing
+                            getattr(shard, call)(u, number, speculation, 2 if speculation is not None else 1)
                     if after == "finish":
-                        shard.settle(u, number, coef, speculation)
-                    elif after == "roll_back":
-                        shard.roll_back(u, number, speculation)
-                shard.flush()  # the run's versions order the next landing after the punches; here, the flush
+                        shard.roll_back_versions(number)
+                    for u in units:
+                        if after == "finish":
+                            shard.settle(u, number, coef, speculation)
+                        elif after == "roll_back":
+                            shard.roll_back(u, number, speculation)
+                    shard.flush()  # the run's versions order the next landing after the punches; here, the flush
 
         step(0, "speculate", "speculate", 1, "stands", 1.0)
         step(1, "speculate", "stow", 2, "finish", 0.5)  # odd units: one executor stowed, the update waits

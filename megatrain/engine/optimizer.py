@@ -16,7 +16,7 @@ import torch
 from megatrain.config import OptimConfig
 from megatrain.memory.arena import SHADOW_SEGMENT, Arena
 from megatrain.memory.nvme import KINDS
-from megatrain.memory.staging import SLOTS, Extent, UnitStager, open_stager, slot_numel
+from megatrain.memory.staging import SLOTS, Extent, UnitStager, open_stager, slot_numel, split_range
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 # Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
@@ -50,16 +50,19 @@ def shard_stager(layout: ModelLayout, arena: Arena, worker: int, num_workers: in
     if tier is None:
         return None
     node = node or NodeShard.build(layout)
-    extents = {}
+    numel = slot_numel(layout, tier.from_unit, num_workers)
+    extents: dict[int, list[Extent]] = {}
+    parts: dict[int, list[int]] = {}  # unit -> its parts of at most a slot, numbered in forward order
     for unit in layout.units:
         lo, hi = shard_bounds(unit, worker, num_workers, node)
         if unit.index < tier.from_unit or hi <= lo:
             continue
-        packed = node.offsets[unit.index] + lo - node.bounds[unit.index][0]
-        extents[unit.index] = [Extent(k, 4 * at, 4 * (at + hi - lo))
-                               for k in tier.kinds() for at in [packed if k in MOMENTS else unit.offset + lo]]
-    numel = slot_numel(layout, tier.from_unit, num_workers)
-    return open_stager(tier, arena, extents, numel, worker * SLOTS * numel)
+        packed = node.offsets[unit.index] - node.bounds[unit.index][0]
+        for a, b in split_range(lo, hi, numel):
+            parts.setdefault(unit.index, []).append(len(extents))
+            extents[len(extents)] = [Extent(k, 4 * at, 4 * (at + b - a))
+                                     for k in tier.kinds() for at in [packed + a if k in MOMENTS else unit.offset + a]]
+    return open_stager(tier, arena, extents, numel, worker * SLOTS * numel, parts)
 
 
 def shard_bounds(unit: Unit, worker: int, num_workers: int, node: NodeShard | None = None) -> tuple[int, int]:
@@ -86,6 +89,14 @@ class _Piece:
         return sum(t.numel() for t in self.params)
 
 
+@dataclass
+class _Part:
+    """A part of a unit's shard the NVMe tier stages at once (the whole shard where the tier holds none of it)."""
+
+    key: int | None  # the stager's (None: nothing of it is staged)
+    groups: tuple[list[_Piece], list[_Piece]]  # the decay group's pieces, the no-decay group's
+
+
 class AdamWShard:
     """One worker's shard of every unit, updated with torch's fused AdamW kernel."""
 
@@ -108,8 +119,10 @@ class AdamWShard:
         self.piece_numel = piece_numel
         self.stager = stager
         self.device = tensors["params"].device
-        # per unit: (decay group's pieces, no-decay group's pieces)
-        self.groups: list[tuple[list[_Piece], list[_Piece]]] = [self._pieces(u, tensors) for u in layout.units]
+        # per unit: its parts (one unless the NVMe tier stages it in several), and their pieces of each decay group
+        self.parts: list[list[_Part]] = [self._parts(u, tensors) for u in layout.units]
+        self.groups: list[tuple[list[_Piece], list[_Piece]]] = [
+            tuple([p for part in parts for p in part.groups[g]] for g in (0, 1)) for parts in self.parts]
         self.numel = sum(p.numel for pair in self.groups for pieces in pair for p in pieces)
         # the speculative update: which speculation's number the record is of, the units speculated in it, and how
         # many executors' gradient slices of each unit have landed (the update waits for all of them)
@@ -120,10 +133,20 @@ class AdamWShard:
         self.stowing: set[int] = set()  # units of it some executor stowed (not updated beside the backward)
         self.stowed: set[int] = set()  # units whose gradient is on disk (staged back for its update), not in the arena
 
-    def _pieces(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> tuple[list[_Piece], list[_Piece]]:
-        """The unit's shard as pieces of at most piece_numel elements per decay group: a tensor longer than that is
-        cut every piece_numel elements from its start, shorter ones share a piece."""
+    def _parts(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> list[_Part]:
+        """The unit's shard in the parts the stager moves it in (its slot's size at most), or whole."""
         lo, hi = shard_bounds(unit, self.worker, self.num_workers, self.node)
+        if self.stager is None or not self.stager.holds(unit.index):
+            return [_Part(None, self._pieces(unit, tensors, lo, hi, None))]
+        spans = split_range(lo, hi, self.stager.slot_numel)
+        return [_Part(key, self._pieces(unit, tensors, a, b, key))
+                for key, (a, b) in zip(self.stager.parts[unit.index], spans, strict=True)]
+
+    def _pieces(self, unit: Unit, tensors: dict[str, torch.Tensor], lo: int, hi: int, key: int | None
+                ) -> tuple[list[_Piece], list[_Piece]]:
+        """[lo, hi) of the unit (a part of its shard, staged as `key`) as pieces of at most piece_numel elements per
+        decay group: a tensor longer than that is cut every piece_numel elements from its start, shorter ones share a
+        piece."""
         grads = self.grad_layout.range_of(unit, tensors["grads"])
         shadow = tensors.get(SHADOW_SEGMENT)
         pieces: tuple[list[_Piece], list[_Piece]] = ([], [])
@@ -135,31 +158,33 @@ class AdamWShard:
                 if not group or group[-1].numel + end - start > self.piece_numel:
                     group.append(_Piece([], [], [], [], [], []))
                 piece, at = group[-1], unit.offset + start
-                piece.params.append(self._state(unit, tensors, "params", lo, start, end))
+                piece.params.append(self._state(unit, tensors, "params", lo, start, end, key))
                 piece.grads.append(grads[start:end])
-                staged = self._staged_grads(unit, lo, start, end)
+                staged = self._staged(unit, "grads", lo, start, end, key)
                 piece.staged.append(grads[start:end] if staged is None else staged)
-                piece.exp_avg.append(self._state(unit, tensors, "exp_avg", lo, start, end))
-                piece.exp_avg_sq.append(self._state(unit, tensors, "exp_avg_sq", lo, start, end))
+                piece.exp_avg.append(self._state(unit, tensors, "exp_avg", lo, start, end, key))
+                piece.exp_avg_sq.append(self._state(unit, tensors, "exp_avg_sq", lo, start, end, key))
                 if shadow is not None:
                     piece.shadow.append(shadow[at : unit.offset + end])
         return pieces
 
-    def _state(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int
-               ) -> torch.Tensor:
+    def _state(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int,
+               key: int | None) -> torch.Tensor:
         """[start, end) of the unit's weights or moment `kind`: in the arena (a moment: at the node's packing), or in
-        the unit's staging slot where on NVMe (the shard from `lo` on)."""
-        if self.stager is not None and self.stager.holds(unit.index, kind):
-            return self.stager.view(kind, unit.index)[start - lo : end - lo]
+        the staging slot of the part `key` (from `lo` on) where on NVMe."""
+        staged = self._staged(unit, kind, lo, start, end, key)
+        if staged is not None:
+            return staged
         if kind == "params":
             return tensors[kind][unit.offset + start : unit.offset + end]
         return self.node.moments(unit, tensors[kind], start, end)
 
-    def _staged_grads(self, unit: Unit, lo: int, start: int, end: int) -> torch.Tensor | None:
-        """[start, end) of the unit's gradient in its staging slot where the NVMe tier holds it (None: it does not)."""
-        if self.stager is None or not self.stager.holds(unit.index, "grads"):
+    def _staged(self, unit: Unit, kind: str, lo: int, start: int, end: int, key: int | None) -> torch.Tensor | None:
+        """[start, end) of the unit's `kind` in the staging slot of its part `key` (from `lo` on) where the NVMe tier
+        holds that kind (None: it does not)."""
+        if key is None or not self.stager.holds(unit.index, kind):
             return None
-        return self.stager.view("grads", unit.index)[start - lo : end - lo]
+        return self.stager.view(kind, key)[start - lo : end - lo]
 
     # ---- the pass ----
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:
@@ -181,44 +206,58 @@ class AdamWShard:
         steps = torch.full((), float(step + 1), device=self.device)
         # the gradient comes back from disk where it was stowed, else it is where it landed (beside the backward: keep)
         staged = unit_index in self.stowed and not keep
-        if self.stager is not None:
-            self.stager.take(unit_index, skip=() if staged else ("grads",))
-        for pieces, weight_decay in zip(self.groups[unit_index], (self.optim.weight_decay, 0.0), strict=True):
-            for piece in pieces:
-                grads = piece.staged if staged else piece.grads
-                if undo:
-                    self._undo(piece, grads, step, lr, weight_decay)
-                if update:
-                    if clip_coef < 1.0:
-                        torch._foreach_mul_(grads, clip_coef)
-                    torch._fused_adamw_(piece.params, grads, piece.exp_avg, piece.exp_avg_sq, [],
-                                        [steps] * len(piece.params), lr=lr, beta1=beta1, beta2=beta2,
-                                        weight_decay=weight_decay, eps=self.optim.eps, amsgrad=False,
-                                        maximize=False)
-                if piece.shadow:
-                    torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
-        self._after_pass(unit_index, step + 1 if update else step, staged, keep)
+        leaves = self._leaving(unit_index, staged, keep)
+        for part in self._in_order(unit_index):
+            if part.key is not None:  # the part's states into its slot (the next one read ahead)
+                self.stager.take(part.key, skip=() if staged else ("grads",))
+            for pieces, weight_decay in zip(part.groups, (self.optim.weight_decay, 0.0), strict=True):
+                for piece in pieces:
+                    grads = piece.staged if staged else piece.grads
+                    if undo:
+                        self._undo(piece, grads, step, lr, weight_decay)
+                    if update:
+                        if clip_coef < 1.0:
+                            torch._foreach_mul_(grads, clip_coef)
+                        torch._fused_adamw_(piece.params, grads, piece.exp_avg, piece.exp_avg_sq, [],
+                                            [steps] * len(piece.params), lr=lr, beta1=beta1, beta2=beta2,
+                                            weight_decay=weight_decay, eps=self.optim.eps, amsgrad=False,
+                                            maximize=False)
+                    if piece.shadow:
+                        torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
+            if part.key is not None:  # written behind, and the landed gradient's range with it
+                if leaves == "drop":
+                    self.stager.drop(unit_index, part.key)
+                self.stager.give(part.key, stow=leaves == "stow")
+        self._after_pass(unit_index, step + 1 if update else step, leaves)
         return time.perf_counter() - t0
 
-    def _after_pass(self, unit_index: int, version: int, staged: bool, keep: bool) -> None:
-        """The states written behind and the version published; where the tier holds the gradient and it is still in
-        the arena, it leaves: stowed (`keep`), the version published only once its range is punched out (before the
-        executor lands the next step's gradient there), or dropped (a final update)."""
-        stager = self.stager
-        if stager is None or staged or not stager.holds(unit_index, "grads"):
-            self.stowed.discard(unit_index)
-            if stager is not None:
-                stager.give(unit_index)  # behind: the version is published before the states are back on disk
-                self._masters_sent(unit_index)
-            self.publish(unit_index, version)
-        elif keep:
+    def _in_order(self, unit_index: int) -> list[_Part]:
+        """The unit's parts in the order the stager foresees (the backward's: descending) or forward."""
+        parts = self.parts[unit_index]
+        if parts[0].key is None or self.stager.order(unit_index)[0] == parts[0].key:
+            return parts
+        return parts[::-1]
+
+    def _leaving(self, unit_index: int, staged: bool, keep: bool) -> str:
+        """Where the tier holds the gradient and the pass reads it where it landed, how it leaves that range: "stow"n
+        (`keep`: the update beside the backward, which the settling may roll back) or "drop"ped (a final update);
+        "" where there is nothing to do."""
+        if self.stager is None or staged or not self.stager.holds(unit_index, "grads"):
+            return ""
+        return "stow" if keep else "drop"
+
+    def _after_pass(self, unit_index: int, version: int, leaves: str) -> None:
+        """The version published: at once (the states written behind), or where the gradient was stowed only once its
+        range is punched out, before the executor lands the next step's gradient there."""
+        if leaves == "stow":
             self.stowed.add(unit_index)
-            stager.give(unit_index, stow=True, then=lambda: self.publish(unit_index, version))
-        else:
-            stager.drop(unit_index)
-            stager.give(unit_index)
+            self.stager.after(unit_index, lambda: self.publish(unit_index, version))
+            return
+        if not leaves:
+            self.stowed.discard(unit_index)
+        if self.stager is not None:
             self._masters_sent(unit_index)
-            self.publish(unit_index, version)
+        self.publish(unit_index, version)
 
     def _masters_sent(self, unit_index: int) -> None:
         """Several nodes with the masters on NVMe: the store sends this node's part from its state file once the

@@ -6,7 +6,7 @@ behind), `stow` for held gradients (docs/design.md#staging)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +22,9 @@ AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM whil
 # a worker's staging slots: the unit updated, the next read ahead, the one before written behind; consecutive units
 # (the backward's order and the update's) never share one
 SLOTS = 3
+# elements of a unit the workers stage at a time, all together (each its share): 256 MiB of fp32 per kind and slot keeps
+# a disk's queue full, and a large unit (an embedding of 18% of a model) goes through in parts of a layer or less
+STAGE_NUMEL = 64 << 20
 STAGE_PREFIX = "stage_"  # the arena's staging segment of a kind on NVMe: stage_exp_avg, ...
 # kinds another process lands in their own arena range (the executor's gradients), written to disk from there
 LANDING = ("grads",)
@@ -45,7 +48,9 @@ def unit_extents(bounds: dict[int, tuple[int, int]], kinds: tuple[str, ...], ele
 class UnitStager:
     """Moves `extents` (per unit) between `files` and memory: each extent's own range of the arena segment of its kind
     (`tensors`, punched out at `paths` once written), or where `slots` is given, the unit's slot of the staging segments
-    `tensors` hold (stage_<kind>: SLOTS ranges of `slot_numel` elements from element `slot_base`), kept allocated.
+    `tensors` hold (stage_<kind>: SLOTS ranges of `slot_numel` elements from element `slot_base`), kept allocated. A
+    unit larger than a slot is moved in parts (`parts`), numbered in forward order so that consecutive parts (the
+    backward's order and the update's) never share a slot.
 
     Kinds in `landing` (an optimizer worker's held gradients) are placed twice: another process (the executor) lands
     them in their own arena range, from where `stow` writes them to disk and punches the range out; `take` reads them
@@ -53,83 +58,102 @@ class UnitStager:
 
     def __init__(self, files: StateFiles, tensors: dict[str, torch.Tensor], paths: dict[str, Path] | None,
                  extents: dict[int, list[Extent]], ahead: int = AHEAD, slot_numel: int = 0, slot_base: int = 0,
-                 landing: tuple[str, ...] = ()):
+                 landing: tuple[str, ...] = (), parts: dict[int, list[int]] | None = None):
+        """parts: unit -> the keys of `extents` it is staged as, in forward order, each at most `slot_numel` elements of
+        each kind (by default each unit one part, its own key); take and give move one part, the rest a unit's all."""
         self.files, self.extents, self.ahead, self.paths = files, extents, ahead, paths
-        self.slotted, self.landing = slot_numel > 0, landing
-        self.memory: dict[int, list[torch.Tensor]] = {}  # unit -> the byte view each of its extents moves through
-        self.ranges: dict[int, list[torch.Tensor | None]] = {}  # unit -> each extent's own arena range (where it lands)
-        for unit, parts in extents.items():
+        self.slotted, self.landing, self.slot_numel = slot_numel > 0, landing, slot_numel
+        self.parts = parts if parts is not None else {u: [u] for u in extents}
+        self.memory: dict[int, list[torch.Tensor]] = {}  # part -> the byte view each of its extents moves through
+        self.ranges: dict[int, list[torch.Tensor | None]] = {}  # part -> each extent's own arena range (where it lands)
+        for part, own in extents.items():
             # a slotted stager's other kinds have no range of theirs here (their arena range stays empty)
-            self.ranges[unit] = [tensors[e.kind].view(torch.uint8)[e.start : e.end]
-                                 if e.kind in landing or not self.slotted else None for e in parts]
-            at = (slot_base + (unit % SLOTS) * slot_numel) * 4
-            self.memory[unit] = [tensors[STAGE_PREFIX + e.kind].view(torch.uint8)[at : at + e.end - e.start]
-                                 if self.slotted else view for e, view in zip(parts, self.ranges[unit], strict=True)]
-        self.io: dict[int, Future] = {}  # unit -> its last read or write
-        self.staged: dict[int, set[str]] = {}  # unit -> the kinds of it in memory (read, or being read)
-        self.occupant: dict[int, int] = {}  # slot -> the unit whose states it holds or is writing
+            self.ranges[part] = [tensors[e.kind].view(torch.uint8)[e.start : e.end]
+                                 if e.kind in landing or not self.slotted else None for e in own]
+            at = (slot_base + (part % SLOTS) * slot_numel) * 4
+            self.memory[part] = [tensors[STAGE_PREFIX + e.kind].view(torch.uint8)[at : at + e.end - e.start]
+                                 if self.slotted else view for e, view in zip(own, self.ranges[part], strict=True)]
+        self.io: dict[int, Future] = {}  # part -> its last read or write
+        self.staged: dict[int, set[str]] = {}  # part -> the kinds of it in memory (read, or being read)
+        self.occupant: dict[int, int] = {}  # slot -> the part whose states it holds or is writing
         self.taken: int | None = None
         self.last: int | None = None
         self.skip: frozenset[str] = frozenset()  # the kinds the last take left out (its read ahead leaves them too)
 
     def holds(self, unit: int, kind: str | None = None) -> bool:
-        return unit in self.extents and (kind is None or any(e.kind == kind for e in self.extents[unit]))
+        return unit in self.parts and (kind is None or any(e.kind == kind for e in self.extents[self.parts[unit][0]]))
 
-    def view(self, kind: str, unit: int) -> torch.Tensor:
-        """The fp32 memory the unit's extent of `kind` is staged in (what the optimizer's pieces are views of)."""
-        e = next(i for i, x in enumerate(self.extents[unit]) if x.kind == kind)
-        return self.memory[unit][e].view(torch.float32)
+    def view(self, kind: str, part: int) -> torch.Tensor:
+        """The fp32 memory the part's extent of `kind` is staged in (what the optimizer's pieces are views of)."""
+        e = next(i for i, x in enumerate(self.extents[part]) if x.kind == kind)
+        return self.memory[part][e].view(torch.float32)
 
-    def take(self, unit: int, skip: tuple[str, ...] = ()) -> None:
-        """Returns once the unit's states (but the kinds in `skip`) are in memory; reads the foreseen next one ahead."""
-        if unit not in self.extents:
+    def order(self, unit: int) -> list[int]:
+        """The unit's parts in the order a pass takes them, so the read ahead of one part guesses the next: descending
+        where the last part taken is above them (the backward's order), or at the start of a pass anywhere but at the
+        first unit (the backward starts at the top, the update and the rollback at the bottom)."""
+        parts = self.parts[unit]
+        down = self.last > parts[-1] if self.last is not None else parts[0] > 0
+        return parts[::-1] if down else parts
+
+    def take(self, part: int, skip: tuple[str, ...] = ()) -> None:
+        """Returns once the part's states (but the kinds in `skip`) are in memory; reads the foreseen next one ahead."""
+        if part not in self.extents:
             return
         self.skip = frozenset(skip)
-        missing = self._kinds(unit) - self.staged.get(unit, set())
+        missing = self._kinds(part) - self.staged.get(part, set())
         if missing:
-            self._read(unit, missing)
-        self.io[unit].result()
-        self.taken = unit
-        guess = None if self.last is None else unit + (unit - self.last)
-        self.last = unit
+            self._read(part, missing)
+        self.io[part].result()
+        self.taken = part
+        guess = None if self.last is None else part + (part - self.last)
+        self.last = part
         if (self.ahead and guess is not None and guess in self.extents and guess not in self.staged
-                and not (self.slotted and guess % SLOTS == unit % SLOTS)):
-            self._drop_unused(keep=unit)
+                and not (self.slotted and guess % SLOTS == part % SLOTS)):
+            self._drop_unused(keep=part)
             self._read(guess, self._kinds(guess))
 
-    def give(self, unit: int, changed: bool = True, stow: bool = False, then: Callable[[], None] | None = None
+    def give(self, part: int, changed: bool = True, stow: bool = False, then: Callable[[], None] | None = None
              ) -> None:
-        """The pass over the unit is done: its states are written behind (`changed`) and leave memory; `stow`: its
-        landing kinds are written from their arena ranges as well (`stow`); `then` runs once all is on disk."""
-        if unit not in self.extents:
+        """The pass over the part is done: its states are written behind (`changed`) and leave memory; `stow`: its
+        landing kinds are written from their arena ranges as well; `then` runs once all is on disk."""
+        if part not in self.extents:
             return
         self.taken = None
-        kinds = self.staged.pop(unit, set()) - set(self.landing) if changed else set()
-        self.io[unit] = self._write(unit, kinds, stow, then)
+        kinds = self.staged.pop(part, set()) - set(self.landing) if changed else set()
+        self.io[part] = self._write(part, kinds, stow, then)
+
+    def after(self, unit: int, then: Callable[[], None]) -> None:
+        """`then` runs once what is under way for every part of the unit is done (at once where nothing is)."""
+        parts = self.parts[unit]
+        self.io[parts[-1]] = all_of([self.io[p] for p in parts if p in self.io], then=then)
 
     def stow(self, unit: int, then: Callable[[], None] | None = None) -> None:
         """The unit's landing kinds from their arena ranges to disk, the ranges punched out after (then `then`)."""
         if self.holds(unit):
-            self.io[unit] = self._write(unit, set(), True, then, claim=False)
+            for part in self.parts[unit]:
+                self.io[part] = self._write(part, set(), True, claim=False)
+            if then is not None:
+                self.after(unit, then)
 
     def wait(self, unit: int) -> None:
         """What is under way for the unit is done."""
-        if self.holds(unit):
-            self._wait(unit, claim=False)
+        for part in self.parts.get(unit, ()):
+            self._wait(part, claim=False)
 
-    def drop(self, unit: int) -> None:
-        """The unit's landing kinds leave their arena ranges unwritten (a final update read them there)."""
-        if self.holds(unit):
-            self._wait(unit, claim=False)
-            self._punch_ranges(unit, set(self.landing))
+    def drop(self, unit: int, part: int | None = None) -> None:
+        """The unit's (`part`'s) landing kinds leave their arena ranges unwritten (a final update read them there)."""
+        for p in self.parts.get(unit, ()) if part is None else (part,):
+            self._wait(p, claim=False)
+            self._punch_ranges(p, set(self.landing))
 
     def flush(self) -> None:
         """Every write on disk and nothing left staged: what another process reads of the files is current."""
         self._drop_unused(keep=None)
         errors = []
-        for unit in list(self.io):
+        for part in list(self.io):
             try:
-                self.io.pop(unit).result()
+                self.io.pop(part).result()
             except Exception as e:  # noqa: BLE001 - all writes are waited for before the first error is raised
                 errors.append(e)
         self.last = None
@@ -140,77 +164,77 @@ class UnitStager:
     # ---- whole ranges, for the store ----
     def bring_in(self) -> None:
         """Every extent into the arena (a checkpoint reads them there); `send_out` ends it."""
-        for unit, parts in self.extents.items():
-            missing = {e.kind for e in parts} - self.staged.get(unit, set())
+        for part, extents in self.extents.items():
+            missing = {e.kind for e in extents} - self.staged.get(part, set())
             if missing:
-                self._read(unit, missing)
-        for unit in self.extents:
-            self.io[unit].result()
+                self._read(part, missing)
+        for part in self.extents:
+            self.io[part].result()
 
     def send_out(self, changed: bool = True) -> None:
         """Every extent to disk (`changed`) and out of the arena."""
-        for unit, parts in self.extents.items():
-            self.staged.pop(unit, None)
-            self.io[unit] = self._write(unit, {e.kind for e in parts} if changed else set(), False)
+        for part, extents in self.extents.items():
+            self.staged.pop(part, None)
+            self.io[part] = self._write(part, {e.kind for e in extents} if changed else set(), False)
         self.flush()
 
-    # ---- I/O ----
-    def _kinds(self, unit: int) -> set[str]:
-        return {e.kind for e in self.extents[unit]} - self.skip
+    # ---- I/O, a part at a time ----
+    def _kinds(self, part: int) -> set[str]:
+        return {e.kind for e in self.extents[part]} - self.skip
 
-    def _wait(self, unit: int, claim: bool = True) -> None:
-        """What was under way for the unit, and (`claim`: it is about to use its slot) in its slot for the unit there
+    def _wait(self, part: int, claim: bool = True) -> None:
+        """What was under way for the part, and (`claim`: it is about to use its slot) in its slot for the part there
         before it, is done."""
-        before = self.io.get(unit)
+        before = self.io.get(part)
         if before is not None:
             before.result()  # its write: a read must not overtake it
         if self.slotted and claim:
-            slot = unit % SLOTS
+            slot = part % SLOTS
             other = self.occupant.get(slot)
-            if other is not None and other != unit:
+            if other is not None and other != part:
                 self.staged.pop(other, None)  # read ahead and never taken: nothing to write
                 if other in self.io:
                     self.io.pop(other).result()
-            self.occupant[slot] = unit
+            self.occupant[slot] = part
 
-    def _read(self, unit: int, kinds: set[str]) -> None:
-        self._wait(unit)
-        self.staged.setdefault(unit, set()).update(kinds)
-        self.io[unit] = all_of([self.files.read(e.kind, e.start, view)
-                                for e, view in zip(self.extents[unit], self.memory[unit], strict=True)
+    def _read(self, part: int, kinds: set[str]) -> None:
+        self._wait(part)
+        self.staged.setdefault(part, set()).update(kinds)
+        self.io[part] = all_of([self.files.read(e.kind, e.start, view)
+                                for e, view in zip(self.extents[part], self.memory[part], strict=True)
                                 if e.kind in kinds])
 
-    def _write(self, unit: int, kinds: set[str], stow: bool, then: Callable[[], None] | None = None,
+    def _write(self, part: int, kinds: set[str], stow: bool, then: Callable[[], None] | None = None,
                claim: bool = True) -> Future:
-        """Writes the unit's `kinds` from memory (and with `stow` its landing kinds from their arena ranges); once on
+        """Writes the part's `kinds` from memory (and with `stow` its landing kinds from their arena ranges); once on
         disk, what left RAM is punched out and `then` runs."""
-        self._wait(unit, claim)
+        self._wait(part, claim)
         landed = set(self.landing) if stow else set()
-        parts = [self.files.write(e.kind, e.start, view)
-                 for e, view in zip(self.extents[unit], self.memory[unit], strict=True) if e.kind in kinds]
-        parts += [self.files.write(e.kind, e.start, view)
-                  for e, view in zip(self.extents[unit], self.ranges[unit], strict=True) if e.kind in landed]
+        writes = [self.files.write(e.kind, e.start, view)
+                  for e, view in zip(self.extents[part], self.memory[part], strict=True) if e.kind in kinds]
+        writes += [self.files.write(e.kind, e.start, view)
+                   for e, view in zip(self.extents[part], self.ranges[part], strict=True) if e.kind in landed]
 
         def done() -> None:
-            self._punch_ranges(unit, landed if self.slotted else {e.kind for e in self.extents[unit]})
+            self._punch_ranges(part, landed if self.slotted else {e.kind for e in self.extents[part]})
             if then is not None:
                 then()
 
-        return all_of(parts, then=done)
+        return all_of(writes, then=done)
 
-    def _punch_ranges(self, unit: int, kinds: set[str]) -> None:
-        """The unit's arena ranges of `kinds` give their pages back (a slot keeps its pages for the next unit)."""
+    def _punch_ranges(self, part: int, kinds: set[str]) -> None:
+        """The part's arena ranges of `kinds` give their pages back (a slot keeps its pages for the next part)."""
         if self.paths is None:
             return
-        for e in self.extents[unit]:
+        for e in self.extents[part]:
             if e.kind in kinds:
                 punch_out(self.paths[e.kind], e.start, e.end - e.start)
 
     def _drop_unused(self, keep: int | None) -> None:
-        """Read-ahead units never taken leave memory (unchanged: nothing to write)."""
-        for unit in [u for u in self.staged if u != keep and u != self.taken]:
-            self.staged.pop(unit)
-            self.io[unit] = self._write(unit, set(), False)
+        """Read-ahead parts never taken leave memory (unchanged: nothing to write)."""
+        for part in [p for p in self.staged if p != keep and p != self.taken]:
+            self.staged.pop(part)
+            self.io[part] = self._write(part, set(), False)
 
     def close(self) -> None:
         try:
@@ -219,10 +243,22 @@ class UnitStager:
             self.files.close()
 
 
+def staged_numel(unit_numels: Iterable[int], layer_numel: int) -> int:
+    """Elements of a unit the workers stage at a time, all together: the largest unit on NVMe, at most a decoder
+    layer's and STAGE_NUMEL (the plan's staging counts SLOTS of these per kind)."""
+    return min(max(unit_numels, default=0), max(layer_numel, ALIGN), STAGE_NUMEL)
+
+
 def slot_numel(layout: ModelLayout, from_unit: int, workers: int) -> int:
-    """Elements of one worker's staging slot: the largest share a worker has of a unit on NVMe (ALIGN blocks)."""
-    blocks = max((u.numel // ALIGN for u in layout.units if u.index >= from_unit), default=0)
+    """Elements of one worker's staging slot, the most of a unit's share it stages at a time: its share of
+    staged_numel (ALIGN blocks)."""
+    blocks = staged_numel((u.numel for u in layout.units if u.index >= from_unit), layout.max_layer_numel()) // ALIGN
     return -(-blocks // max(workers, 1)) * ALIGN
+
+
+def split_range(start: int, end: int, numel: int) -> list[tuple[int, int]]:
+    """[start, end) cut every `numel` elements (a multiple of ALIGN) from its start: a shard's parts."""
+    return [(a, min(end, a + numel)) for a in range(start, end, numel)]
 
 
 def stage_segments(layout: ModelLayout, kinds: tuple[str, ...], from_unit: int, workers: int
@@ -233,12 +269,13 @@ def stage_segments(layout: ModelLayout, kinds: tuple[str, ...], from_unit: int, 
 
 
 def open_stager(tier: TierHandle, arena: Arena, extents: dict[int, list[Extent]], slot_numel: int,
-                slot_base: int) -> UnitStager:
-    """A worker's stager over `extents` (unit -> its share's extents of each kind) of the run's state files, through
-    its SLOTS slots of `slot_numel` elements from element `slot_base` of the arena's staging segments."""
+                slot_base: int, parts: dict[int, list[int]] | None = None) -> UnitStager:
+    """A worker's stager over `extents` (part -> its extents of each kind; `parts`: unit -> its parts, by default each
+    unit one) of the run's state files, through its SLOTS slots of `slot_numel` elements from element `slot_base` of
+    the arena's staging segments."""
     landing = tuple(k for k in tier.kinds() if k in LANDING)
     return UnitStager(StateFiles.open(tier), arena.tensors, {k: arena.handle.path(k) for k in landing}, extents,
-                      slot_numel=slot_numel, slot_base=slot_base, landing=landing)
+                      slot_numel=slot_numel, slot_base=slot_base, landing=landing, parts=parts)
 
 
 class StoreTier:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.model.layout import planned_unit_numels
+from megatrain.memory.staging import staged_numel
+from megatrain.model.layout import planned_unit_numels, planning_layout
 
 if TYPE_CHECKING:
     from megatrain.memory.on_device import StepTime
@@ -153,7 +154,9 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
     `plan`, or where it puts the fp32 masters on disk on `copied` (the same run with the bf16 copy of the weights,
     which the executor streams instead of the masters; None: the run has no copy to stream, and auto does not put
     them there)."""
-    largest = max(planned_unit_numels(config)) if config is not None else 0
+    # what the workers stage of a unit at a time: the largest unit, at most a layer's (staging.py staged_numel)
+    largest = (staged_numel(planned_unit_numels(config), planning_layout(config).max_layer_numel())
+               if config is not None else 0)
     if states == "auto":
         sets = [names for count in range(len(KINDS) + 1) for names in itertools.combinations(KINDS, count)]
     else:

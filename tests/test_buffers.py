@@ -5,6 +5,7 @@ step equal the plan's (for a LoRA run, on the CPU path the plan is made for)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ from megatrain.lora.config import LoraConfig
 from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
+    D2H,
     DEVICE_CHECKPOINTS,
+    H2D,
     OFFLOADED_CHECKPOINTS,
     STATE_SEGMENTS,
     WEIGHT_BUFFERS,
@@ -25,9 +28,12 @@ from megatrain.memory.buffers import (
     row,
     total,
 )
+from megatrain.memory.crossings import LAYER_IN, LAYER_OUT, crossing_bytes
 from megatrain.memory.plan import plan_run
 from megatrain.memory.post_plan import reference_dtype, with_reference
-from megatrain.model.layout import GradLayout
+from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.perf.calibrate import Calibration
+from megatrain.perf.predict import pipeline, predict, update_times
 from megatrain.run_plan import StorePlan
 from megatrain.store import ParameterStore
 
@@ -89,3 +95,108 @@ def test_the_plan_is_what_the_store_and_the_executor_allocate(settings: dict[str
     finally:
         executor.close()
         store.close()
+
+
+# ---- what crosses: the executor's copies under cpu-async against the plan's crossings (megatrain/memory/crossings.py)
+
+def traced(executor: Executor) -> dict[str, int]:
+    """Counts the bytes each copy of the executor's simulated streams moves between host and device: on the H2D
+    stream the host tensor read, on the D2H stream the host tensor written (a GPU casts on the device first); the
+    H2D stream's casts out of the weight staging buffers stay on the device."""
+    s, moved = executor.streams, {"h2d": 0, "d2h": 0}
+    staging = {t.untyped_storage().data_ptr() for t in executor.slots.staging}
+    copy = s.copy
+
+    def traced_copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        assert stream in (s.h2d, s.d2h)
+        if stream is s.d2h:
+            moved["d2h"] += dst.numel() * dst.element_size()
+        elif src.untyped_storage().data_ptr() not in staging:
+            moved["h2d"] += src.numel() * src.element_size()
+        copy(dst, src, stream)
+
+    s.copy = traced_copy
+    return moved
+
+
+CROSSING = {
+    "fp32 arena, 5 layers": dict(precision="fp32", grads="arena", layers=5),
+    "bf16 copy, stream": dict(precision="bf16", bf16_copy="keep", grads="stream", clipping=False, layers=4),
+    "bf16 no copy, device": dict(precision="bf16", bf16_copy="none", grads="device", layers=4),
+    "offloaded checkpoints, 2 micro-batches": dict(precision="fp32", grads="arena", micro_batches=2, layers=4,
+                                                   checkpoint_budget=3 * BATCH * SEQ * 64 * 4),
+    "per-micro-batch, 3 passes": dict(precision="fp32", grads="arena", micro_batches=3, schedule="per-micro-batch",
+                                      layers=5),
+    "2 resident units, tied, padding": dict(precision="fp32", grads="arena", resident=2, layers=4, tied=True),
+}
+
+
+@pytest.mark.parametrize("settings", list(CROSSING.values()), ids=list(CROSSING))
+def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any]) -> None:
+    """Exact: every byte the executor's streams copy in a step is a row's (the step's distinct tokens as many as the
+    plan's bound, min(vocab, tokens)). Not on the streams, so not here: the step's results read at its end (a float64
+    norm per unit, the loss) and the rotary tables."""
+    s = dict(settings)
+    base = ModelConfig.from_name("tiny")
+    config = replace(base, num_layers=s.pop("layers"), tie_embeddings=s.pop("tied", False),
+                     pad_token_id=0 if "resident" in s else None)
+    k = s.get("micro_batches", 1)
+    plan = plan_run(config, BATCH, SEQ, optimizer_workers=WORKERS, on_gpu=False, find_longest=False,
+                    tile_tokens=None, **{"checkpoint_budget": None, **s})
+    layout = ModelLayout.build(config)
+    grad_layout = GradLayout.build(layout, plan.grads)
+    params = torch.randn(layout.numel) * 0.02
+    shadow = params.bfloat16() if plan.shadow_bytes else None
+    executor = Executor(config, layout, params, torch.zeros(grad_layout.numel), "cpu-async:1", s["precision"],
+                        grad_layout=grad_layout, shadow=shadow, resident_units=plan.resident_units,
+                        checkpoint_budget=plan.checkpoint_budget)
+    try:
+        moved = traced(executor)
+        ids = torch.randperm(config.vocab_size)[: BATCH * k * SEQ].reshape(BATCH * k, SEQ)  # every token distinct
+        out = executor.run(ids, micro_batches=k, schedule=plan.schedule, hold_grads=plan.grads == "device",
+                           loss_ready=lambda loss: True)
+        executor.send_held(out.held)
+        executor.streams.synchronize()
+        assert moved == {"h2d": plan.h2d_bytes, "d2h": plan.d2h_bytes}
+        assert plan.h2d_bytes == total(plan.buffers, place=H2D) and plan.d2h_bytes == total(plan.buffers, place=D2H)
+    finally:
+        executor.close()
+
+
+def test_the_predictor_times_the_crossings() -> None:
+    """The predictor's copies are the crossings' rows at the calibrated rates: the step's in total, one layer's
+    weights in and its gradient out unit by unit (7B bf16 on an H100-like machine, 2 resident units)."""
+    config = ModelConfig.from_name("7b")
+    cal = Calibration(device="FakeGPU", host="h", created=0.0, cores=16, compute_threads=4, h2d_gbps=50.0,
+                      d2h_gbps=40.0, memcpy_gbps=10.0, matmul_tflops={"bf16": 800.0}, adamw_gparams={"8": 8.0})
+    plan = plan_run(config, 1, 2048, on_gpu=True, gpu_free=79 * 2**30, host_free=125 * 2**30, precision="bf16",
+                    optimizer_workers=8, find_longest=False, bf16_copy="keep", resident=2, micro_batches=2)
+    pred = predict(plan, config, cal, precision="bf16", optimizer_workers=8)
+    assert pred.h2d_s == total(plan.buffers, place=H2D) / 50e9 and pred.d2h_s == total(plan.buffers, place=D2H) / 40e9
+    p = pipeline(plan, config, 1.0, 1.0, pred.h2d_s, pred.d2h_s, update_times(plan, cal, 8))
+    layer = row(plan.buffers, LAYER_IN)
+    assert layer.dtype == "bfloat16" and p.load_s == pytest.approx(crossing_bytes(plan.buffers, LAYER_IN) / 50e9)
+    assert p.send_s == pytest.approx(crossing_bytes(plan.buffers, LAYER_OUT) / 40e9)
+    assert layer.count == 2 * (config.num_layers - 1) - 2  # layer 0 resident; the top two stay for the backward
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_each_nodes_moments_are_the_plans(nodes: int) -> None:
+    """With several nodes each store keeps its part of every unit's moments, cut on ALIGN boundaries (NodeShard):
+    the plan's moment rows are the largest node's, the other rows every node's."""
+    config = ModelConfig.from_name("tiny")
+    plan = plan_run(config, BATCH, SEQ, optimizer_workers=WORKERS, on_gpu=False, find_longest=False, tile_tokens=None,
+                    checkpoint_budget=None, precision="fp32", grads="arena", nodes=nodes)
+    planned = {b.name: (b.dtype, b.numel) for b in plan.buffers if b.place == ARENA}
+    moments = []
+    for node in range(nodes):
+        store = ParameterStore("tiny", StorePlan(WORKERS, "arena", nodes=nodes), node=node, verify=False)
+        try:
+            segments = {name: (dtype, numel) for name, dtype, numel in store.arena.handle.segments}
+        finally:
+            store.close()
+        moments.append(segments.pop("exp_avg")[1])
+        assert segments.pop("exp_avg_sq")[1] == moments[-1]
+        assert segments == {k: v for k, v in planned.items() if k not in ("exp_avg", "exp_avg_sq")}
+    assert max(moments) == planned["exp_avg"][1] == planned["exp_avg_sq"][1]
+    assert len(set(moments)) > 1  # tiny's units do not split evenly: the nodes' parts differ

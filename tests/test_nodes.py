@@ -464,8 +464,11 @@ def test_the_plan_counts_each_nodes_bytes_and_the_network() -> None:
     one, two, four = (plan_memory(config, 1, 512, nodes=m, host_free=2**40) for m in (1, 2, 4))
     n = one.arena_numel
     assert one.arena_bytes - one.grads_bytes == 12 * n and one.network_bytes == 0
-    assert two.arena_bytes - two.grads_bytes == 4 * n + 8 * -(-n // 2)
-    assert four.arena_bytes - four.grads_bytes == 4 * n + 8 * -(-n // 4)
+    # the moments of the node that holds the most, as the stores split each unit (NodeShard, on ALIGN boundaries)
+    layout = ModelLayout.build(config)
+    for plan, m in ((two, 2), (four, 4)):
+        most = max(NodeShard.build(layout, node, m).numel for node in range(m))
+        assert plan.arena_bytes - plan.grads_bytes == 4 * n + 8 * most and most >= -(-n // m)
     assert two.network_bytes == int(3 * 0.5 * n * 4) and four.network_bytes == int(3 * 0.75 * n * 4)
     assert "network per step and node (2 nodes)" in two.report() and "1/2 of Adam m,v" in two.report()
 

@@ -16,9 +16,10 @@ import torch
 
 from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, REFERENCE_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
-from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.model.layout import GradLayout, ModelLayout, aligned_split
 
 ARENA, DEVICE, PINNED = "arena", "device", "pinned"
+H2D, D2H = "h2d", "d2h"  # not places: what crosses between them a step, `count` times (megatrain/memory/crossings.py)
 # arena segments that hold the run's state (what the plan's arena bytes count); the others are its bookkeeping
 STATE_SEGMENTS = (*FP32_SEGMENTS, SHADOW_SEGMENT, FROZEN_SEGMENT, REFERENCE_SEGMENT)
 WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST = "weight buffers", "weight staging", "head", "head cast"
@@ -29,7 +30,7 @@ OFFLOADED_CHECKPOINTS = "offloaded checkpoints"
 @dataclass(frozen=True)
 class Buffer:
     name: str
-    place: str  # ARENA, DEVICE or PINNED
+    place: str  # ARENA, DEVICE or PINNED (or a crossing: H2D, D2H)
     numel: int  # elements of one
     dtype: str  # a torch dtype's name: "float32", "bfloat16", "int64"
     count: int = 1  # how many alike (the two weight buffers)
@@ -76,8 +77,25 @@ def planned_arena(layout: ModelLayout, num_layers: int, grads: str, workers: int
     numel = layout.numel + (num_layers - len(layout.layers)) * layout.max_layer_numel()
     grads_numel = numel if grads == "arena" else GradLayout.ring_numel(layout, num_layers)
     units = len(layout.units) + num_layers - len(layout.layers)
-    return arena_segments(numel, grads_numel, -(-numel // nodes), units=units, columns=workers + (nodes > 1),
-                          shadow=shadow)
+    return arena_segments(numel, grads_numel, node_moments(planned_units(layout, num_layers), nodes), units=units,
+                          columns=workers + (nodes > 1), shadow=shadow)
+
+
+def node_moments(units: list[tuple[int, int]], nodes: int) -> int:
+    """Elements of each Adam moment segment on the node that holds the most of them, as the store packs them
+    (NodeShard: each unit cut by aligned_split); `units`: (a unit's padded elements, how many units are alike)."""
+    def part(numel: int, node: int) -> int:
+        lo, hi = aligned_split(numel, node, nodes)
+        return hi - lo
+
+    return max(sum(part(numel, node) * count for numel, count in units) for node in range(nodes))
+
+
+def planned_units(layout: ModelLayout, num_layers: int) -> list[tuple[int, int]]:
+    """(elements, how many alike) of each unit of a model planned from `layout` (one layer for `num_layers` alike)."""
+    alike = num_layers - len(layout.layers) + 1
+    last = layout.layers[-1].index if layout.layers else -1
+    return [(u.numel, alike if u.index == last else 1) for u in layout.units]
 
 
 def weight_buffers(layer_numel: int, head_numel: int, compute: str, streamed: str, staged: bool = True

@@ -15,16 +15,20 @@ from megatrain.lora.layout import LoraLayout, lora_layout
 from megatrain.memory.arena import FROZEN_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
+    D2H,
+    H2D,
     HEAD,
     HEAD_CAST,
     STATE_SEGMENTS,
     WEIGHT_BUFFERS,
     WEIGHT_STAGING,
     arena_segments,
+    node_moments,
     row,
     total,
     weight_buffers,
 )
+from megatrain.memory.crossings import StepShape
 from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION, GiB
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
 
@@ -73,20 +77,21 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
            + rows * base_bytes + (passes - 1) * adapters * 4)
     offloaded = plan.host_checkpoints * passes  # checkpoints out and back in, as the whole model's plan counts them
     units = row(plan.buffers, "issued").numel
-    segments = arena_segments(adapters, adapters, -(-adapters // plan.nodes), units=units, shadow=False,
-                              columns=row(plan.buffers, "versions").numel // units,
+    segments = arena_segments(adapters, adapters, node_moments([(n, 1) for n in numels], plan.nodes), units=units,
+                              shadow=False, columns=row(plan.buffers, "versions").numel // units,
                               frozen_numel=plan.arena_numel, frozen_dtype=BASE_DTYPES[base_dtype])
     process = plan.process_bytes
     if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
         process += executors * (gpu_weights + gpu_grads + gpu_working - plan.gpu_weights - plan.gpu_grads
                                 - plan.gpu_working)
-    buffers = (*segments, *device_weights, *(b for b in plan.buffers if b.place != ARENA and b.name not in
-                                             (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST)))
+    buffers = (*segments, *device_weights, *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name
+                                             not in (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST)))
     return replace(plan, arena_bytes=total(segments, *STATE_SEGMENTS), grads="arena",
                    grads_bytes=total(segments, "grads"), shadow_bytes=0, frozen_bytes=total(segments, FROZEN_SEGMENT),
                    frozen_dtype=base_dtype, adapter_params=params, buffers=buffers,
                    adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
-                   h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded, process_bytes=process,
+                   step=StepShape(0), h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded,
+                   process_bytes=process,
                    network_bytes=int(3 * (plan.nodes - 1) / plan.nodes * adapters * 4))
 
 

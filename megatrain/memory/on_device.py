@@ -10,9 +10,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from megatrain.config import ModelConfig
+from megatrain.memory.buffers import D2H, H2D, total
+from megatrain.memory.crossings import crossings
 from megatrain.memory.kept_activations import KeptLayers, plan_kept
 from megatrain.memory.lora_plan import lora_resident
 from megatrain.memory.residency import Residency, choose_resident, margin
+from megatrain.model.layout import planning_layout
 
 if TYPE_CHECKING:
     from megatrain.memory.plan import MemoryPlan
@@ -140,16 +143,14 @@ def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept
     plan = _with_kept(replace(plan, resident_note=units.describe()), kept)
     if not units.units:
         return plan
-    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
-    streamed = 2 if precision == "bf16" and plan.shadow_bytes else 4
-    rows = min(config.vocab_size, plan.step_tokens) * config.hidden_size * 4 if units.embed else 0
-    grads = (units.layers_numel + units.head_numel) * 4
-    h2d = passes * (2 * units.layers_numel + units.head_numel) * streamed + rows + (passes - 1) * (grads + rows)
-    d2h = passes * (grads + rows)
+    pcie = {}  # what crosses with them on the device (a LoRA plan's adapters: lora_resident)
+    if plan.step.tokens:
+        rows = (*(b for b in plan.buffers if b.place not in (H2D, D2H)),
+                *crossings(config, planning_layout(config), plan.step, units.units, units.cast))
+        pcie = dict(h2d_bytes=total(rows, place=H2D), d2h_bytes=total(rows, place=D2H), buffers=rows)
     return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=units.bytes,
                    resident_weights="cast" if units.cast else "copy", gpu_grads=plan.gpu_grads - units.freed_grads,
-                   h2d_bytes=max(0, plan.h2d_bytes - h2d), d2h_bytes=max(0, plan.d2h_bytes - d2h),
-                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes))
+                   process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes), **pcie)
 
 
 def _with_kept(plan: MemoryPlan, kept: KeptLayers) -> MemoryPlan:

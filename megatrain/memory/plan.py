@@ -26,10 +26,12 @@ from megatrain.config import (
 from megatrain.memory import buffers as bufs
 from megatrain.memory.arena import SHADOW_SEGMENT
 from megatrain.memory.copy_rule import BF16_COPY_RULE, pcie_bound
+from megatrain.memory.crossings import StepShape, crossings
 from megatrain.memory.kept_activations import KeptLayers
 from megatrain.memory.lora_plan import lora_memory
 from megatrain.memory.on_device import place_on_device
-from megatrain.memory.plan_bytes import network_bytes, pcie_bytes, process_bytes, working_bytes
+from megatrain.memory.plan_bytes import network_bytes, process_bytes, working_bytes
+from megatrain.memory.plan_report import report as plan_report
 from megatrain.memory.plan_settings import MemorySettings, RunSettings
 from megatrain.memory.tier_plan import TierPlan, nvme_hint
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
@@ -86,7 +88,8 @@ class MemoryPlan:
     micro_batches: int = 1  # a step's micro-batches of batch x seq tokens
     schedule: str = "layer-major"  # how they meet the weights (megatrain.engine.executor.SCHEDULES)
     h2d_bytes: int = 0  # per step: weights streamed in (forward and backward), embedding rows, checkpoints back
-    d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out
+    d2h_bytes: int = 0  # per step: gradients out, offloaded checkpoints out (both: sums of the crossings' rows)
+    step: StepShape = StepShape(0)  # what of the step its crossings follow (megatrain/memory/crossings.py)
     nodes: int = 1  # hosts the run spans; every number above is one node's (the batch: one executor's)
     network_bytes: int = 0  # per step, what each node sends (and receives) to the others
     # the first resident_units units (forward order) live on the device with their optimizer state, updated there
@@ -189,57 +192,8 @@ class MemoryPlan:
             raise MegatrainError(problem)
 
     def report(self) -> str:
-        def row(name: str, n: int) -> str:
-            return f"  {name:<42}{n / GiB:>10.2f} GiB"
-        size = f"{self.params / 1e9:.3f} G" if self.params >= 1e8 else f"{self.params / 1e6:.3f} M"
-        tiles = f"{self.tile_tokens}-token tiles" if self.tile_tokens else "untiled"
-        micro = f" x {self.micro_batches} micro-batches ({self.schedule})" if self.micro_batches > 1 else ""
-        lines = [f"memory plan for {self.model} ({size} params), batch {self.batch} x {self.seq} tokens{micro}, "
-                 f"{tiles}", "host:" if self.nodes == 1 else f"host (each of {self.nodes} nodes):"]
-        moments = "Adam m,v" if self.nodes == 1 else f"1/{self.nodes} of Adam m,v"
-        if self.frozen_bytes:
-            lines += [row(f"arena: frozen base ({self.frozen_dtype}, no grads or Adam)", self.frozen_bytes)]
-        trained = "params" if not self.frozen_bytes else f"{self.adapter_params / 1e6:.1f} M adapters"
-        lines += [row(f"arena: {trained} + {moments} (fp32)",
-                      self.arena_bytes - self.grads_bytes - self.shadow_bytes - self.frozen_bytes
-                      - self.reference_bytes)]
-        if self.shadow_bytes:
-            lines.append(row("arena: bf16 copy of the weights", self.shadow_bytes))
-        if self.reference_bytes:
-            lines.append(row("arena: initial weights (the KL reference)", self.reference_bytes))
-        lines += [row(f"arena: gradients (grads = {self.grads})", self.grads_bytes)]
-        lines.append(f"  arena: {self.arena_host_bytes / max(self.params, 1):.1f} B per parameter in host memory")
-        if self.tier is not None:  # the arena's rows above are its whole size; these states are on disk instead
-            lines += [row(f"arena: on NVMe ({', '.join(k for k, _ in self.tier.on_disk)}), less staging",
-                          -self.tier.saved_bytes)]
-        lines += [row("offloaded checkpoints (pinned)", self.host_checkpoints)] if self.host_checkpoints else []
-        lines += [row("processes (Ray, actors)", self.process_bytes),
-                  row("total", self.host_total), row("available", self.host_free), row("/dev/shm free", self.shm_free)]
-        lines += ["gpu:" if self.on_gpu else "compute device (CPU path, shares host memory):"]
-        grads_row = "gradients (all, until the step ends)" if self.grads == "device" else "gradient buffers"
-        kept = "all" if self.checkpoint_budget is None else f"budget {self.checkpoint_budget / GiB:.2f} GiB"
-        lines += [row("weight buffers (2 layers + head)", self.gpu_weights), row(grads_row, self.gpu_grads),
-                  row(f"device checkpoints ({kept})", self.gpu_checkpoints)]
-        lines += [row("checkpoint transfer buffers (2)", self.gpu_transfer)] if self.gpu_transfer else []
-        lines += [row(f"one layer's recompute ({tiles})", self.gpu_working), row("loss chunk", self.gpu_loss)]
-        if self.gpu_resident:
-            lines.append(row(f"{self.resident_units} resident units and their Adam state", self.gpu_resident))
-        lines += [row(f"{len(self.kept.indices)} layers' kept activations", self.kept.bytes)] if self.kept.bytes else []
-        lines.append(row("total (with CUDA context)" if self.on_gpu else "total", self.gpu_total))
-        if self.gpu_free is not None:
-            lines.append(row("free", self.gpu_free))
-        if self.nodes > 1:
-            lines.append(f"network per step and node ({self.nodes} nodes): {self.network_bytes / GiB:.2f} GiB sent "
-                         "and as much received")
-        if self.on_gpu:
-            lines.append(f"PCIe per step: {self.h2d_bytes / GiB:.2f} GiB in, {self.d2h_bytes / GiB:.2f} GiB out "
-                         f"({self.pcie_bytes_per_token / 2**20:.2f} MiB per token)")
-        lines += [note for note in (self.bf16_copy_note, self.tier_note, self.resident_note, self.kept.describe())
-                  if note]
-        problem = self.host_problem() or self.gpu_problem()
-        lines.append("fits: yes" if problem is None else f"fits: NO: {problem}")
-        return "\n".join(lines)
-
+        """What `megatrain plan` prints: each tier's lines, what crosses PCIe, the notes, whether it fits."""
+        return plan_report(self)
 
 def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySettings | None = None, **overrides: Any
                 ) -> MemoryPlan:
@@ -275,30 +229,30 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py), one per layer and
     # micro-batch: the top ones held on the device within the budget, the rest offloaded to page-locked host buffers
     checkpoints = bufs.checkpoint_buffers(tokens * h, compute, config.num_layers * together, checkpoint_budget)
-    offloaded = bufs.total(checkpoints, bufs.OFFLOADED_CHECKPOINTS)
     working = working_bytes(config, tokens, tile_tokens, precision, layer)
     chunk = min(tokens, o.loss_chunk_tokens)
     # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
     loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
     processes = process_bytes(o.optimizer_workers, executors, on_gpu, embed_rows)
-    gpu_checkpoints = bufs.total(checkpoints, bufs.DEVICE_CHECKPOINTS)
-    gpu_transfer = bufs.total(checkpoints, bufs.CHECKPOINT_TRANSFER)
-    h2d, d2h = pcie_bytes(config, layout, arena_numel, k // together, bufs.element_size(streamed), embed_rows,
-                          offloaded)
+    offloaded = next((b for b in checkpoints if b.name == bufs.OFFLOADED_CHECKPOINTS), None)
+    step = StepShape(tokens, k, k // together, streamed, executors * nodes, offloaded)
+    pcie = crossings(config, layout, step)
     if not on_gpu:  # the CPU path computes in host memory, each executor its own
-        processes += executors * (weights + gpu_grads + gpu_checkpoints + gpu_transfer + working + loss)
+        processes += executors * (weights + gpu_grads + bufs.total(checkpoints, place=bufs.DEVICE) + working + loss)
     shm_free = shm_available(o.shm_dir) if Path(o.shm_dir).is_dir() else 0
     plan = MemoryPlan(
         model=o.name, params=config.num_params(), arena_numel=arena_numel,
         arena_bytes=bufs.total(segments, *bufs.STATE_SEGMENTS), grads=grads, grads_bytes=bufs.total(segments, "grads"),
         nodes=nodes, network_bytes=network_bytes(nodes, arena_numel), shadow_bytes=bufs.total(segments, SHADOW_SEGMENT),
-        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads,
-        gpu_checkpoints=gpu_checkpoints, gpu_transfer=gpu_transfer, gpu_working=working, gpu_loss=loss, on_gpu=on_gpu,
+        process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, on_gpu=on_gpu,
+        gpu_checkpoints=bufs.total(checkpoints, bufs.DEVICE_CHECKPOINTS),
+        gpu_transfer=bufs.total(checkpoints, bufs.CHECKPOINT_TRANSFER), gpu_working=working, gpu_loss=loss,
         host_free=host_available() if host_free is None else host_free,
         shm_free=shm_free if host_free is None else host_free, gpu_free=o.gpu_free, batch=batch, seq=seq,
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
-        host_checkpoints=offloaded, micro_batches=k, schedule=schedule, h2d_bytes=h2d,
-        d2h_bytes=d2h, buffers=(*segments, *device_weights, *checkpoints),
+        host_checkpoints=bufs.total(checkpoints, bufs.OFFLOADED_CHECKPOINTS), micro_batches=k, schedule=schedule,
+        h2d_bytes=bufs.total(pcie, place=bufs.H2D), d2h_bytes=bufs.total(pcie, place=bufs.D2H), step=step,
+        buffers=(*segments, *device_weights, *checkpoints, *pcie),
     )  # lora: its adapters train beside the frozen base, stored in lora_base_dtype (megatrain/memory/lora_plan.py)
     return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)
 

@@ -3,8 +3,6 @@ one layer's recompute working set, the PCIe traffic of a step, the processes' re
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatrain.config import ModelConfig
 
 GiB = 2**30
@@ -36,19 +34,6 @@ def working_bytes(config: ModelConfig, tokens: int, tile_tokens: int | None, pre
     if precision != "bf16" and config.num_kv_heads < config.num_heads:  # fp32 GQA: k and v expanded to all heads
         working += 2 * 2 * tokens * (q - kv) * act_bytes
     return working
-
-
-def pcie_bytes(config: ModelConfig, layout: Any, arena_numel: int, passes: int, streamed: int, embed_rows: int,
-                offloaded: int) -> tuple[int, int]:
-    """(h2d, d2h) bytes a step: each layer's weights in for the forward and again for the backward (the top two
-    layers' stay between them), the head once, the batch's embedding rows; gradients out in fp32, and with several
-    passes the sum so far back in to add the next pass's to; offloaded activation checkpoints out and back in."""
-    layer, head = layout.max_layer_numel(), layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
-    layers_numel = arena_numel - layout.embed.numel - layout.head.numel
-    h2d = passes * (2 * layers_numel - min(2, config.num_layers) * layer + head) * streamed + embed_rows
-    d2h = passes * ((layers_numel + head) * 4 + embed_rows)
-    h2d += (passes - 1) * ((layers_numel + head) * 4 + embed_rows)
-    return h2d + passes * offloaded, d2h + passes * offloaded
 
 
 def process_bytes(optimizer_workers: int, executors: int, on_gpu: bool, embed_rows: int) -> float:

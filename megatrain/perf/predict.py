@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatrain.config import GRAD_PLACEMENTS, LINK_GBPS, SPECULATE, ModelConfig, check_choice
+from megatrain.memory.crossings import LAYER_IN, LAYER_OUT, crossing_bytes
 from megatrain.memory.plan import AUTO, MIN_TILE_TOKENS, TILE_TOKENS, MemoryPlan, plan_run
 from megatrain.perf.calibrate import MAX_CALIBRATED_WORKERS, Calibration, forward_matmul_flops, layer_key
 
@@ -220,6 +221,8 @@ class Pipeline:
 
 def pipeline(plan: MemoryPlan, config: ModelConfig, forward: float, backward: float, h2d: float, d2h: float,
               update: Update) -> Pipeline:
+    """The per-unit times: one layer's weights in and its gradient out as the plan's crossings say (their rows in
+    megatrain/memory/crossings.py, timed at the rate the step's copies take: `h2d`, `d2h` seconds for all of them)."""
     layers = max(config.num_layers, 1)
     resident_layers = min(max(plan.resident_units - 1, 0), config.num_layers)
     streamed_layers = layers - resident_layers
@@ -227,7 +230,10 @@ def pipeline(plan: MemoryPlan, config: ModelConfig, forward: float, backward: fl
     units = max(streamed_layers + embed + head, 1)
     passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
     per_layer = max(streamed_layers, 1) * passes
-    return Pipeline(forward, forward / layers, backward, backward / layers, h2d / (2 * per_layer), d2h / per_layer,
+    load, send = (crossing_bytes(plan.buffers, name) for name in (LAYER_IN, LAYER_OUT))
+    load_s = h2d * load / plan.h2d_bytes if load and plan.h2d_bytes else h2d / (2 * per_layer)
+    send_s = d2h * send / plan.d2h_bytes if send and plan.d2h_bytes else d2h / per_layer
+    return Pipeline(forward, forward / layers, backward, backward / layers, load_s, send_s,
                     update.pool_s / units, resident_layers, streamed_layers, embed, head)
 
 

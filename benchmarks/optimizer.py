@@ -87,7 +87,7 @@ class KeepingACopy(AdamWShard):
                                       for i, t in enumerate(state)]
             at += 3 * piece.numel
 
-    def _undo(self, piece: Any, grads: Any, step: int, lr: float, weight_decay: float) -> None:  # first: copy
+    def _invert(self, piece: Any, grads: Any, step: int, lr: float, weight_decay: float) -> None:  # first: copy
         torch._foreach_copy_(self.copies[id(piece)], piece.params + piece.exp_avg + piece.exp_avg_sq)
 
 
@@ -147,7 +147,7 @@ def passes(layout: ModelLayout, optim: OptimConfig, repeats: int, threads: int) 
         for r in range(repeats + 1):
             t0 = time.perf_counter()
             for u in units:
-                copying._pass(u, step, 1.0, undo=True, update=True)
+                copying._pass(u, step, 1.0, roll_back=True, update=True)
             step += 1
             if r:
                 times.append(time.perf_counter() - t0)

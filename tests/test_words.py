@@ -18,7 +18,8 @@ RETIRED = {
     r"\bunpublish\b": "roll_back_versions",
     r"\battempts?\s*[=:,)]|\.attempts?\b|`attempts?`": "a Speculation's number",  # the identifier, not the English
     r"\bdef finish\(|\.finish\(unit|\bdef keep\(|\bactors\.keep\(|\b_validate\(": "settle / confirm",
-    r"(?i)\b(taken|took|takes?|taking) back\b|\"undo\"|\bundo \+": "rolled back (the span: roll_back)",
+    r"(?i)\b(taken|took|takes?|taking) back\b|\"undo\"|\bundo \+|\bundo\s*[=:]|\b_undo\(":
+        "rolled back (the span: roll_back)",
     r"(?i)\bkept (and updated )?on the (device|gpu|host)\b|\b(kept|keeps?) (resident|by one executor)\b|\bunits kept\b":
         "resident units / units held for generation",
     r"(?i)\bcopy( of (the|their) weights)? kept\b|\bno (bf16 )?copy (of them )?(is )?kept\b|\bkept as a bf16 copy\b":
@@ -50,3 +51,5 @@ def test_the_patterns_find_the_retired_words() -> None:
                "units kept on the device", "a bf16 copy of their weights kept", "the batches kept to replay them"]
     for sample, pattern in zip(samples, RETIRED, strict=True):
         assert re.search(pattern, sample), (pattern, sample)
+    rolled_back = list(RETIRED)[8]
+    assert all(re.search(rolled_back, s) for s in ('"undo" if', "self._pass(u, 1.0, undo=True)", "self._undo(piece"))

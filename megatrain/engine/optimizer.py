@@ -189,13 +189,13 @@ class AdamWShard:
     # ---- the pass ----
     def update(self, unit_index: int, step: int, clip_coef: float = 1.0) -> float:
         """Applies update number `step` (0-based) to this worker's shard of one unit; returns seconds taken."""
-        return self._pass(unit_index, step, clip_coef, undo=False, update=True)
+        return self._pass(unit_index, step, clip_coef, roll_back=False, update=True)
 
-    def _pass(self, unit_index: int, step: int, clip_coef: float, undo: bool, update: bool, keep: bool = False
+    def _pass(self, unit_index: int, step: int, clip_coef: float, roll_back: bool, update: bool, keep: bool = False
               ) -> float:
-        """One pass over the unit's shard, piece by piece: `undo` takes the coefficient-1 update number `step` out
+        """One pass over the unit's shard, piece by piece: `roll_back` takes the coefficient-1 update number `step` out
         (closed form), `update` applies it with `clip_coef`; then the shadow. The unit's version is step + 1 after
-        an update, step after an undo alone. keep: the gradient stays wanted after the pass (an update beside the
+        an update, step after a roll back alone. keep: the gradient stays wanted after the pass (an update beside the
         backward, which the step's settling may roll back)."""
         t0 = time.perf_counter()
         lr = self.optim.lr_at(step)
@@ -213,8 +213,8 @@ class AdamWShard:
             for pieces, weight_decay in zip(part.groups, (self.optim.weight_decay, 0.0), strict=True):
                 for piece in pieces:
                     grads = piece.staged if staged else piece.grads
-                    if undo:
-                        self._undo(piece, grads, step, lr, weight_decay)
+                    if roll_back:
+                        self._invert(piece, grads, step, lr, weight_decay)
                     if update:
                         if clip_coef < 1.0:
                             torch._foreach_mul_(grads, clip_coef)
@@ -265,7 +265,7 @@ class AdamWShard:
         if self.node.nodes > 1 and self.stager.holds(unit_index, "params"):
             self.stager.wait(unit_index)
 
-    def _undo(self, piece: _Piece, grads: list[torch.Tensor], step: int, lr: float, weight_decay: float) -> None:
+    def _invert(self, piece: _Piece, grads: list[torch.Tensor], step: int, lr: float, weight_decay: float) -> None:
         """The fused kernel's update number `step` with clip coefficient 1, inverted from what it left and the
         gradient: p = (p' + lr / bc1 * m' / (sqrt(v' / bc2) + eps)) / (1 - lr wd), m = (m' - (1-b1) g) / b1,
         v = max(0, (v' - (1-b2) g^2) / b2); after update number 0 the moments were zero."""
@@ -301,7 +301,7 @@ class AdamWShard:
         if unit_index in self.stowing:
             self._stow(unit_index)
             return False
-        self._pass(unit_index, step, 1.0, undo=False, update=True, keep=True)
+        self._pass(unit_index, step, 1.0, roll_back=False, update=True, keep=True)
         self.speculated.add(unit_index)
         return True
 
@@ -354,7 +354,7 @@ class AdamWShard:
             self.update(unit_index, step, clip_coef)
             return "update"
         if clip_coef < 1.0:
-            self._pass(unit_index, step, clip_coef, undo=True, update=True)
+            self._pass(unit_index, step, clip_coef, roll_back=True, update=True)
             return "rollback"
         self.publish(unit_index, step + 1)
         return None
@@ -364,7 +364,7 @@ class AdamWShard:
         `speculation`, if any, is rolled back; its version is `step` again either way. True if there was one."""
         speculated = self.was_speculated(unit_index, speculation)
         if speculated:
-            self._pass(unit_index, step, 1.0, undo=True, update=False)
+            self._pass(unit_index, step, 1.0, roll_back=True, update=False)
             self.speculated.discard(unit_index)
         elif self.stager is not None:  # a gradient stowed is out of the arena before the next step lands one there
             self.stager.wait(unit_index)

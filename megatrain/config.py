@@ -455,8 +455,8 @@ def check_tiling(tile_tokens: object, checkpoint_budget_gib: object) -> None:
     budget = checkpoint_budget_gib
     number = isinstance(budget, int | float) and not isinstance(budget, bool)
     if not (budget in ("auto", None) or (number and math.isfinite(budget) and budget >= 0)):
-        raise ConfigError("checkpoint_budget_gib must be 'auto', none or a number of GiB >= 0 (0: every layer "
-                          f"checkpoint in host memory), got {budget!r}.")
+        raise ConfigError("checkpoint_budget_gib must be 'auto', none or a number of GiB >= 0 (0: every activation "
+                          f"checkpoint offloaded to host memory), got {budget!r}.")
 
 
 def check_device(device: object) -> None:

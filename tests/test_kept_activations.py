@@ -235,8 +235,8 @@ def test_the_plan_keeps_every_layer_at_small_k_and_the_top_layers_at_large_k() -
     (SEVEN_B, dict(on_gpu=True), "the GPU's free memory is not known"),
     (SEVEN_B, dict(on_gpu=True, gpu_free=80 * GiB, keep_activations="none"), "keep_activations = none"),
     (SEVEN_B, dict(on_gpu=True, gpu_free=80 * GiB, resident="auto", micro_batches=8),
-     "no room on the device beyond the pipeline, its checkpoints and the resident units; resident first: no "
-     "calibration to predict the split by"),
+     "no room on the device beyond the pipeline, its activation checkpoints and the resident units; resident first: "
+     "no calibration to predict the split by"),
     (dataclasses.replace(SEVEN_B, model_type="gemma2"), dict(on_gpu=True, gpu_free=80 * GiB),
      "the plan counts the saved bytes of the Llama template's layers only (unwindowed)"),
 ])

@@ -25,6 +25,8 @@ RETIRED = {
     r"(?i)\bcopy( of (the|their) weights)? kept\b|\bno (bf16 )?copy (of them )?(is )?kept\b|\bkept as a bf16 copy\b":
         "the bf16 copy (in the arena; bf16_copy = keep is the setting's value)",
     r"(?i)\bbatches kept\b|\bkept batches\b": "logged batches (ReplayLog)",
+    r"(?i)\b(buffers and|pipeline, its) checkpoints\b|\brecompute from their checkpoints\b":
+        "activation checkpoints (a bare 'checkpoint' is a training checkpoint)",
 }
 
 
@@ -48,7 +50,8 @@ def test_the_patterns_find_the_retired_words() -> None:
     samples = ["every layer checkpoint on the device", "self.peak_kept_bytes", "kept: dict[str, torch.Tensor] = {}",
                "the gradients kept on the device", "w.put_back.remote(step)", "self.unpublish(step)",
                "Speculation(self.attempts)", "shard.finish(unit, step)", "steps took back their updates",
-               "units kept on the device", "a bf16 copy of their weights kept", "the batches kept to replay them"]
+               "units kept on the device", "a bf16 copy of their weights kept", "the batches kept to replay them",
+               "the pipeline's buffers and checkpoints"]
     for sample, pattern in zip(samples, RETIRED, strict=True):
         assert re.search(pattern, sample), (pattern, sample)
     rolled_back = list(RETIRED)[8]

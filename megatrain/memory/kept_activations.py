@@ -106,6 +106,7 @@ def choose_kept(config: ModelConfig, requested: int | str, *, budget: int | None
         return kept(0, 0, "the GPU's free memory is not known")
     count = min(total, max(0, budget) // max(per_layer, 1))
     if not count:
-        return kept(0, 0, "no room on the device beyond the pipeline, its checkpoints and the resident units")
+        return kept(0, 0, "no room on the device beyond the pipeline, its activation checkpoints and the resident "
+                          "units")
     return kept(count, count * per_layer, "every layer fits" if count == total else
-                "the top layers, whose backward comes first; the others recompute from their checkpoints")
+                "the top layers, whose backward comes first; the others recompute from their activation checkpoints")

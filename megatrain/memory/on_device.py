@@ -1,5 +1,5 @@
-"""What the GPU holds beyond the pipeline's buffers and checkpoints, and how its spare memory is split between the
-resident units (megatrain/memory/residency.py) and the decoder layers that keep their activations
+"""What the GPU holds beyond the pipeline's buffers and activation checkpoints, and how its spare memory is split
+between the resident units (megatrain/memory/residency.py) and the decoder layers that keep their activations
 (megatrain/memory/kept_activations.py): by predicted step time where a predictor is given, else by a rule from the
 plan's counts (docs/design.md#the-devices-spare-memory)."""
 

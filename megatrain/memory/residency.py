@@ -125,7 +125,8 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
         numels.append(numel)
         cost, freed = cost + numel * per_param - frees, freed + frees
     if not numels:
-        return Residency(total_units=total, why="no room on the device beyond the pipeline's buffers and checkpoints")
+        return Residency(total_units=total,
+                         why="no room on the device beyond the pipeline's buffers and activation checkpoints")
     units, params, head = len(numels), sum(numels), len(numels) == total
     layers = min(units - 1, config.num_layers)
     why = ("the first units the next forward needs, which the CPU pool's update would gate" if requested == "auto"

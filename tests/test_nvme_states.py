@@ -12,6 +12,7 @@ two executors, the simulated asynchronous streams, a resume from host memory int
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,71 @@ def test_on_several_nodes_a_tiered_units_version_comes_once_its_masters_are_on_d
     finally:
         for st in stores:
             st.close()
+
+
+EXCHANGE = """
+import sys, torch
+from megatrain.config import ModelConfig
+from megatrain.distributed import node_exchange
+from megatrain.memory.nvme import StateFiles, _aligned_buffer
+from megatrain.model.layout import ALIGN, ModelLayout, NodeShard
+
+node_exchange.PART_NUMEL = 3 * ALIGN  # a part crosses in several pieces, the last one short
+rank, address, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+layout = ModelLayout.build(ModelConfig.from_name("tiny"))
+shard = NodeShard.build(layout, rank, 2)
+group = node_exchange.NodeGroup.join(shard, address, timeout_s=60)
+files = StateFiles.create(root, {"params": layout.numel * 4}, run_id=f"node{rank}")
+try:
+    want = torch.arange(layout.numel, dtype=torch.float32)  # each element its own value: a part misplaced shows
+    masters = _aligned_buffer(layout.numel * 4).view(torch.float32)
+    masters.fill_(-1.0)  # the other node's parts, stale
+    for unit in layout.units:
+        lo, hi = shard.bounds[unit.index]
+        masters[unit.offset + lo : unit.offset + hi] = want[unit.offset + lo : unit.offset + hi]  # this node's update
+    files.write("params", 0, masters).result()
+    versions = torch.ones(len(layout.units), 2, dtype=torch.int64)  # the workers' column: update 0 applied
+    shadow = torch.zeros(layout.numel, dtype=torch.bfloat16)
+    parts = node_exchange.MasterParts(files, 0, max(u.numel for u in layout.units))
+    group.sync_weights(layout, 0, torch.zeros(layout.numel), versions, shadow, parts)
+    masters.zero_()
+    files.read("params", 0, masters).result()
+    others = torch.ones(layout.numel, dtype=torch.bool)
+    for unit in layout.units:
+        lo, hi = shard.bounds[unit.index]
+        others[unit.offset + lo : unit.offset + hi] = False
+    ok = (torch.equal(masters, want) and torch.equal(shadow[others], want[others].bfloat16())
+          and not shadow[~others].any() and bool((versions[:, 1] == 1).all()))
+    print("exchanged" if ok else "wrong")
+finally:
+    files.destroy()
+    group.close()
+"""
+
+
+def test_two_stores_exchange_their_parts_of_the_masters_through_their_state_files(tmp_path: Path) -> None:
+    """Two stores' processes (gloo on the loopback), each state file holding only its node's part of an update: after
+    sync_weights both files hold every part, in pieces of PART_NUMEL elements (several a part here), the other
+    node's parts rounded into the bf16 copy (its own the workers round), the sync column at the update."""
+    import subprocess
+    import sys
+
+    from helpers import TIMEOUT, python_path
+
+    from megatrain.distributed.process_group import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    roots = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    procs = []
+    for rank, root in enumerate(roots):
+        root.mkdir()
+        procs.append(subprocess.Popen([sys.executable, "-c", EXCHANGE, str(rank), address, str(root)],
+                                      env={**os.environ, "PYTHONPATH": python_path()}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    assert [out.strip().splitlines()[-1] for out in outs] == ["exchanged", "exchanged"], outs
+    assert not [p for root in roots for p in root.iterdir()]
 
 
 # ---- the Engine ----

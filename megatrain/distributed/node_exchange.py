@@ -18,7 +18,7 @@ from megatrain.memory.nvme import MAX_ALIGN, StateFiles
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import ALIGN, ModelLayout, NodeShard, aligned_split
 
-PART_NUMEL = 8192 * ALIGN  # elements (32 MiB of fp32) a tiered part crosses in at a time: 3 such buffers per store
+PART_NUMEL = 8192 * ALIGN  # elements (32 MiB of fp32) a tiered part crosses in at a time: 4 such buffers per store
 
 
 class MasterParts:
@@ -26,44 +26,54 @@ class MasterParts:
     whole masters, as on one node, so checkpoints, exports and Engine.parameters read any node's. The owner reads its
     updated part of a unit back from its file (its workers publish a unit's version once its write is on disk) and
     broadcasts it; the others write it into their files (direct I/O, behind: done before sync_weights returns) and
-    round it into the bf16 copy. Through three aligned buffers of PART_NUMEL elements (one read, two written in turn),
-    never a whole unit. Per step and streamed parameter, each of M nodes' disks moves for the masters 4/M B read and
-    4/M written by its workers, 4/M read and 4 (M-1)/M written here: 8/M read, 4 written (2 nodes: 4 and 4, as on
-    one)."""
+    round it into the bf16 copy. Through four aligned buffers of PART_NUMEL elements (two read and two written in
+    turn: the next piece moves on disk while one crosses), never a whole unit. Per step and streamed parameter, each of
+    M nodes' disks moves for the masters 4/M B read and 4/M written by its workers, 4/M read and 4 (M-1)/M written
+    here: 8/M read, 4 written (2 nodes: 4 and 4, as on one)."""
 
     def __init__(self, files: StateFiles, first: int, largest: int):
         """first: the element of the params segment the units on NVMe start at (the resident units' are in the arena);
         largest: elements of the largest unit (the buffers need no more)."""
         self.files, self.first = files, first
-        self.buffers = [_aligned(min(PART_NUMEL, largest)) for _ in range(3)]
-        self.writes: list[Future | None] = [None, None]
-        self.turn = 0
+        self.buffers = [_aligned(min(PART_NUMEL, largest)) for _ in range(4)]  # 0, 1 read into; 2, 3 written from
+        self.pending: list[Future | None] = [None] * 4
+        self.turns = [0, 0]  # the read buffer and the written one used last
 
     def holds(self, at: int) -> bool:
         return at >= self.first
 
-    def read(self, at: int, numel: int) -> torch.Tensor:
-        """Elements [at, at + numel) of the masters (at most PART_NUMEL), from the file."""
-        buf = self.buffers[2][:numel]
-        self.files.read("params", at * 4, buf).result()
-        return buf
+    def read(self, at: int, numel: int) -> int:
+        """Starts reading elements [at, at + numel) of the masters (at most PART_NUMEL) into the next read buffer;
+        returns it, for `ready`."""
+        i = self._next(0)
+        self.pending[i] = self.files.read("params", at * 4, self.buffers[i][:numel])
+        return i
+
+    def ready(self, i: int, numel: int) -> torch.Tensor:
+        """Read buffer `i` once its read is done."""
+        self._wait(i)
+        return self.buffers[i][:numel]
 
     def receive(self, numel: int) -> torch.Tensor:
         """The next buffer to receive `numel` elements in, once its last write is on disk."""
-        self.turn = 1 - self.turn
-        self._wait(self.turn)
-        return self.buffers[self.turn][:numel]
+        return self.buffers[self._next(1)][:numel]
 
     def write(self, at: int, part: torch.Tensor) -> None:
-        """`part` (the buffer `receive` gave) into elements [at, ...) of the file, behind."""
-        self.writes[self.turn] = self.files.write("params", at * 4, part)
+        """`part` (the buffer `receive` gave last) into elements [at, ...) of the file, behind."""
+        self.pending[2 + self.turns[1]] = self.files.write("params", at * 4, part)
 
     def flush(self) -> None:
-        for i in range(len(self.writes)):
+        for i in range(len(self.pending)):
             self._wait(i)
 
+    def _next(self, group: int) -> int:
+        self.turns[group] = 1 - self.turns[group]
+        i = 2 * group + self.turns[group]
+        self._wait(i)
+        return i
+
     def _wait(self, i: int) -> None:
-        pending, self.writes[i] = self.writes[i], None
+        pending, self.pending[i] = self.pending[i], None
         if pending is not None:
             pending.result()
 
@@ -119,11 +129,14 @@ class NodeGroup:
                      ) -> None:
         """Elements [start, end) of the masters, node `owner`'s part of a unit, from its state file to the others'
         (and their bf16 copies), PART_NUMEL elements at a time."""
-        for at in range(start, end, PART_NUMEL):
-            numel = min(PART_NUMEL, end - at)
-            if owner == self.shard.node:
-                dist.broadcast(masters.read(at, numel), src=owner)
-                continue
+        pieces = [(at, min(PART_NUMEL, end - at)) for at in range(start, end, PART_NUMEL)]
+        if owner == self.shard.node:  # each piece read while the one before crosses
+            ahead = masters.read(*pieces[0]) if pieces else None
+            for k, (_, numel) in enumerate(pieces):
+                now, ahead = ahead, masters.read(*pieces[k + 1]) if k + 1 < len(pieces) else None
+                dist.broadcast(masters.ready(now, numel), src=owner)
+            return
+        for at, numel in pieces:
             part = masters.receive(numel)
             dist.broadcast(part, src=owner)
             masters.write(at, part)

@@ -58,7 +58,7 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], m
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for t in (io.read(t) for _, t in items if t.numel()):  # each read where it lives (io) as it is written
+        for t in io.read_each([t for _, t in items if t.numel()]):  # read where it lives (io), the next ones ahead
             f.write(memoryview(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())

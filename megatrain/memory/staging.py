@@ -6,7 +6,8 @@ behind), `stow` for held gradients (docs/design.md#staging)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,9 +23,11 @@ AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM whil
 # a worker's staging slots: the unit updated, the next read ahead, the one before written behind; consecutive units
 # (the backward's order and the update's) never share one
 SLOTS = 3
-# elements of a unit the workers stage at a time, all together (each its share): 256 MiB of fp32 per kind and slot keeps
-# a disk's queue full, and a large unit (an embedding of 18% of a model) goes through in parts of a layer or less
-STAGE_NUMEL = 64 << 20
+# elements of a worker's slot at most: 8 MiB of fp32 per kind, two of the state files' requests (each worker keeps one
+# part read ahead and one written behind); a unit larger than a slot (an embedding of 18% of a model, a 120B's layer)
+# goes through in parts
+PART_NUMEL = 2 << 20
+READ_AHEAD = 256 << 20  # bytes a checkpoint's or an export's reads of the states on disk run ahead of its writes
 STAGE_PREFIX = "stage_"  # the arena's staging segment of a kind on NVMe: stage_exp_avg, ...
 # kinds another process lands in their own arena range (the executor's gradients), written to disk from there
 LANDING = ("grads",)
@@ -243,17 +246,17 @@ class UnitStager:
             self.files.close()
 
 
-def staged_numel(unit_numels: Iterable[int], layer_numel: int) -> int:
-    """Elements of a unit the workers stage at a time, all together: the largest unit on NVMe, at most a decoder
-    layer's and STAGE_NUMEL (the plan's staging counts SLOTS of these per kind)."""
-    return min(max(unit_numels, default=0), max(layer_numel, ALIGN), STAGE_NUMEL)
+def part_numel(unit_numels: Iterable[int], layer_numel: int, workers: int) -> int:
+    """Elements of one worker's staging slot, the most of a unit's share it stages at a time: its share of the largest
+    unit on NVMe, at most of a decoder layer, and at most PART_NUMEL (ALIGN blocks). The plan counts SLOTS of these per
+    worker and kind."""
+    blocks = min(max(unit_numels, default=0), max(layer_numel, ALIGN)) // ALIGN
+    return min(-(-blocks // max(workers, 1)) * ALIGN, PART_NUMEL)
 
 
 def slot_numel(layout: ModelLayout, from_unit: int, workers: int) -> int:
-    """Elements of one worker's staging slot, the most of a unit's share it stages at a time: its share of
-    staged_numel (ALIGN blocks)."""
-    blocks = staged_numel((u.numel for u in layout.units if u.index >= from_unit), layout.max_layer_numel()) // ALIGN
-    return -(-blocks // max(workers, 1)) * ALIGN
+    """part_numel of the layout's units on NVMe (from `from_unit` on)."""
+    return part_numel((u.numel for u in layout.units if u.index >= from_unit), layout.max_layer_numel(), workers)
 
 
 def split_range(start: int, end: int, numel: int) -> list[tuple[int, int]]:
@@ -328,12 +331,45 @@ class TierReader:
         return None
 
     def read(self, view: torch.Tensor) -> torch.Tensor:
+        out, pending = self._start_read(view)
+        if pending is not None:
+            pending.result()
+        return out
+
+    def read_ahead(self, views: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """`read` of each view in order, the next ones' reads under way (READ_AHEAD bytes at most, and one) while each
+        is used: a checkpoint's disk reads overlap its file writes."""
+        queue: deque[tuple[torch.Tensor, Future | None, int]] = deque()
+        todo, held = iter(views), 0
+        try:
+            while True:
+                while not queue or held < READ_AHEAD:
+                    view = next(todo, None)
+                    if view is None:
+                        break
+                    nbytes = view.numel() * view.element_size()
+                    queue.append((*self._start_read(view), nbytes))
+                    held += nbytes
+                if not queue:
+                    return
+                out, pending, nbytes = queue.popleft()
+                if pending is not None:
+                    pending.result()
+                held -= nbytes
+                yield out
+        finally:  # the reads under way land in buffers of their own: wait for them whatever stopped the caller
+            for _, pending, _ in queue:
+                if pending is not None:
+                    pending.exception()
+
+    def _start_read(self, view: torch.Tensor) -> tuple[torch.Tensor, Future | None]:
+        """The tensor the view's data will be in, and the read that brings them (None: the view itself, in RAM)."""
         where = self._where(view)
         if where is None:
-            return view
-        buf = _aligned(view.numel() * view.element_size())
-        self.files.read(where[0], where[1], buf).result()
-        return buf[: view.numel() * view.element_size()].view(view.dtype).view(view.shape)
+            return view, None
+        nbytes = view.numel() * view.element_size()
+        buf = _aligned(nbytes, zeroed=False)  # the read fills it, padding included
+        return buf[:nbytes].view(view.dtype).view(view.shape), self.files.read(where[0], where[1], buf)
 
     def fill(self, view: torch.Tensor, write: Callable[[torch.Tensor], None]) -> None:
         where = self._where(view)
@@ -345,12 +381,12 @@ class TierReader:
         self.files.write(where[0], where[1], buf).result()
 
     def slot_io(self) -> SlotIO:
-        return SlotIO(self.read, self.fill)
+        return SlotIO(self.read, self.fill, self.read_ahead)
 
 
-def _aligned(nbytes: int) -> torch.Tensor:
-    """A zeroed byte buffer of `nbytes` rounded up to the direct I/O alignment, at an aligned address."""
+def _aligned(nbytes: int, zeroed: bool = True) -> torch.Tensor:
+    """A byte buffer (`zeroed`) of `nbytes` rounded up to the direct I/O alignment, at an aligned address."""
     size = -(-nbytes // MAX_ALIGN) * MAX_ALIGN
-    raw = torch.zeros(size + MAX_ALIGN, dtype=torch.uint8)
+    raw = (torch.zeros if zeroed else torch.empty)(size + MAX_ALIGN, dtype=torch.uint8)
     at = (-raw.data_ptr()) % MAX_ALIGN
     return raw[at : at + size]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatrain.config import ConfigError, ModelConfig
-from megatrain.memory.staging import staged_numel
+from megatrain.memory.buffers import row
+from megatrain.memory.staging import part_numel
 from megatrain.model.layout import planned_unit_numels, planning_layout
 
 if TYPE_CHECKING:
@@ -154,9 +155,10 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
     `plan`, or where it puts the fp32 masters on disk on `copied` (the same run with the bf16 copy of the weights,
     which the executor streams instead of the masters; None: the run has no copy to stream, and auto does not put
     them there)."""
-    # what the workers stage of a unit at a time: the largest unit, at most a layer's (staging.py staged_numel)
-    largest = (staged_numel(planned_unit_numels(config), planning_layout(config).max_layer_numel())
-               if config is not None else 0)
+    largest = 0  # what the workers stage of a unit at a time, together: each its slot (staging.py part_numel)
+    if config is not None:
+        workers = row(plan.buffers, "versions").numel // row(plan.buffers, "issued").numel - (plan.nodes > 1)
+        largest = workers * part_numel(planned_unit_numels(config), planning_layout(config).max_layer_numel(), workers)
     if states == "auto":
         sets = [names for count in range(len(KINDS) + 1) for names in itertools.combinations(KINDS, count)]
     else:

@@ -18,18 +18,29 @@ from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
     D2H,
+    DEVICE,
     DEVICE_CHECKPOINTS,
+    EMBED_GRAD_ROWS,
+    EMBED_ROWS,
+    GRADIENT_BUFFERS,
     H2D,
+    HEAD_GRADS,
+    HOST_GRAD_ROWS,
+    HOST_ROWS,
     OFFLOADED_CHECKPOINTS,
+    RESIDENT_COPY,
+    RESIDENT_STATE,
     STATE_SEGMENTS,
     WEIGHT_BUFFERS,
     WEIGHT_STAGING,
+    dtype_name,
+    element_size,
     has,
     row,
     total,
 )
 from megatrain.memory.crossings import LAYER_IN, LAYER_OUT, crossing_bytes
-from megatrain.memory.plan import plan_run
+from megatrain.memory.plan import CUDA_CONTEXT, plan_run
 from megatrain.memory.post_plan import reference_dtype, with_reference
 from megatrain.model.layout import GradLayout, ModelLayout
 from megatrain.perf.calibrate import Calibration
@@ -92,6 +103,8 @@ def test_the_plan_is_what_the_store_and_the_executor_allocate(settings: dict[str
         checkpoints = executor.activation_checkpoints
         assert checkpoints.peak_device_bytes == plan.gpu_checkpoints == total(plan.buffers, DEVICE_CHECKPOINTS)
         assert checkpoints.host_bytes == plan.host_checkpoints == total(plan.buffers, OFFLOADED_CHECKPOINTS)
+        # the device's lines are sums of its rows (those autograd and the head make: estimates, not checked here)
+        assert plan.gpu_total == int(CUDA_CONTEXT) + total(plan.buffers, place=DEVICE) + plan.kept.bytes
     finally:
         executor.close()
         store.close()
@@ -128,6 +141,8 @@ CROSSING = {
     "per-micro-batch, 3 passes": dict(precision="fp32", grads="arena", micro_batches=3, schedule="per-micro-batch",
                                       layers=5),
     "2 resident units, tied, padding": dict(precision="fp32", grads="arena", resident=2, layers=4, tied=True),
+    "resident embedding, per-micro-batch, padding": dict(precision="bf16", bf16_copy="keep", grads="arena", resident=1,
+                                                         layers=3, micro_batches=2, schedule="per-micro-batch"),
 }
 
 
@@ -151,16 +166,58 @@ def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any
                         grad_layout=grad_layout, shadow=shadow, resident_units=plan.resident_units,
                         checkpoint_budget=plan.checkpoint_budget)
     try:
-        moved = traced(executor)
+        moved, made = traced(executor), made_by(executor)
         ids = torch.randperm(config.vocab_size)[: BATCH * k * SEQ].reshape(BATCH * k, SEQ)  # every token distinct
         out = executor.run(ids, micro_batches=k, schedule=plan.schedule, hold_grads=plan.grads == "device",
                            loss_ready=lambda loss: True)
+        if out.held:  # every layer's, beside the head's and the embedding's
+            made[GRADIENT_BUFFERS].append(len(out.held) - 2)
         executor.send_held(out.held)
         executor.streams.synchronize()
         assert moved == {"h2d": plan.h2d_bytes, "d2h": plan.d2h_bytes}
         assert plan.h2d_bytes == total(plan.buffers, place=H2D) and plan.d2h_bytes == total(plan.buffers, place=D2H)
+        for name, found in made.items():  # (elements, dtype) of one, or with held gradients how many layers' there are
+            r = row(plan.buffers, name)
+            assert found == [(r.numel, r.dtype), r.count][: len(found)], name
+        state = [(t.numel(), dtype_name(t.dtype)) for t in executor.resident.tensors.values() if t.numel()]
+        assert state == [(r.numel, r.dtype) for r in plan.buffers if r.name in (RESIDENT_STATE, RESIDENT_COPY)
+                         for _ in range(r.count)]
+        assert plan.gpu_total == int(CUDA_CONTEXT) + total(plan.buffers, place=DEVICE) + plan.kept.bytes
     finally:
         executor.close()
+
+
+def made_by(executor: Executor) -> dict[str, list[Any]]:
+    """What the step makes on the device and in the host buffers, as (elements, dtype) of the largest one of each
+    row: a layer's weight gradients (autograd's, summed over micro-batches and passes), the head's, the embedding
+    rows gathered and their gradient; the host buffers the rows are gathered in and their gradient lands in."""
+    made: dict[str, list[Any]] = {}
+
+    def note(name: str, tensors: list[torch.Tensor]) -> None:
+        found = (sum(t.numel() for t in tensors), dtype_name(tensors[0].dtype))
+        made[name] = [max(made.get(name, [found])[0], found, key=lambda f: f[0] * element_size(f[1]))]
+
+    def wrap(obj: Any, method: str, seen: Any) -> None:
+        inner = getattr(obj, method)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = inner(*args, **kwargs)
+            seen(result)
+            return result
+
+        setattr(obj, method, wrapped)
+
+    # a layer's gradients as they wait to leave (a later pass's: fp32 sums with the earlier passes')
+    wrap(executor, "_gradients", lambda out: note(GRADIENT_BUFFERS, [g for g, _ in out.pairs])
+         if out.unit.kind == "layer" else None)
+    wrap(executor, "_head", lambda out: note(HEAD_GRADS, [*out[1].values(), out[2]]))
+    wrap(executor.embedding, "gather", lambda out: note(EMBED_ROWS, [out[0]]))
+    wrap(executor.embedding, "grad_rows", lambda rows: note(EMBED_GRAD_ROWS, [rows]))
+    host = executor.host_buffers._buffers  # a resident embedding's rows take none
+    wrap(executor.embedding, "to_arena", lambda out: [note(name, [host[key]]) for name, key in
+                                                      ((HOST_ROWS, "rows"), (HOST_GRAD_ROWS, "grad_rows"))
+                                                      if key in host])
+    return made
 
 
 def test_the_predictor_times_the_crossings() -> None:

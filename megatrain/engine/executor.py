@@ -404,8 +404,9 @@ class Executor:
             full.index_add_(0, self._to_device(rows_idx), grad_rows)
             return self._gradients(embed_unit, [(full, embed_grad)], accumulate=accumulate)
         if accumulate:  # this step's rows, which an earlier pass wrote (resident: on the device)
-            idx = self._to_device(rows_idx) if self.resident.holds(embed_unit) else rows_idx
-            grad_rows += self._to_device(embed_grad.index_select(0, idx))
+            on_device = self.resident.holds(embed_unit)  # there the rows are gathered where they are, not copied
+            rows = embed_grad.index_select(0, self._to_device(rows_idx) if on_device else rows_idx)
+            grad_rows += rows if on_device else self._to_device(rows)
         pairs, scatter = self.embedding.to_arena(grad_rows, rows_idx, embed_grad, self.resident.holds(embed_unit))
         return self._gradients(embed_unit, pairs, scatter)
 

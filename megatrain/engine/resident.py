@@ -15,6 +15,7 @@ from megatrain.config import OptimConfig
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import PIECE_NUMEL, AdamWShard
 from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.buffers import RESIDENT_COPY, dtype_name, has, resident_buffers
 from megatrain.model.layout import ALIGN, ModelLayout, Unit
 
 STATE = ("params", "exp_avg", "exp_avg_sq")  # what load and write_back move (the gradient is the step's own)
@@ -29,11 +30,12 @@ class ResidentUnits:
         self.units = layout.units[:count]
         self.numel = self.units[-1].offset + self.units[-1].numel if self.units else 0
         self.device = device
-        self.tensors = {name: torch.zeros(self.numel, device=device) for name in ("grads", *STATE)}
         # whether compute's weights are cast from the fp32 ones at each use (no bf16 copy)
         self.cast = cast and dtype != torch.float32 and bool(self.units)
-        if dtype != torch.float32 and self.units and not cast:  # what compute reads, rewritten by each update's pass
-            self.tensors[SHADOW_SEGMENT] = torch.zeros(self.numel, dtype=dtype, device=device)
+        # the rows the memory plan sums (buffers.py): the fp32 state; what compute reads, rewritten by each update
+        rows = resident_buffers(self.numel, dtype_name(dtype), cast)
+        names = ["grads", *STATE, *([SHADOW_SEGMENT] if has(rows, RESIDENT_COPY) else [])]
+        self.tensors = dict(zip(names, [t.zero_() for r in rows for t in r.allocate(device)], strict=True))
         self.weights = self.tensors.get(SHADOW_SEGMENT, self.tensors["params"])
         self.layout = ModelLayout(layout.config, list(self.units), self.numel)  # the resident units alone
         self.version = 0

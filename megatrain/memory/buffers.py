@@ -16,7 +16,7 @@ import torch
 
 from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, REFERENCE_SEGMENT, SHADOW_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
-from megatrain.model.layout import GradLayout, ModelLayout, aligned_split
+from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout, aligned_split
 
 ARENA, DEVICE, PINNED = "arena", "device", "pinned"
 H2D, D2H = "h2d", "d2h"  # not places: what crosses between them a step, `count` times (megatrain/memory/crossings.py)
@@ -25,6 +25,11 @@ STATE_SEGMENTS = (*FP32_SEGMENTS, SHADOW_SEGMENT, FROZEN_SEGMENT, REFERENCE_SEGM
 WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST = "weight buffers", "weight staging", "head", "head cast"
 DEVICE_CHECKPOINTS, CHECKPOINT_TRANSFER = "device checkpoints", "checkpoint transfer"
 OFFLOADED_CHECKPOINTS = "offloaded checkpoints"
+GRADIENT_BUFFERS, HEAD_GRADS, EMBED_ROWS, EMBED_GRAD_ROWS = ("gradient buffers", "head gradients", "embedding rows",
+                                                             "embedding gradient rows")
+HOST_ROWS, HOST_GRAD_ROWS = "host embedding rows", "host embedding gradient rows"
+LOSS_CHUNK, HEAD_INPUTS, WORKING_SET = "loss chunk", "head inputs", "working set"
+RESIDENT_STATE, RESIDENT_COPY = "resident state", "resident bf16 copy"
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,41 @@ def weight_buffers(layer_numel: int, head_numel: int, compute: str, streamed: st
     rows += [Buffer(HEAD, DEVICE, head_numel, streamed if cast or staged else compute)]
     rows += [Buffer(HEAD_CAST, DEVICE, head_numel, compute)] if cast else []
     return tuple(rows)
+
+
+def step_buffers(layout: ModelLayout, layers: int, rows: int, compute: str, streamed: str, *, held: bool,
+                 summed: bool) -> tuple[Buffer, ...]:
+    """What a step makes on the device besides weights and checkpoints, and the host buffers of the embedding's rows
+    (page-locked on a GPU: megatrain/engine/host_buffers.py): the largest layer's weight gradients, GRAD_SETS_IN_FLIGHT
+    at once (`held`: all `layers`' until the step ends), in the compute dtype as autograd makes them, fp32 where
+    micro-batches are `summed`; the head's in fp32 (a tied head's table too); the `rows` elements of the embedding
+    the step gathers, cast to the compute dtype, and their fp32 gradient."""
+    tied = layout.embed.slots if all(s.name != "lm_head.weight" for s in layout.head.slots) else ()
+    layer = max((sum(s.numel for s in u.slots) for u in layout.layers), default=0)
+    head = sum(s.numel for s in (*layout.head.slots, *tied))
+    return (Buffer(GRADIENT_BUFFERS, DEVICE, layer, "float32" if summed else compute,
+                   layers if held else GRAD_SETS_IN_FLIGHT),
+            Buffer(HEAD_GRADS, DEVICE, head, "float32"), Buffer(EMBED_ROWS, DEVICE, rows, compute),
+            Buffer(EMBED_GRAD_ROWS, DEVICE, rows, "float32"),
+            Buffer(HOST_ROWS, PINNED, rows, streamed), Buffer(HOST_GRAD_ROWS, PINNED, rows, "float32"))
+
+
+def head_buffers(chunk: int, vocab: int, tokens: int, hidden: int, compute: str, together: int, working: int
+                 ) -> tuple[Buffer, ...]:
+    """The loss's chunk of `chunk` tokens' logits (fp32: the logits, their softmax and gradient), the `together`
+    micro-batches' final hidden states with one gradient being made, and one layer's recompute working set (bytes:
+    megatrain/memory/plan_bytes.py, working_bytes): what autograd and the head allocate, not the executor."""
+    return (Buffer(LOSS_CHUNK, DEVICE, chunk * vocab, "float32", 3),
+            Buffer(HEAD_INPUTS, DEVICE, tokens * hidden, compute, together + 1),
+            Buffer(WORKING_SET, DEVICE, working, "uint8"))
+
+
+def resident_buffers(numel: int, compute: str, cast: bool) -> tuple[Buffer, ...]:
+    """The resident units' state on the device (megatrain/engine/resident.py): fp32 gradient, weights, m and v at the
+    arena's offsets from 0; in bf16 runs a copy of the weights in the compute dtype, unless cast at each use."""
+    copy = numel and compute != "float32" and not cast
+    return (Buffer(RESIDENT_STATE, DEVICE, numel, "float32", 4),
+            *([Buffer(RESIDENT_COPY, DEVICE, numel, compute)] if copy else []))
 
 
 def device_checkpoints(entries: int, budget: int | None, size: int) -> int:

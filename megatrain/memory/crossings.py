@@ -94,7 +94,7 @@ def _gradients(config: ModelConfig, layout: ModelLayout, step: StepShape, reside
                row_numel: int) -> list[Buffer]:
     """The streamed units' gradients out in fp32 each pass (with several executors each its shard of their sum), with
     their squared norms (float64); in the passes after the first, the sums so far in first to add to. A resident
-    embedding's gradient stays, its rows' ids go in (and the sums of the rows, Executor._embed_grads)."""
+    embedding's gradient stays: its rows' ids go in (Executor._embed_grads)."""
     layers, p, out = config.num_layers, step.passes, []
     on_device = min(max(resident - 1, 0), layers)  # resident decoder layers
     every_layer = len(layout.layers) == layers
@@ -107,7 +107,7 @@ def _gradients(config: ModelConfig, layout: ModelLayout, step: StepShape, reside
         else:
             n = int(unit.layer >= on_device) if every_layer else layers - on_device
         if unit.kind == "embed" and not n and not whole_table:  # Executor._embed_grads, EmbeddingRows.to_arena
-            out += [Buffer(IDS_IN, H2D, rows, "int64", 2 * p - 1), Buffer(SUM_IN, H2D, row_numel, "float32", p - 1)]
+            out += [Buffer(IDS_IN, H2D, rows, "int64", 2 * p - 1)]
         if not n:
             continue
         if step.world > 1:  # this executor's shard of the unit's range, summed over the executors

@@ -16,12 +16,18 @@ from megatrain.memory.arena import FROZEN_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
     D2H,
+    DEVICE,
+    EMBED_GRAD_ROWS,
+    GRADIENT_BUFFERS,
     H2D,
     HEAD,
     HEAD_CAST,
+    HEAD_GRADS,
     STATE_SEGMENTS,
     WEIGHT_BUFFERS,
     WEIGHT_STAGING,
+    WORKING_SET,
+    Buffer,
     arena_segments,
     node_moments,
     row,
@@ -84,8 +90,13 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
         process += executors * (gpu_weights + gpu_grads + gpu_working - plan.gpu_weights - plan.gpu_grads
                                 - plan.gpu_working)
-    buffers = (*segments, *device_weights, *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name
-                                             not in (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST)))
+    # the whole model's rows but for its weights' and gradients', and its crossings (h2d_bytes below, not rows)
+    replaced = (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST, GRADIENT_BUFFERS, HEAD_GRADS, EMBED_GRAD_ROWS,
+                WORKING_SET)
+    buffers = (*segments, *device_weights, Buffer(GRADIENT_BUFFERS, DEVICE, layer_adapters, "float32",
+                                                  GRAD_SETS_IN_FLIGHT),
+               Buffer(WORKING_SET, DEVICE, gpu_working, "uint8"),
+               *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name not in replaced))
     return replace(plan, arena_bytes=total(segments, *STATE_SEGMENTS), grads="arena",
                    grads_bytes=total(segments, "grads"), shadow_bytes=0, frozen_bytes=total(segments, FROZEN_SEGMENT),
                    frozen_dtype=base_dtype, adapter_params=params, buffers=buffers,

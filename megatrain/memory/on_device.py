@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatrain.config import ModelConfig
-from megatrain.memory.buffers import D2H, H2D, total
+from megatrain.memory.buffers import (
+    D2H,
+    EMBED_GRAD_ROWS,
+    GRADIENT_BUFFERS,
+    H2D,
+    HEAD_GRADS,
+    resident_buffers,
+    total,
+)
 from megatrain.memory.crossings import crossings
 from megatrain.memory.kept_activations import KeptLayers, plan_kept
 from megatrain.memory.lora_plan import lora_resident
@@ -85,7 +93,7 @@ def _placed(plan: MemoryPlan, config: ModelConfig, resident: int | str, keep_act
 
     def resident_in(room: int | None) -> Residency:
         return choose_resident(config, resident, budget=room, on_gpu=plan.on_gpu, precision=precision, world=world,
-                               held_grads=plan.grads == "device", cast=cast)
+                               held_grads=plan.grads == "device", cast=cast, summed=plan.micro_batches > 1)
 
     def kept_in(room: int | None) -> KeptLayers:
         return plan_kept(plan, config, keep_activations, precision, room)
@@ -143,13 +151,21 @@ def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept
     plan = _with_kept(replace(plan, resident_note=units.describe()), kept)
     if not units.units:
         return plan
-    pcie = {}  # what crosses with them on the device (a LoRA plan's adapters: lora_resident)
+    pcie: dict[str, Any] = {}  # what crosses with them on the device (a LoRA plan's adapters: lora_resident)
     if plan.step.tokens:
         rows = (*(b for b in plan.buffers if b.place not in (H2D, D2H)),
                 *crossings(config, planning_layout(config), plan.step, units.units, units.cast))
         pcie = dict(h2d_bytes=total(rows, place=H2D), d2h_bytes=total(rows, place=D2H), buffers=rows)
-    return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=units.bytes,
-                   resident_weights="cast" if units.cast else "copy", gpu_grads=plan.gpu_grads - units.freed_grads,
+    compute = "bfloat16" if precision == "bf16" else "float32"
+    state = resident_buffers(units.params, compute, units.cast)  # as the executor allocates them (resident.py)
+    rows, gpu_grads = (*pcie.get("buffers", plan.buffers), *state), plan.gpu_grads - units.freed_grads
+    if plan.grads == "device" and plan.step.tokens:  # the held gradients of the streamed units alone
+        rows = tuple(replace(b, count=config.num_layers - units.layers) if b.name == GRADIENT_BUFFERS else b
+                     for b in rows if not (b.name == HEAD_GRADS and units.head))
+        gpu_grads = total(rows, GRADIENT_BUFFERS, HEAD_GRADS, EMBED_GRAD_ROWS)
+    pcie["buffers"] = rows
+    return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=total(state),
+                   resident_weights="cast" if units.cast else "copy", gpu_grads=gpu_grads,
                    process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes), **pcie)
 
 

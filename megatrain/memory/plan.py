@@ -34,7 +34,7 @@ from megatrain.memory.plan_bytes import network_bytes, process_bytes, working_by
 from megatrain.memory.plan_report import report as plan_report
 from megatrain.memory.plan_settings import MemorySettings, RunSettings
 from megatrain.memory.tier_plan import TierPlan, nvme_hint
-from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
+from megatrain.model.layout import planning_layout
 
 GiB = 2**30
 CUDA_CONTEXT = 0.6 * GiB
@@ -210,30 +210,28 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     # the arena's gradients: every unit's, or the embedding's and the head's and a ring the layers share
     segments = bufs.planned_arena(layout, config.num_layers, grads, o.optimizer_workers, nodes, shadow)
     arena_numel = bufs.row(segments, "params").numel
-    act_bytes = 2 if precision == "bf16" else 4
     h, v = config.hidden_size, config.vocab_size
     tokens = batch * seq  # of one micro-batch
     together = k if schedule == "layer-major" else 1  # micro-batches whose activations exist at once
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
-    embed_rows = min(v, k * tokens) * h * 4
     # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     compute = "bfloat16" if precision == "bf16" else "float32"
     streamed = "bfloat16" if precision == "bf16" and shadow else "float32"
     device_weights = bufs.weight_buffers(layer, head, compute, streamed)
-    weights = bufs.total(device_weights) + embed_rows
-    # every gradient stays until the step ends (grads = device: layers' in compute dtype, the head's fp32), or a few
-    gpu_grads = (config.num_layers * layer * act_bytes if grads == "device" else GRAD_SETS_IN_FLIGHT * layer * 4)
-    gpu_grads += head * 4 + embed_rows
+    # gradients: a few layers' in flight, or every one until the step ends (grads = device); the embedding's rows
+    made = bufs.step_buffers(layout, config.num_layers, min(v, k * tokens) * h, compute, streamed,
+                             held=grads == "device", summed=k > 1)
+    weights = bufs.total(device_weights) + bufs.total(made, bufs.EMBED_ROWS)
+    gpu_grads = bufs.total(made, bufs.GRADIENT_BUFFERS, bufs.HEAD_GRADS, bufs.EMBED_GRAD_ROWS)
     # the layer inputs the backward recomputes from (megatrain/engine/activation_checkpoints.py), one per layer and
     # micro-batch: the top ones held on the device within the budget, the rest offloaded to page-locked host buffers
     checkpoints = bufs.checkpoint_buffers(tokens * h, compute, config.num_layers * together, checkpoint_budget)
-    working = working_bytes(config, tokens, tile_tokens, precision, layer)
-    chunk = min(tokens, o.loss_chunk_tokens)
-    # a chunk's logits; every micro-batch's final hidden state (then its gradient), one gradient being made
-    loss = 3 * chunk * v * 4 + (together + 1) * tokens * h * act_bytes
-    processes = process_bytes(o.optimizer_workers, executors, on_gpu, embed_rows)
+    head_rows = bufs.head_buffers(min(tokens, o.loss_chunk_tokens), v, tokens, h, compute, together,
+                                  working_bytes(config, tokens, tile_tokens, precision, layer))
+    working, loss = bufs.total(head_rows, bufs.WORKING_SET), bufs.total(head_rows, bufs.LOSS_CHUNK, bufs.HEAD_INPUTS)
+    processes = process_bytes(o.optimizer_workers, executors, on_gpu, bufs.total(made, place=bufs.PINNED))
     offloaded = next((b for b in checkpoints if b.name == bufs.OFFLOADED_CHECKPOINTS), None)
     step = StepShape(tokens, k, k // together, streamed, executors * nodes, offloaded)
     pcie = crossings(config, layout, step)
@@ -252,7 +250,7 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
         tile_tokens=tile_tokens, checkpoint_budget=checkpoint_budget,
         host_checkpoints=bufs.total(checkpoints, bufs.OFFLOADED_CHECKPOINTS), micro_batches=k, schedule=schedule,
         h2d_bytes=bufs.total(pcie, place=bufs.H2D), d2h_bytes=bufs.total(pcie, place=bufs.D2H), step=step,
-        buffers=(*segments, *device_weights, *checkpoints, *pcie),
+        buffers=(*segments, *device_weights, *made, *checkpoints, *head_rows, *pcie),
     )  # lora: its adapters train beside the frozen base, stored in lora_base_dtype (megatrain/memory/lora_plan.py)
     return plan if o.lora is None else lora_memory(plan, config, o.lora, o.lora_base_dtype, precision, executors)
 

@@ -36,15 +36,13 @@ def working_bytes(config: ModelConfig, tokens: int, tile_tokens: int | None, pre
     return working
 
 
-def process_bytes(optimizer_workers: int, executors: int, on_gpu: bool, embed_rows: int) -> float:
-    """The processes' resident memory besides the arena; on a GPU, each executor's page-locked host buffers too (the
-    batch's embedding rows in, their gradient out)."""
+def process_bytes(optimizer_workers: int, executors: int, on_gpu: bool, pinned: int) -> float:
+    """The processes' resident memory besides the arena, and each executor's host buffers (`pinned` bytes, page-locked
+    on a GPU: the batch's embedding rows in, their gradient out)."""
     processes = sum(PROCESS_OVERHEAD[k] for k in ("ray", "object_store", "driver", "store", "data"))
     processes += optimizer_workers * PROCESS_OVERHEAD["worker"]
     processes += executors * PROCESS_OVERHEAD["executor_cuda" if on_gpu else "executor_cpu"]
-    if on_gpu:
-        processes += executors * 2 * embed_rows
-    return processes
+    return processes + executors * pinned
 
 
 def network_bytes(nodes: int, arena_numel: int) -> int:

@@ -91,7 +91,8 @@ def margin(room: int) -> int:
 
 
 def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | None, on_gpu: bool, precision: str,
-                    world: int = 1, held_grads: bool = False, cast: bool = False) -> Residency:
+                    world: int = 1, held_grads: bool = False, cast: bool = False, summed: bool = False
+                    ) -> Residency:
     """The units to make resident: `requested` ("auto", "none" or a count) given `budget`, the device bytes they may
     take, the margin already left (None: not known). world: executors of the run, all nodes'. held_grads: the plan
     holds every gradient on the device until the step ends, so a resident unit costs its held gradient less. cast:
@@ -118,7 +119,8 @@ def choose_resident(config: ModelConfig, requested: int | str, *, budget: int | 
     numels: list[int] = []
     cost = freed = 0  # device bytes of the units so far, and of the held gradients they free
     for numel in planned_unit_numels(config):
-        frees = held_grad_bytes(len(numels), numel, total, precision) if held_grads else 0
+        # held gradients summed over micro-batches are fp32 (megatrain/engine/layer_passes.py, buffers.step_buffers)
+        frees = held_grad_bytes(len(numels), numel, total, "fp32" if summed else precision) if held_grads else 0
         if (count is not None and len(numels) == count) or (
                 budget is not None and cost + numel * per_param - frees > budget):
             break

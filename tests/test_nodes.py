@@ -299,6 +299,7 @@ try:
             runs += [engine.step_batch(batch_of(ids, None)) for ids in batches[1:3]]
             engine.save_checkpoint(out + f"/bf16-{name}")
             save_file(engine.parameters(), out + f"/bf16-{name}.safetensors")
+            engine.save_pretrained(out + f"/bf16-{name}-export")
             result[f"bf16-{name}"] = [[r.loss for r in runs], [r.update for r in runs]]
             if tier:  # no page of a tiered kind in either node's /dev/shm, each store's state directory
                 result["tiered"] = [sum(h.path(k).stat().st_blocks for k in engine.actors.tier.kinds)
@@ -413,9 +414,9 @@ def test_two_nodes_train_resume_and_recover(two_nodes: TwoNodesRun) -> None:
 def test_two_nodes_with_every_state_on_nvme_train_bit_for_bit(two_nodes: TwoNodesRun) -> None:
     """The fp32 masters, moments and held gradients on NVMe on two nodes (bf16, the copy streamed; updates beside the
     backward, the last step's clipped and rolled back, its gradients read back from disk): the losses, the checkpoint
-    (an ordinary one: it resumes in host memory as the host run's would) and Engine.parameters bit for bit the
-    host-memory run's on the same nodes, which the NVMe run resumed from after its own first step; nothing of a tiered
-    kind in either node's /dev/shm, one state directory per store, none after."""
+    (an ordinary one; test_nvme_states' slow two-node run resumes one in host memory), the export and
+    Engine.parameters bit for bit the host-memory run's on the same nodes, which the NVMe run resumed from after its own
+    first step; nothing of a tiered kind in either node's /dev/shm, one state directory per store, none after."""
     result, out = two_nodes.result, two_nodes.out
     assert result["bf16-nvme"] == result["bf16-host"]
     assert result["bf16-host"][1] == ["speculated", "speculated", "rolled back"]
@@ -423,7 +424,8 @@ def test_two_nodes_with_every_state_on_nvme_train_bit_for_bit(two_nodes: TwoNode
     host, nvme = checkpoint_state(out / "bf16-host"), checkpoint_state(out / "bf16-nvme")
     assert any(k.startswith("optimizer-node001") for k in host)
     weights = [load_file(out / f"bf16-{name}.safetensors") for name in ("host", "nvme")]
-    for want, got in ((host, nvme), weights):
+    exports = [checkpoint_state(out / f"bf16-{name}-export") for name in ("host", "nvme")]
+    for want, got in ((host, nvme), weights, exports):
         assert want.keys() == got.keys()
         for k, v in want.items():
             assert torch.equal(got[k], v), k

@@ -24,6 +24,8 @@ from megatrain.memory.buffers import (
     EMBED_ROWS,
     GRADIENT_BUFFERS,
     H2D,
+    HEAD,
+    HEAD_CAST,
     HEAD_GRADS,
     HOST_GRAD_ROWS,
     HOST_ROWS,
@@ -213,6 +215,22 @@ def made_by(executor: Executor) -> dict[str, list[Any]]:
     wrap(executor, "_head", lambda out: note(HEAD_GRADS, [*out[1].values(), out[2]]))
     wrap(executor.embedding, "gather", lambda out: note(EMBED_ROWS, [out[0]]))
     wrap(executor.embedding, "grad_rows", lambda rows: note(EMBED_GRAD_ROWS, [rows]))
+    slots, whole = executor.slots, {}  # the head's copy (a tied head's: the table's too), and its cast
+
+    def take_whole(unit: Any, inner: Any = slots.take_whole) -> torch.Tensor:
+        copy = slots.whole.get(unit.index, (None,))[0]
+        cast = inner(unit)
+        if executor.resident.holds(unit) and not executor.resident.cast:  # bound where it lives, no copy
+            return cast
+        whole.setdefault(HEAD, {})[unit.index] = cast if copy is None else copy
+        if copy is not None and cast.dtype != copy.dtype:
+            whole.setdefault(HEAD_CAST, {})[unit.index] = cast
+        note(HEAD, list(whole[HEAD].values()))
+        if HEAD_CAST in whole:
+            note(HEAD_CAST, list(whole[HEAD_CAST].values()))
+        return cast
+
+    slots.take_whole = take_whole
     host = executor.host_buffers._buffers  # a resident embedding's rows take none
     wrap(executor.embedding, "to_arena", lambda out: [note(name, [host[key]]) for name, key in
                                                       ((HOST_ROWS, "rows"), (HOST_GRAD_ROWS, "grad_rows"))

@@ -15,7 +15,10 @@ from megatrain.memory.buffers import (
     EMBED_GRAD_ROWS,
     GRADIENT_BUFFERS,
     H2D,
+    HEAD,
+    HEAD_CAST,
     HEAD_GRADS,
+    Buffer,
     resident_buffers,
     total,
 )
@@ -163,10 +166,24 @@ def with_on_device(plan: MemoryPlan, config: ModelConfig, units: Residency, kept
         rows = tuple(replace(b, count=config.num_layers - units.layers) if b.name == GRADIENT_BUFFERS else b
                      for b in rows if not (b.name == HEAD_GRADS and units.head))
         gpu_grads = total(rows, GRADIENT_BUFFERS, HEAD_GRADS, EMBED_GRAD_ROWS)
+    rows, weights = _head_copy(rows, config, units, plan.gpu_weights)
     pcie["buffers"] = rows
     return replace(plan, resident_units=units.units, resident_params=units.params, gpu_resident=total(state),
-                   resident_weights="cast" if units.cast else "copy", gpu_grads=gpu_grads,
+                   resident_weights="cast" if units.cast else "copy", gpu_grads=gpu_grads, gpu_weights=weights,
                    process_bytes=plan.process_bytes + (0 if plan.on_gpu else units.bytes), **pcie)
+
+
+def _head_copy(rows: tuple[Buffer, ...], config: ModelConfig, units: Residency, weights: int
+               ) -> tuple[tuple[Buffer, ...], int]:
+    """(the rows, the weights' device bytes) with no device copy of a resident head or tied table, bound where it
+    lives (WeightSlots.take_whole; cast at each use, its cast stays counted)."""
+    layout = planning_layout(config)
+    less = (layout.embed.numel if units.embed and config.tie_embeddings else 0) + (layout.head.numel if units.head
+                                                                                  else 0)
+    if not less or units.cast:
+        return rows, weights
+    fewer = tuple(replace(b, numel=b.numel - less) if b.name in (HEAD, HEAD_CAST) else b for b in rows)
+    return fewer, weights - total(rows, HEAD, HEAD_CAST) + total(fewer, HEAD, HEAD_CAST)
 
 
 def _with_kept(plan: MemoryPlan, kept: KeptLayers) -> MemoryPlan:

@@ -27,7 +27,7 @@ from megatrain.engine.optimizer import Speculation, clip_coefficient
 from megatrain.engine.reference import initial_weights
 from megatrain.engine.weight_waits import NO_WAITS, VersionWaits
 from megatrain.lora.layout import training_layout
-from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT, FROZEN_SEGMENT
 from megatrain.memory.plan import cap_gpu_memory, gpu_free_here
 from megatrain.memory.post_plan import REFERENCE_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
@@ -66,7 +66,7 @@ class GPUExecutor:
             self.dp = DataParallel.join(rank, plan.world, rendezvous or "", device)
         self.executor = Executor(config, self.layout, self.arena.params, self.arena.grads, plan.device,
                                  plan.precision, plan.loss_chunk_tokens, Recorder(),
-                                 GradLayout.build(self.layout, plan.grads), self.arena.tensors.get(SHADOW_SEGMENT),
+                                 GradLayout.build(self.layout, plan.grads), self.arena.tensors.get(BF16_COPY_SEGMENT),
                                  plan.compile, tile_tokens=plan.tile_tokens, checkpoint_budget=plan.checkpoint_budget,
                                  data_parallel=self.dp, resident_units=plan.resident_units,
                                  kept_layers=plan.kept_layers, frozen=self.arena.tensors.get(FROZEN_SEGMENT),
@@ -80,7 +80,7 @@ class GPUExecutor:
         self._speculated: dict[int, set[int]] = {}  # step -> the units updated beside its backward
         self.trace = trace  # stall accounting always runs; spans travel to the driver only when tracing
         if self.executor.device.type == "cuda":
-            # page-locked: what the copy streams read (the weights the executor streams: the bf16 shadow in bf16
+            # page-locked: what the copy streams read (the weights the executor streams: the bf16 copy in bf16
             # runs, a LoRA run's frozen base and its adapters, else params) and write (grads)
             read = next(name for name, t in self.arena.tensors.items() if t is self.executor.weights)
             self.arena.register_cuda((read, "grads") if read != FROZEN_SEGMENT else (read, "grads", "params"))

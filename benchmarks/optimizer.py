@@ -11,8 +11,8 @@ same tensors with all cores' threads, in this process (megatrain/perf/calibrate.
 doctor` runs small).
 
 First, one pass against three (issue #25), in this process with every core's threads: one worker's update of the
-whole arena (AdamWShard, the bf16 shadow written as in bf16 runs), with and without a clip scale, walked in pieces
-of PIECE_NUMEL elements (the clip scale, the fused AdamW and the shadow copy on each piece while it is in the cache)
+whole arena (AdamWShard, the bf16 copy written as in bf16 runs), with and without a clip scale, walked in pieces
+of PIECE_NUMEL elements (the clip scale, the fused AdamW and the bf16 copy on each piece while it is in the cache)
 against pieces as large as a unit's decay group (the update as it was: each step a pass of its own), the
 rollback of the update beside the backward (the coefficient-1 update taken back and the clipped one applied, in
 one pass), and the update keeping a copy of what it overwrites (what an exact rollback would cost every step).
@@ -40,7 +40,7 @@ import torch
 from benchmarks.common import GiB, fmt, format_table, machine_summary, pythonpath_with_repo
 from megatrain.config import OptimConfig
 from megatrain.engine.optimizer import PIECE_NUMEL, AdamWShard
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.model.layout import ALIGN, ModelLayout
 from megatrain.perf.calibrate import config_for_params, fill, fused_adamw_seconds
 
@@ -91,18 +91,18 @@ class KeepingACopy(AdamWShard):
         torch._foreach_copy_(self.copies[id(piece)], piece.params + piece.exp_avg + piece.exp_avg_sq)
 
 
-def pass_bytes(update: str, clip: bool, shadow: bool = True) -> int:
+def pass_bytes(update: str, clip: bool, bf16_copy: bool = True) -> int:
     """Bytes of memory traffic per parameter: the fused AdamW reads p, g, m, v (16) and writes p, m, v (12); the clip
     scale reads and writes g (8: 4 where the piece is still in the cache for AdamW, which only writes it back); the
-    shadow reads p and writes its bf16 copy (6: 2 in the cache). A rollback reads and writes what a clipped update
+    bf16 copy reads p and writes it in bf16 (6: 2 in the cache). A rollback reads and writes what a clipped update
     does, in one pass."""
     one = update != "three passes"
     copy = 12 if update == "one pass + copy" else 0  # and as many read where the cache allocates on a write
-    return 28 + copy + (clip or update == "rollback") * (4 if one else 8) + shadow * (2 if one else 6)
+    return 28 + copy + (clip or update == "rollback") * (4 if one else 8) + bf16_copy * (2 if one else 6)
 
 
 def passes(layout: ModelLayout, optim: OptimConfig, repeats: int, threads: int) -> list[PassTiming]:
-    """One worker's update of every unit of `layout` in this process with `threads` threads (a bf16 shadow as in bf16
+    """One worker's update of every unit of `layout` in this process with `threads` threads (a bf16 copy as in bf16
     runs): in pieces of PIECE_NUMEL (one pass), in pieces as large as a unit's decay group (three passes: as it was
     before issue #25), the rollback of an update beside the backward, and the update keeping a copy of what it
     overwrites (the exact rollback's price on every step); one untimed update first."""
@@ -113,7 +113,7 @@ def passes(layout: ModelLayout, optim: OptimConfig, repeats: int, threads: int) 
         fill(tensors["params"], tensors["grads"])
         tensors["exp_avg"].zero_()
         tensors["exp_avg_sq"].zero_()
-        tensors[SHADOW_SEGMENT] = torch.empty(layout.numel, dtype=torch.bfloat16)
+        tensors[BF16_COPY_SEGMENT] = torch.empty(layout.numel, dtype=torch.bfloat16)
         whole = -(-max(u.numel for u in layout.units) // ALIGN) * ALIGN
         shards = {"one pass": AdamWShard(layout, tensors, optim, 0, 1),
                   "three passes": AdamWShard(layout, tensors, optim, 0, 1, piece_numel=whole)}

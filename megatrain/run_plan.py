@@ -60,7 +60,7 @@ class StorePlan:
 
     optimizer_workers: int = 1  # per node: the version table's columns
     grads: str = "arena"  # the arena's gradient segment: every unit's ("arena") or a ring of slots
-    shadow: bool = False  # a bf16 copy of the weights
+    bf16_copy: bool = False  # a bf16 copy of the weights
     nodes: int = 1  # each node's store holds the whole weights and 1/nodes of the Adam moments
     seed: int = 0
     lora: LoraConfig | None = None  # the adapters trained beside a frozen base stored in lora_base_dtype
@@ -78,12 +78,12 @@ class StorePlan:
         s = {**STANDALONE, **settings}
         if check_memory:
             plan = plan_memory(config, s["batch"], s["seq"], name=name, optimizer_workers=s["num_workers"],
-                               grads=s["grads"], shadow=s["shadow"], on_gpu=s["on_gpu"], tile_tokens=s["tile_tokens"],
-                               checkpoint_budget=s["checkpoint_budget"], micro_batches=s["micro_batches"],
-                               nodes=s["nodes"], lora=s["lora"], lora_base_dtype=s["lora_base_dtype"])
+                               grads=s["grads"], bf16_copy=s["bf16_copy"], on_gpu=s["on_gpu"], nodes=s["nodes"],
+                               tile_tokens=s["tile_tokens"], checkpoint_budget=s["checkpoint_budget"],
+                               micro_batches=s["micro_batches"], lora=s["lora"], lora_base_dtype=s["lora_base_dtype"])
             tier = s["tier"]
             with_tier(plan, config, tier and tier.root, tier.names if tier else ()).check_host()
-        return cls(s["num_workers"], s["grads"], s["shadow"], s["nodes"], s["seed"], s["lora"], s["lora_base_dtype"],
+        return cls(s["num_workers"], s["grads"], s["bf16_copy"], s["nodes"], s["seed"], s["lora"], s["lora_base_dtype"],
                    s["tier"], s["reference"])
 
 
@@ -100,9 +100,9 @@ class WorkerPlan:
 
 
 # ParameterStore's keywords without a run's plan, and their defaults
-STANDALONE: dict[str, Any] = dict(num_workers=1, seed=0, batch=1, seq=2048, grads="arena", shadow=False, on_gpu=False,
-                                  tile_tokens=None, checkpoint_budget=None, micro_batches=1, nodes=1, lora=None,
-                                  lora_base_dtype="bf16", tier=None, reference=None)
+STANDALONE: dict[str, Any] = dict(num_workers=1, seed=0, batch=1, seq=2048, grads="arena", bf16_copy=False,
+                                  on_gpu=False, tile_tokens=None, checkpoint_budget=None, micro_batches=1, nodes=1,
+                                  lora=None, lora_base_dtype="bf16", tier=None, reference=None)
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class RunPlan:
     resident_units: int
     resident_weights: str  # "copy" or "cast"
     kept_layers: int  # the top layers that keep their activations
-    shadow: bool  # a bf16 copy of the weights in the arena
+    bf16_copy: bool  # a bf16 copy of the weights in the arena
     compile: bool
     compile_why: str
     update: str  # UPDATES
@@ -166,7 +166,7 @@ class RunPlan:
     @property
     def store(self) -> StorePlan:
         """The parameter stores' part."""
-        return StorePlan(self.optimizer_workers, self.grads, self.shadow, self.nodes, self.seed, self.lora,
+        return StorePlan(self.optimizer_workers, self.grads, self.bf16_copy, self.nodes, self.seed, self.lora,
                          self.lora_base_dtype, self.tier, reference_dtype(self.precision) if self.reference else None)
 
     def worker_plan(self, optim: OptimConfig, threads: int) -> WorkerPlan:
@@ -184,7 +184,7 @@ class RunPlan:
                             micro_batches=self.micro_batches, schedule=self.schedule, executors=self.executors,
                             nodes=self.nodes, speculate=self.speculate, resident=self.resident_units,
                             resident_weights=self.resident_weights, keep_activations=self.kept_layers,
-                            bf16_copy="keep" if self.shadow else "none",
+                            bf16_copy="keep" if self.bf16_copy else "none",
                             lora=self.lora, lora_base_dtype=self.lora_base_dtype,
                             nvme=None if self.tier is None else self.tier.root, reference=self.reference)
 

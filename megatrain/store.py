@@ -30,7 +30,7 @@ from megatrain.lora.arena_io import arena_adapters, initial_adapters, merged_ten
 from megatrain.lora.config import BASE_DTYPES
 from megatrain.lora.layout import training_layout
 from megatrain.lora.peft_format import is_adapter_file, load_adapter, write_adapter
-from megatrain.memory.arena import FP32_SEGMENTS, REFERENCE_SEGMENT, SHADOW_SEGMENT, Arena, ArenaHandle
+from megatrain.memory.arena import BF16_COPY_SEGMENT, FP32_SEGMENTS, REFERENCE_SEGMENT, Arena, ArenaHandle
 from megatrain.memory.buffers import ARENA, Buffer, arena_segments
 from megatrain.memory.staging import StoreTier, stage_segments
 from megatrain.memory.versions import VersionTable
@@ -107,8 +107,8 @@ class ParameterStore:
                  check_memory: bool = True, **settings: Any):
         """The store of node `node` of a run whose plan is `plan` (its store part: RunPlan.store): what the arena holds
         is the plan's, which the driver checked. Without one (a test's store, megatrain.api's), its settings are the
-        keywords StorePlan.standalone takes (num_workers, seed, grads, shadow, nodes, lora, lora_base_dtype, tier, and
-        batch, seq, on_gpu, tile_tokens, checkpoint_budget, micro_batches for the host memory's check).
+        keywords StorePlan.standalone takes (num_workers, seed, grads, bf16_copy, nodes, lora, lora_base_dtype, tier,
+        and batch, seq, on_gpu, tile_tokens, checkpoint_budget, micro_batches for the host memory's check).
         adapter: the PEFT adapter directory a LoRA run starts from. verify: resolve_model's checks first (weight files
         readable, the self-check); False where a driver made them. The arena: megatrain/memory/arena.py; the NVMe
         tier's states staged through it: megatrain/memory/staging.py."""
@@ -151,7 +151,7 @@ class ParameterStore:
                             stage_segments(self.layout, plan.tier.kinds, plan.tier.from_unit, plan.optimizer_workers))
         segments = arena_segments(self.layout.numel, self.grad_layout.numel, self.node.numel,
                                   units=len(self.layout.units), columns=plan.optimizer_workers + (plan.nodes > 1),
-                                  shadow=plan.shadow, frozen_numel=0 if frozen is None else frozen.numel,
+                                  bf16_copy=plan.bf16_copy, frozen_numel=0 if frozen is None else frozen.numel,
                                   frozen_dtype=BASE_DTYPES[plan.lora_base_dtype], staging=staging,
                                   reference=plan.reference if frozen is None else None)
         return Arena.create(self.layout.numel, run_id=run_id, grads_numel=self.grad_layout.numel,
@@ -180,14 +180,14 @@ class ParameterStore:
         if frozen is not None:
             adapters = initial_adapters(self.layout, self.seed, self.adapter)
             write_adapters(self.layout, self.arena.params, adapters, str(self.adapter or "the initial adapters"))
-        self._refresh_shadow()
+        self._refresh_bf16_copy()
         if REFERENCE_SEGMENT in self.arena.tensors:  # the initial weights, never written after (post_plan.py)
             self._copy_weights(REFERENCE_SEGMENT)
 
-    def _refresh_shadow(self) -> None:
-        """After the weights were written other than by the optimizer (which keeps the shadow itself)."""
-        if SHADOW_SEGMENT in self.arena.tensors:
-            self._copy_weights(SHADOW_SEGMENT)
+    def _refresh_bf16_copy(self) -> None:
+        """After the weights were written other than by the optimizer (which keeps the bf16 copy itself)."""
+        if BF16_COPY_SEGMENT in self.arena.tensors:
+            self._copy_weights(BF16_COPY_SEGMENT)
 
     def _copy_weights(self, segment: str) -> None:
         """The weights into `segment`, unit by unit (read through the tier where the masters are on NVMe)."""
@@ -228,7 +228,7 @@ class ParameterStore:
         """Several nodes: once this node's workers applied update `step`, unit by unit, the updated parts of the
         weights are exchanged with the other nodes (NodeGroup.sync_weights)."""
         self.node_group.sync_weights(self.layout, step, self.arena.params, self.versions,
-                                     self.arena.tensors.get(SHADOW_SEGMENT), self.master_parts)
+                                     self.arena.tensors.get(BF16_COPY_SEGMENT), self.master_parts)
 
     def version_range(self) -> tuple[int, int]:
         """(min, max) of the version table: the update every unit has, and the newest any part of one has."""
@@ -314,7 +314,7 @@ class ParameterStore:
             self.passthrough = passthrough
         else:
             write_adapters(self.layout, self.arena.params, adapters, str(directory))
-        self._refresh_shadow()
+        self._refresh_bf16_copy()
         moments = {"exp_avg": self.arena.exp_avg, "exp_avg_sq": self.arena.exp_avg_sq}
         if parts:
             ckpt.load_moment_parts(parts, self.layout, self.node, moments, io=self.io)

@@ -126,11 +126,11 @@ def resolve_settings(request: Request, machine: Machine) -> RunPlan:
         micro_batches=memory.micro_batches, batch=memory.batch, seq=memory.seq, schedule=memory.schedule,
         tile_tokens=memory.tile_tokens, checkpoint_budget=budget, resident_units=memory.resident_units,
         resident_weights=memory.resident_weights, kept_layers=len(memory.kept.indices),
-        shadow=memory.shadow_bytes > 0, compile=compiled.on, compile_why=compiled.why, update=update,
+        bf16_copy=memory.bf16_copy_bytes > 0, compile=compiled.on, compile_why=compiled.why, update=update,
         clipping=clipping, loss_chunk_tokens=e.loss_chunk_tokens, seed=e.seed, lora=lora,
         lora_base_dtype=e.lora_base_dtype, threads_per_worker=e.threads_per_worker,
         tier=resolve_tier(e.nvme, memory.tier.names if memory.tier else (), memory.resident_units,
-                          lora is not None, memory.grads, memory.shadow_bytes > 0),
+                          lora is not None, memory.grads, memory.bf16_copy_bytes > 0),
         arena_bytes=memory.arena_bytes, reference=e.reference and lora is None, gpu_memory=held,
         host_bytes=memory.host_total, gpu_bytes=memory.gpu_total, notes=(*notes, *more), warnings=warnings,
         memory=memory)
@@ -169,7 +169,7 @@ def memory_plan(request: Request, machine: Machine, e: EngineConfig, on_gpu: boo
     # the NVMe tier's states out of the host's arena (tier_plan.py with_tier: nvme_states auto, the shortest step
     # predicted with the disk as a bound that fits); the fp32 masters only with the bf16 copy that streams instead
     copied = None
-    if e.precision == "bf16" and e.bf16_copy == "auto" and e.lora is None and not plan.shadow_bytes:
+    if e.precision == "bf16" and e.bf16_copy == "auto" and e.lora is None and not plan.bf16_copy_bytes:
         copied = plan_run(request.config, plan.batch, request.seq, micro_batches=plan.micro_batches,
                           **{**settings, "bf16_copy": "keep"})
     return with_tier(plan, request.config, e.nvme, e.nvme_states, machine.nvme_gbps or disk_rates(e.nvme),

@@ -305,12 +305,12 @@ def test_plan_run_is_the_engines_choice(monkeypatch) -> None:
     monkeypatch.setattr(plan_mod, "host_available", lambda: 200 * GiB)
     # 1 x 2048 tokens: the fp32 weights' H2D would bound the step (the copy's rule: test_bf16_copy.py)
     roomy = plan_mod.plan_run(config, 1, 2048, precision="bf16", optimizer_workers=8, on_gpu=True, gpu_free=80 * GiB)
-    assert (roomy.grads, roomy.shadow_bytes > 0, roomy.host_problem()) == ("device", True, None)
+    assert (roomy.grads, roomy.bf16_copy_bytes > 0, roomy.host_problem()) == ("device", True, None)
     monkeypatch.setattr(plan_mod, "host_available", lambda: 122 * GiB)
     tight = plan_mod.plan_run(config, 1, 2048, precision="bf16", optimizer_workers=8, on_gpu=True, gpu_free=80 * GiB)
-    assert (tight.grads, tight.shadow_bytes, tight.host_problem()) == ("device", 0, None), "no room: no bf16 copy"
+    assert (tight.grads, tight.bf16_copy_bytes, tight.host_problem()) == ("device", 0, None), "no room: no bf16 copy"
     # the store checks the host with on_gpu as the engine runs: a GPU run's gradients are not host memory
-    cpu = plan_memory(config, 1, 2048, precision="bf16", optimizer_workers=8, grads="device", shadow=False)
+    cpu = plan_memory(config, 1, 2048, precision="bf16", optimizer_workers=8, grads="device", bf16_copy=False)
     assert cpu.host_total - tight.host_total > tight.gpu_grads
 
 

@@ -14,7 +14,7 @@ import torch
 
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, ModelConfig
-from megatrain.memory.arena import SHADOW_SEGMENT, Arena
+from megatrain.memory.arena import BF16_COPY_SEGMENT, Arena
 from megatrain.memory.plan import BF16_COPY_RULE, plan_run
 from megatrain.perf.calibrate import Calibration
 from megatrain.perf.predict import predict, step_time
@@ -43,16 +43,16 @@ def test_the_copy_stays_only_where_pcie_bounds_the_step(grads: str) -> None:
     for k in (16, 1):
         plan = partial(plan_run, SEVEN_B, 1, 2048, micro_batches=k, step_time=predicted, grads=grads, **HEADLINE)
         auto, keep, none = (plan(bf16_copy=c) for c in ("auto", "keep", "none"))
-        assert keep.shadow_bytes > 0 and none.shadow_bytes == 0
+        assert keep.bf16_copy_bytes > 0 and none.bf16_copy_bytes == 0
         assert per_param(none) == pytest.approx(per_param(keep) - 2, abs=0.01)
         exposed = predict(none, SEVEN_B, cal, **settings).exposed["h2d"]
         assert not (auto.host_problem() or auto.gpu_problem())
         assert BF16_COPY_RULE in auto.report()
         if k == 16:
-            assert exposed == 0 and auto.shadow_bytes == 0 and per_param(auto) <= 16
+            assert exposed == 0 and auto.bf16_copy_bytes == 0 and per_param(auto) <= 16
             assert "hidden by compute" in auto.bf16_copy_note
         else:
-            assert exposed > 0.1 and auto.shadow_bytes == keep.shadow_bytes
+            assert exposed > 0.1 and auto.bf16_copy_bytes == keep.bf16_copy_bytes
             assert f"would bound the step ({1e3 * exposed:.1f} ms exposed, predicted)" in auto.bf16_copy_note
 
 
@@ -62,13 +62,13 @@ def test_without_a_calibration_the_rule_takes_nominal_rates() -> None:
     copies no weights and keeps none."""
     plan = partial(plan_run, SEVEN_B, 1, 2048, grads="arena", **HEADLINE)
     many, one = plan(micro_batches=16), plan(micro_batches=1)
-    assert many.shadow_bytes == 0 and "no longer than" in many.bf16_copy_note
+    assert many.bf16_copy_bytes == 0 and "no longer than" in many.bf16_copy_note
     assert "no calibration" in many.bf16_copy_note
     assert "arena: 16.0 B per parameter in host memory" in many.report()
-    assert one.shadow_bytes == one.arena_numel * 2 and "longer than" in one.bf16_copy_note
+    assert one.bf16_copy_bytes == one.arena_numel * 2 and "longer than" in one.bf16_copy_note
     assert "arena: 18.0 B per parameter in host memory" in one.report()
     cpu = plan_run(ModelConfig.from_name("tiny"), 2, 64, precision="bf16", find_longest=False)
-    assert cpu.shadow_bytes == 0 and "the CPU path copies no weights" in cpu.bf16_copy_note
+    assert cpu.bf16_copy_bytes == 0 and "the CPU path copies no weights" in cpu.bf16_copy_note
 
 
 def test_forcing_the_copy_and_the_room_it_needs() -> None:
@@ -78,10 +78,10 @@ def test_forcing_the_copy_and_the_room_it_needs() -> None:
     assert plan(bf16_copy="none").bf16_copy_note.endswith("bf16_copy = none")
     small = dict(HEADLINE, host_free=110 * GiB)  # room for 16 B a parameter, not for 18
     dropped = plan_run(SEVEN_B, 1, 2048, grads="arena", **small)
-    assert dropped.shadow_bytes == 0 and dropped.bf16_copy_note.startswith("bf16 copy of the weights none: no room")
+    assert dropped.bf16_copy_bytes == 0 and dropped.bf16_copy_note.startswith("bf16 copy of the weights none: no room")
     forced = plan_run(SEVEN_B, 1, 2048, grads="arena", bf16_copy="keep", **small)
-    assert forced.shadow_bytes > 0 and forced.host_problem() is not None
-    assert plan(precision="tf32", bf16_copy="keep").shadow_bytes == 0  # only bf16 compute reads a copy
+    assert forced.bf16_copy_bytes > 0 and forced.host_problem() is not None
+    assert plan(precision="tf32", bf16_copy="keep").bf16_copy_bytes == 0  # only bf16 compute reads a copy
     with pytest.raises(ConfigError, match="bf16_copy"):
         EngineConfig(bf16_copy="sometimes")
     with pytest.raises(ConfigError, match="bf16_copy"):
@@ -97,14 +97,14 @@ def _run(bf16_copy: str) -> tuple[list[float], torch.Tensor]:
         engine.wait_for_updates()
         arena = Arena.open(engine.handle)
         try:
-            assert (SHADOW_SEGMENT in arena.tensors) == (bf16_copy == "keep")
+            assert (BF16_COPY_SEGMENT in arena.tensors) == (bf16_copy == "keep")
             params = arena.params.clone()
         finally:
             arena.close()
     return losses, params
 
 
-@pytest.mark.slow  # two Engine starts (~75 s here); CI: test_shadow.py's executor casting the weights, same bits
+@pytest.mark.slow  # two Engine starts (~75 s); CI: test_bf16_copy_weights.py's executor casting the weights, same bits
 def test_a_bf16_run_without_the_copy_trains_bit_for_bit_as_with_it(ray_session: None) -> None:
     """The executor casts the streamed fp32 weights (round to nearest even) where it would read the optimizer's copy
     (rounded the same way): the same losses and weights after 3 steps."""

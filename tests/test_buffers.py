@@ -14,7 +14,7 @@ import torch
 from megatrain.config import ModelConfig
 from megatrain.engine.executor import Executor
 from megatrain.lora.config import LoraConfig
-from megatrain.memory.arena import FROZEN_SEGMENT, SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT, FROZEN_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
     D2H,
@@ -71,7 +71,7 @@ def built(settings: dict[str, Any]) -> tuple[Any, ParameterStore, Executor]:
     reference = reference_dtype(settings["precision"]) if settings.get("reference") else None
     if reference is not None:
         plan = with_reference(plan, config, settings["precision"])
-    store = ParameterStore("tiny", StorePlan(WORKERS, plan.grads, plan.shadow_bytes > 0, lora=settings.get("lora"),
+    store = ParameterStore("tiny", StorePlan(WORKERS, plan.grads, plan.bf16_copy_bytes > 0, lora=settings.get("lora"),
                                              lora_base_dtype=settings.get("lora_base_dtype", "bf16"),
                                              reference=reference), verify=False)
     a = store.arena
@@ -79,8 +79,8 @@ def built(settings: dict[str, Any]) -> tuple[Any, ParameterStore, Executor]:
     # GPU does); a LoRA run's, off the GPU, as the CPU path's synchronous copies do
     device = "cpu" if "lora" in settings else "cpu-async"
     executor = Executor(config, store.layout, a.params, a.grads, device, settings["precision"],
-                        grad_layout=GradLayout.build(store.layout, plan.grads), shadow=a.tensors.get(SHADOW_SEGMENT),
-                        frozen=a.tensors.get(FROZEN_SEGMENT), resident_units=plan.resident_units,
+                        grad_layout=GradLayout.build(store.layout, plan.grads), frozen=a.tensors.get(FROZEN_SEGMENT),
+                        bf16_copy=a.tensors.get(BF16_COPY_SEGMENT), resident_units=plan.resident_units,
                         checkpoint_budget=plan.checkpoint_budget)
     return plan, store, executor
 
@@ -163,9 +163,9 @@ def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any
     layout = ModelLayout.build(config)
     grad_layout = GradLayout.build(layout, plan.grads)
     params = torch.randn(layout.numel) * 0.02
-    shadow = params.bfloat16() if plan.shadow_bytes else None
+    bf16_copy = params.bfloat16() if plan.bf16_copy_bytes else None
     executor = Executor(config, layout, params, torch.zeros(grad_layout.numel), "cpu-async:1", s["precision"],
-                        grad_layout=grad_layout, shadow=shadow, resident_units=plan.resident_units,
+                        grad_layout=grad_layout, bf16_copy=bf16_copy, resident_units=plan.resident_units,
                         checkpoint_budget=plan.checkpoint_budget)
     try:
         moved, made = traced(executor), made_by(executor)

@@ -389,7 +389,7 @@ def test_lora_engine_cpu_and_gpu_agree_within_the_plan(ray_session, tmp_path: Pa
 
 @pytest.mark.parametrize(("precision", "compile"), [("tf32", False), ("bf16", False), ("bf16", True)])
 def test_fast_precisions_train(ray_session, precision: str, compile: bool) -> None:
-    """bf16 loads the optimizer's bf16 shadow of the weights; compile runs the layers through torch.compile."""
+    """bf16 loads the optimizer's bf16 copy of the weights; compile runs the layers through torch.compile."""
     gen = torch.Generator().manual_seed(0)
     with megatrain.Engine("125m", device="cuda", precision=precision, optimizer_workers=4, lr=1e-3,
                           warmup_steps=2, compile=compile) as engine:

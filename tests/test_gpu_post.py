@@ -17,7 +17,7 @@ from megatrain.engine.executor import Executor
 from megatrain.engine.generation import Generator, Sampling
 from megatrain.engine.reference import initial_weights
 from megatrain.engine.torch_settings import set_matmul_precision
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.memory.post_plan import REFERENCE_SEGMENT, reference_dtype
 from megatrain.store import ParameterStore
 
@@ -38,17 +38,17 @@ def test_the_reference_on_cuda_is_the_initial_model(model_dir, precision: str) -
     _, directory = model_dir
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2, 24), generator=gen)
-    store = ParameterStore(directory, reference=reference_dtype(precision), shadow=precision == "bf16",
+    store = ParameterStore(directory, reference=reference_dtype(precision), bf16_copy=precision == "bf16",
                            check_memory=False)
     try:
         ex = Executor(store.config, store.layout, store.arena.params, store.arena.grads, "cuda", precision,
-                      shadow=store.arena.tensors.get(SHADOW_SEGMENT), resident_units=2,
+                      bf16_copy=store.arena.tensors.get(BF16_COPY_SEGMENT), resident_units=2,
                       reference=store.arena.tensors[REFERENCE_SEGMENT])
         ex.resident.load(store.arena.tensors, 0)
         initial = ex.logprobs(ids)[0]
         store.arena.params.add_(0.05 * torch.randn(store.arena.params.shape, generator=gen))
-        if SHADOW_SEGMENT in store.arena.tensors:
-            store.arena.tensors[SHADOW_SEGMENT].copy_(store.arena.params)
+        if BF16_COPY_SEGMENT in store.arena.tensors:
+            store.arena.tensors[BF16_COPY_SEGMENT].copy_(store.arena.params)
         ex.resident.load(store.arena.tensors, 1)
         assert not torch.equal(ex.logprobs(ids)[0], initial)
         with initial_weights(ex):

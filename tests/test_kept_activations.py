@@ -73,16 +73,16 @@ def test_a_kept_graph_reads_the_weights_bound_for_its_backward_not_the_forwards_
 # ---- the executor, without Ray ----
 
 def run_steps(config: ModelConfig, kept: int, device: str, precision: str, micro_batches: int, schedule: str,
-              resident: int = 0, shadow: bool = True, rec: Recorder | None = None, steps: int = 1
+              resident: int = 0, bf16_copy: bool = True, rec: Recorder | None = None, steps: int = 1
               ) -> list[tuple[float, torch.Tensor, list[float]]]:
     """Each step's loss, every unit's gradient (the resident ones' from the device) and norms, on fixed weights.
-    shadow: bf16 runs read the weights from a bf16 copy (else they are cast into the two rotating buffers, even on the
-    plain CPU path)."""
+    bf16_copy: bf16 runs read the weights from a bf16 copy (else they are cast into the two rotating buffers, even
+    on the plain CPU path)."""
     layout = ModelLayout.build(config)
     t = {name: torch.zeros(layout.numel) for name in ("params", "grads", "exp_avg", "exp_avg_sq")}
     init_weights(layout, t["params"], seed=3)
     executor = Executor(config, layout, t["params"], t["grads"], device=device, precision=precision, recorder=rec,
-                        shadow=t["params"].to(torch.bfloat16) if shadow else None, resident_units=resident,
+                        bf16_copy=t["params"].to(torch.bfloat16) if bf16_copy else None, resident_units=resident,
                         kept_layers=kept)
     executor.resident.load(t, 0)
     gen = torch.Generator().manual_seed(1)
@@ -106,7 +106,8 @@ def run_steps(config: ModelConfig, kept: int, device: str, precision: str, micro
     return out
 
 
-@pytest.mark.parametrize(("tied", "device", "precision", "micro_batches", "schedule", "resident", "shadow", "kept"), [
+@pytest.mark.parametrize(("tied", "device", "precision", "micro_batches", "schedule", "resident", "bf16_copy",
+                          "kept"), [
     (False, "cpu", "bf16", 2, "layer-major", 0, False, 2),
     (True, "cpu-async:3", "bf16", 2, "layer-major", 3, True, 2),
     (False, "cpu-async:1", "fp32", 2, "per-micro-batch", 0, True, 4),
@@ -117,12 +118,12 @@ def run_steps(config: ModelConfig, kept: int, device: str, precision: str, micro
 ])
 def test_kept_layers_give_the_recompute_paths_gradients_bit_for_bit(tied: bool, device: str, precision: str,
                                                                    micro_batches: int, schedule: str, resident: int,
-                                                                   shadow: bool, kept: int) -> None:
+                                                                   bf16_copy: bool, kept: int) -> None:
     """The loss, every gradient and norm; the trace names a kept layer's backward "backward", a recomputed one's
     "recompute+backward"."""
     config = tiny(tie_embeddings=tied)
     settings = dict(device=device, precision=precision, micro_batches=micro_batches, schedule=schedule,
-                    resident=resident, shadow=shadow)
+                    resident=resident, bf16_copy=bf16_copy)
     rec = Recorder()
     want, got = run_steps(config, 0, **settings), run_steps(config, kept, rec=rec, **settings)
     for (loss, grads, norms), (want_loss, want_grads, want_norms) in zip(got, want, strict=True):

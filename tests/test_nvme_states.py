@@ -92,7 +92,7 @@ def test_a_worker_with_every_state_on_nvme_updates_bit_for_bit_as_in_host_memory
 
     spec = TierSpec(str(nvme_dir), ("master", "moments", "grads"), ("params", "exp_avg", "exp_avg_sq", "grads"))
     config = replace(ModelConfig.from_name("tiny"), vocab_size=vocab)
-    stores = [ParameterStore(config, num_workers=workers, shadow=True, verify=False, check_memory=False, **extra)
+    stores = [ParameterStore(config, num_workers=workers, bf16_copy=True, verify=False, check_memory=False, **extra)
               for extra in ({}, {"tier": spec})]
     try:
         layout, optim = stores[0].layout, OptimConfig(lr=1e-2, weight_decay=0.1)
@@ -149,7 +149,7 @@ def test_on_several_nodes_a_tiered_units_version_comes_once_its_masters_are_on_d
     from megatrain.store import ParameterStore
 
     spec = TierSpec(str(nvme_dir), ("master",), ("params",))
-    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, nodes=2, verify=False,
+    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, bf16_copy=True, nodes=2, verify=False,
                              check_memory=False, **extra) for extra in ({}, {"tier": spec})]
     try:
         layout, optim, node = stores[0].layout, OptimConfig(lr=1e-2), stores[0].node
@@ -201,17 +201,17 @@ try:
         masters[unit.offset + lo : unit.offset + hi] = want[unit.offset + lo : unit.offset + hi]  # this node's update
     files.write("params", 0, masters).result()
     versions = torch.ones(len(layout.units), 2, dtype=torch.int64)  # the workers' column: update 0 applied
-    shadow = torch.zeros(layout.numel, dtype=torch.bfloat16)
+    bf16_copy = torch.zeros(layout.numel, dtype=torch.bfloat16)
     parts = node_exchange.MasterParts(files, 0, max(u.numel for u in layout.units))
-    group.sync_weights(layout, 0, torch.zeros(layout.numel), versions, shadow, parts)
+    group.sync_weights(layout, 0, torch.zeros(layout.numel), versions, bf16_copy, parts)
     masters.zero_()
     files.read("params", 0, masters).result()
     others = torch.ones(layout.numel, dtype=torch.bool)
     for unit in layout.units:
         lo, hi = shard.bounds[unit.index]
         others[unit.offset + lo : unit.offset + hi] = False
-    ok = (torch.equal(masters, want) and torch.equal(shadow[others], want[others].bfloat16())
-          and not shadow[~others].any() and bool((versions[:, 1] == 1).all()))
+    ok = (torch.equal(masters, want) and torch.equal(bf16_copy[others], want[others].bfloat16())
+          and not bf16_copy[~others].any() and bool((versions[:, 1] == 1).all()))
     print("exchanged" if ok else "wrong")
 finally:
     files.destroy()

@@ -78,7 +78,7 @@ def test_plan_with_nvme_keeps_at_most_8_bytes_per_parameter_in_the_host(name: st
     assert plan["tier"] is not None and plan["tier"]["directory"] == str(nvme)
     assert set(plan["tier"]["names"]) == {"moments", "grads"}
     assert plan["host_total"] / plan["params"] <= 8, plan["host_total"] / plan["params"]
-    assert run["tier"]["names"] == plan["tier"]["names"] and run["shadow"] == (plan["shadow_bytes"] > 0)
+    assert run["tier"]["names"] == plan["tier"]["names"] and run["bf16_copy"] == (plan["bf16_copy_bytes"] > 0)
     assert plan["longest_seq"] >= 1024  # its search places the tier too: without it nothing fits
     assert not any(nvme.iterdir())  # nothing written
 
@@ -105,5 +105,5 @@ def test_nvme_auto_takes_the_shortest_step_with_the_disk_as_a_bound(tmp_path: Pa
     assert "moments,grads" in plan["tier_note"] and "B/param in host memory" in plan["tier_note"]  # the leaner ways too
     assert set(KINDS) == set(traffic)
     code, bf16, _ = nvme_plan("gpt-oss-120b", "1536", "master,moments,grads", tmp_path, capsys, "--precision", "bf16")
-    assert bf16["plan"]["shadow_bytes"] > 0 and bf16["run_plan"]["shadow"]  # the copy kept with the masters on disk
+    assert bf16["plan"]["bf16_copy_bytes"] > 0 and bf16["run_plan"]["bf16_copy"]  # the copy, with the masters on disk
     assert bf16["plan"]["host_total"] / bf16["plan"]["params"] <= 4  # the copy, the staging, the processes

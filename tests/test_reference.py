@@ -22,7 +22,7 @@ from megatrain import MegatrainError
 from megatrain.config import ModelConfig
 from megatrain.engine.executor import Executor
 from megatrain.engine.reference import initial_weights
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.memory.plan import plan_run
 from megatrain.memory.post_plan import REFERENCE_SEGMENT, post_plan, reference_problem, with_reference
 from megatrain.store import ParameterStore
@@ -41,8 +41,8 @@ def moved(store: ParameterStore, executor: Executor) -> None:
     gen = torch.Generator().manual_seed(5)
     params = store.arena.params
     params.add_(0.05 * torch.randn(params.shape, generator=gen))
-    if SHADOW_SEGMENT in store.arena.tensors:
-        store.arena.tensors[SHADOW_SEGMENT].copy_(params)
+    if BF16_COPY_SEGMENT in store.arena.tensors:
+        store.arena.tensors[BF16_COPY_SEGMENT].copy_(params)
     if len(executor.resident):
         executor.resident.load(store.arena.tensors, 1)
 
@@ -53,11 +53,11 @@ def test_reference_logprobs_are_the_initial_models(model_dir, device: str, preci
     hf, directory = model_dir
     ids, labels = tokens()
     bf16 = precision == "bf16"
-    store = ParameterStore(directory, reference="bfloat16" if bf16 else "float32", shadow=bf16, check_memory=False)
+    store = ParameterStore(directory, reference="bfloat16" if bf16 else "float32", bf16_copy=bf16, check_memory=False)
     try:
         assert store.arena.tensors[REFERENCE_SEGMENT].dtype == (torch.bfloat16 if bf16 else torch.float32)
         executor = Executor(store.config, store.layout, store.arena.params, store.arena.grads, device, precision,
-                            loss_chunk_tokens=7, shadow=store.arena.tensors.get(SHADOW_SEGMENT),
+                            loss_chunk_tokens=7, bf16_copy=store.arena.tensors.get(BF16_COPY_SEGMENT),
                             resident_units=resident, reference=store.arena.tensors[REFERENCE_SEGMENT])
         if resident:
             executor.resident.load(store.arena.tensors, 0)
@@ -128,11 +128,11 @@ def test_the_reference_is_the_initial_weights_with_the_masters_on_nvme(tmp_path:
     from megatrain.memory.nvme import TierSpec
 
     spec = TierSpec(str(tmp_path), ("master",), ("params",))
-    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, reference="bfloat16",
+    stores = [ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, bf16_copy=True, reference="bfloat16",
                              verify=False, check_memory=False, **extra) for extra in ({}, {"tier": spec})]
     try:
         host, tiered = (st.arena.tensors[REFERENCE_SEGMENT] for st in stores)
-        assert torch.equal(tiered, stores[1].arena.tensors[SHADOW_SEGMENT]) and torch.equal(tiered, host)
+        assert torch.equal(tiered, stores[1].arena.tensors[BF16_COPY_SEGMENT]) and torch.equal(tiered, host)
         assert tiered.abs().sum() > 0
     finally:
         for st in stores:

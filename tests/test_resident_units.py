@@ -31,7 +31,7 @@ from megatrain.config import ConfigError, EngineConfig, ModelConfig, OptimConfig
 from megatrain.engine.executor import Executor
 from megatrain.engine.optimizer import AdamWShard
 from megatrain.engine.resident import resident_update
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.memory.buffers import GRADIENT_BUFFERS, row
 from megatrain.memory.plan import plan_run
 from megatrain.memory.residency import MARGIN_BYTES, bytes_per_param
@@ -130,13 +130,13 @@ def executor_steps(config: ModelConfig, resident: int, device: str, precision: s
     layout = ModelLayout.build(config)
     optim = OptimConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
     t = {name: torch.zeros(layout.numel) for name in ("params", "grads", "exp_avg", "exp_avg_sq")}
-    t[SHADOW_SEGMENT] = torch.zeros(layout.numel, dtype=torch.bfloat16)
+    t[BF16_COPY_SEGMENT] = torch.zeros(layout.numel, dtype=torch.bfloat16)
     init_weights(layout, t["params"], seed=3)
-    t[SHADOW_SEGMENT].copy_(t["params"])
+    t[BF16_COPY_SEGMENT].copy_(t["params"])
     executor = Executor(config, layout, t["params"], t["grads"], device=device, precision=precision,
-                        shadow=t[SHADOW_SEGMENT], resident_units=resident, resident_cast=cast, kept_layers=kept)
+                        bf16_copy=t[BF16_COPY_SEGMENT], resident_units=resident, resident_cast=cast, kept_layers=kept)
     assert executor.resident.cast == (cast and precision == "bf16" and resident > 0)
-    assert (SHADOW_SEGMENT in executor.resident.tensors) == (precision == "bf16" and resident > 0 and not cast)
+    assert (BF16_COPY_SEGMENT in executor.resident.tensors) == (precision == "bf16" and resident > 0 and not cast)
     executor.resident.load(t, 0)
     workers = [AdamWShard(layout, t, optim, w, 2) for w in range(2)]
     ids = torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
@@ -187,7 +187,7 @@ def test_the_executors_resident_units_are_the_streamed_ones_bit_for_bit(tied: bo
     (want, want_losses) = runs[0]
     for n, (got, losses) in runs.items():
         assert losses == want_losses, n
-        for name in ("params", "exp_avg", "exp_avg_sq", SHADOW_SEGMENT):
+        for name in ("params", "exp_avg", "exp_avg_sq", BF16_COPY_SEGMENT):
             assert torch.equal(got[name], want[name]), (n, name)
 
 

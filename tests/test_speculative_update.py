@@ -1,7 +1,7 @@
 """The update beside the backward (issue #25): each unit's AdamW as its gradient lands, validated once the step's
 norm is known, and the one-pass update it runs.
 
-Without Ray: the pass in pieces is bit for bit the update of whole groups (clip scale and bf16 shadow included);
+Without Ray: the pass in pieces is bit for bit the update of whole groups (clip scale and bf16 copy included);
 an update beside the backward that stands is the update; one taken back and redone with the clip coefficient is
 within fp32 rounding of AdamW's fp64 result (as near as the serial update, up to twice), one rolled back leaves the
 weights within rounding of where they were (the moments exactly, at update 0); a unit sliced among executors
@@ -41,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import megatrain
 from megatrain.config import ConfigError, EngineConfig, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.model.layout import ALIGN, ModelLayout
 from megatrain.telemetry import HANDOUT_LANE
 
@@ -57,7 +57,7 @@ def arena(seed: int = 0, moments: bool = False) -> dict[str, torch.Tensor]:
     return {"params": torch.randn(n, generator=gen) * 0.02, "grads": torch.randn(n, generator=gen) * 1e-2,
             "exp_avg": torch.randn(n, generator=gen) * 1e-3 if moments else torch.zeros(n),
             "exp_avg_sq": torch.rand(n, generator=gen) * 1e-4 if moments else torch.zeros(n),
-            SHADOW_SEGMENT: torch.zeros(n, dtype=torch.bfloat16)}
+            BF16_COPY_SEGMENT: torch.zeros(n, dtype=torch.bfloat16)}
 
 
 def covered() -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +82,10 @@ def adamw_fp64(t: dict[str, torch.Tensor], grads: torch.Tensor, step: int) -> di
             "exp_avg_sq": v}
 
 
-def assert_shadow_current(t: dict[str, torch.Tensor]) -> None:
-    """The bf16 shadow is the weights rounded, wherever the layout has weights."""
+def assert_bf16_copy_current(t: dict[str, torch.Tensor]) -> None:
+    """The bf16 copy is the weights rounded, wherever the layout has weights."""
     mask = covered()[0]
-    assert torch.equal(t[SHADOW_SEGMENT][mask], t["params"][mask].bfloat16())
+    assert torch.equal(t[BF16_COPY_SEGMENT][mask], t["params"][mask].bfloat16())
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -97,7 +97,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("clip_coef", [1.0, 0.3])
 def test_the_pass_in_pieces_is_the_update_of_whole_groups(clip_coef: float) -> None:
     """Pieces of 1 or 3 ALIGN blocks (cut inside tensors, several small tensors in one piece) against one piece per
-    decay group (each kernel over the whole group: the update as it was), 2 workers, 3 steps, the bf16 shadow."""
+    decay group (each kernel over the whole group: the update as it was), 2 workers, 3 steps, the bf16 copy."""
     whole = -(-max(u.numel for u in LAYOUT.units) // ALIGN) * ALIGN
     results = []
     for piece in (ALIGN, 3 * ALIGN, whole):
@@ -113,7 +113,7 @@ def test_the_pass_in_pieces_is_the_update_of_whole_groups(clip_coef: float) -> N
     for t in results[:2]:
         for name, want in results[2].items():
             assert torch.equal(t[name], want), name
-    assert_shadow_current(results[2])
+    assert_bf16_copy_current(results[2])
 
 
 def test_an_update_beside_the_backward_that_stands_is_the_update() -> None:
@@ -147,7 +147,7 @@ def test_a_clipped_rollback_is_within_rounding_of_adamw(step: int, clip_coef: fl
     assert rel(spec["params"], exact["params"]) <= 2 * rel(serial["params"], exact["params"]) + slack
     for name in ("exp_avg", "exp_avg_sq"):
         assert rel(spec[name], exact[name]) <= 10 * slack, name
-    assert_shadow_current(spec)
+    assert_bf16_copy_current(spec)
 
 
 @pytest.mark.parametrize("step", [0, 5])
@@ -167,7 +167,7 @@ def test_an_update_put_back_leaves_the_unit_as_it_was(step: int) -> None:
     for name in ("exp_avg", "exp_avg_sq"):  # exactly the zeros before the first update; else within the rounding
         assert torch.equal(t[name], before[name]) if step == 0 else rel(t[name], before[name]) < 1e-5, name
     assert (t["exp_avg_sq"] >= 0).all()
-    assert_shadow_current(t)
+    assert_bf16_copy_current(t)
 
 
 def test_a_unit_sliced_among_executors_waits_for_every_slice() -> None:

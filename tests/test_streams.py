@@ -2,7 +2,7 @@
 
 The executor's schedule runs with copies on late worker threads, poisoned buffers and order checks; it must
 give the synchronous CPU path's results bit for bit, and a wait removed on purpose must make it fail.
-Engine-level runs under the simulator are in test_engine.py, test_faults.py and test_shadow.py.
+Engine-level runs under the simulator are in test_engine.py, test_faults.py and test_bf16_copy_weights.py.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ RETIRED = {
     r"(?i)\bbatches kept\b|\bkept batches\b": "logged batches (ReplayLog)",
     r"(?i)\b(buffers and|pipeline, its) checkpoints\b|\brecompute from their checkpoints\b":
         "activation checkpoints (a bare 'checkpoint' is a training checkpoint)",
+    r"(?i)(\b|_)shadow": "the bf16 copy (bf16_copy, BF16_COPY_SEGMENT, bf16_copy_bytes)",
 }
 
 
@@ -51,8 +52,10 @@ def test_the_patterns_find_the_retired_words() -> None:
                "the gradients kept on the device", "w.put_back.remote(step)", "self.unpublish(step)",
                "Speculation(self.attempts)", "shard.finish(unit, step)", "steps took back their updates",
                "units kept on the device", "a bf16 copy of their weights kept", "the batches kept to replay them",
-               "the pipeline's buffers and checkpoints"]
+               "the pipeline's buffers and checkpoints", "store._refresh_shadow()"]
     for sample, pattern in zip(samples, RETIRED, strict=True):
         assert re.search(pattern, sample), (pattern, sample)
     rolled_back = list(RETIRED)[8]
     assert all(re.search(rolled_back, s) for s in ('"undo" if', "self._pass(u, 1.0, undo=True)", "self._undo(piece"))
+    copy = list(RETIRED)[-1]
+    assert all(re.search(copy, s) for s in ("SHADOW_SEGMENT", "plan.shadow_bytes", "the bf16 shadow", "shadow=True"))

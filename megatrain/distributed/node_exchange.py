@@ -101,7 +101,7 @@ class NodeGroup:
         return cls(shard, timeout_s)
 
     def sync_weights(self, layout: ModelLayout, step: int, params: torch.Tensor, versions: torch.Tensor,
-                     shadow: torch.Tensor | None = None, masters: MasterParts | None = None) -> None:
+                     bf16_copy: torch.Tensor | None = None, masters: MasterParts | None = None) -> None:
         """After update `step` (0-based): every node's part of each unit broadcast to the others (see the module
         doc). versions: [units, workers + 1], the last column written here. masters: where the fp32 masters are on
         NVMe (the units from masters.first on), their state file's exchange."""
@@ -113,19 +113,19 @@ class NodeGroup:
                 for owner in range(nodes):
                     lo, hi = aligned_split(unit.numel, owner, nodes)
                     if masters is not None and masters.holds(unit.offset):
-                        self._send_tiered(masters, owner, unit.offset + lo, unit.offset + hi, shadow)
+                        self._send_tiered(masters, owner, unit.offset + lo, unit.offset + hi, bf16_copy)
                         continue
                     part = params[unit.offset + lo : unit.offset + hi]
                     if part.numel():
                         dist.broadcast(part, src=owner)
-                    if owner != me and shadow is not None:  # the owner's workers rounded their own part
-                        shadow[unit.offset + lo : unit.offset + hi].copy_(part)
+                    if owner != me and bf16_copy is not None:  # the owner's workers rounded their own part
+                        bf16_copy[unit.offset + lo : unit.offset + hi].copy_(part)
                 table.set(unit.index, -1, step + 1)
         finally:  # the parts received are on disk before anything reads the file (a checkpoint, a later exchange)
             if masters is not None:
                 masters.flush()
 
-    def _send_tiered(self, masters: MasterParts, owner: int, start: int, end: int, shadow: torch.Tensor | None
+    def _send_tiered(self, masters: MasterParts, owner: int, start: int, end: int, bf16_copy: torch.Tensor | None
                      ) -> None:
         """Elements [start, end) of the masters, node `owner`'s part of a unit, from its state file to the others'
         (and their bf16 copies), PART_NUMEL elements at a time."""
@@ -140,8 +140,8 @@ class NodeGroup:
             part = masters.receive(numel)
             dist.broadcast(part, src=owner)
             masters.write(at, part)
-            if shadow is not None:
-                shadow[at : at + numel].copy_(part)
+            if bf16_copy is not None:
+                bf16_copy[at : at + numel].copy_(part)
 
     def _wait_updated(self, table: VersionTable, version: int, unit: int) -> None:
         """Until this node's workers (every column but the last) applied update `version` to `unit`."""

@@ -60,9 +60,9 @@ class Executor:
     def __init__(self, config: ModelConfig, layout: ModelLayout, params: torch.Tensor, grads: torch.Tensor,
                  device: str | torch.device = "cpu", precision: str = "fp32", loss_chunk_tokens: int = 4096,
                  recorder: Recorder | None = None, grad_layout: GradLayout | None = None,
-                 shadow: torch.Tensor | None = None, compile: bool = False, **options: Any):
+                 bf16_copy: torch.Tensor | None = None, compile: bool = False, **options: Any):
         """device: "cpu", "cuda[:N]", "auto", or "cpu-async[:SEED]" (a GPU's asynchronous streams simulated on the
-        CPU: streams.py). shadow: a bf16 copy of `params` the optimizer keeps current, read in bf16 runs (half the
+        CPU: streams.py). bf16_copy: a bf16 copy of `params` the optimizer keeps current, read in bf16 runs (half the
         bytes). compile: the layers (tiled: their tiles) and the head through torch.compile (compiled.py). options:
         ExecutorOptions."""
         o = ExecutorOptions(**options)
@@ -75,7 +75,7 @@ class Executor:
         self.device = self.streams.device
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.weights = shadow if shadow is not None and self.dtype == torch.bfloat16 else params
+        self.weights = bf16_copy if bf16_copy is not None and self.dtype == torch.bfloat16 else params
         self.weights = self.weights if frozen is None else frozen
         self.loss_chunk_tokens, self.reference = loss_chunk_tokens, o.reference
         self.rec = recorder or Recorder(enabled=False)

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.config import OptimConfig
-from megatrain.memory.arena import SHADOW_SEGMENT, Arena
+from megatrain.memory.arena import BF16_COPY_SEGMENT, Arena
 from megatrain.memory.nvme import KINDS
 from megatrain.memory.staging import SLOTS, Extent, UnitStager, open_stager, slot_numel, split_range
 from megatrain.model.layout import ALIGN, GradLayout, ModelLayout, NodeShard, Unit, aligned_split
 
 # Elements of one piece of the pass: its fp32 weights, gradient and moments (4 MiB each, a 16th of that per core of
-# 16) stay in the cache between the clip scale, the fused AdamW and the shadow copy, while each torch call over the
+# 16) stay in the cache between the clip scale, the fused AdamW and the bf16 copy, while each torch call over the
 # piece takes long beside the call's own cost (benchmarks/optimizer.py measures pieces against whole groups).
 PIECE_NUMEL = 1024 * ALIGN
 MOMENTS = KINDS["moments"]  # packed per node (NodeShard); the other kinds at the units' offsets
@@ -81,7 +81,7 @@ class _Piece:
     grads: list[torch.Tensor]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
-    shadow: list[torch.Tensor]  # bf16 copies of params (bf16 runs), rewritten after each update
+    bf16_copy: list[torch.Tensor]  # bf16 copies of params (bf16 runs), rewritten after each update
     staged: list[torch.Tensor]  # the gradient where the NVMe tier stages it back (grads: where the executor landed it)
 
     @property
@@ -148,7 +148,7 @@ class AdamWShard:
         decay group: a tensor longer than that is cut every piece_numel elements from its start, shorter ones share a
         piece."""
         grads = self.grad_layout.range_of(unit, tensors["grads"])
-        shadow = tensors.get(SHADOW_SEGMENT)
+        bf16_copy = tensors.get(BF16_COPY_SEGMENT)
         pieces: tuple[list[_Piece], list[_Piece]] = ([], [])
         for slot in unit.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -164,8 +164,8 @@ class AdamWShard:
                 piece.staged.append(grads[start:end] if staged is None else staged)
                 piece.exp_avg.append(self._state(unit, tensors, "exp_avg", lo, start, end, key))
                 piece.exp_avg_sq.append(self._state(unit, tensors, "exp_avg_sq", lo, start, end, key))
-                if shadow is not None:
-                    piece.shadow.append(shadow[at : unit.offset + end])
+                if bf16_copy is not None:
+                    piece.bf16_copy.append(bf16_copy[at : unit.offset + end])
         return pieces
 
     def _state(self, unit: Unit, tensors: dict[str, torch.Tensor], kind: str, lo: int, start: int, end: int,
@@ -194,7 +194,7 @@ class AdamWShard:
     def _pass(self, unit_index: int, step: int, clip_coef: float, roll_back: bool, update: bool, keep: bool = False
               ) -> float:
         """One pass over the unit's shard, piece by piece: `roll_back` takes the coefficient-1 update number `step` out
-        (closed form), `update` applies it with `clip_coef`; then the shadow. The unit's version is step + 1 after
+        (closed form), `update` applies it with `clip_coef`; then the bf16 copy. The unit's version is step + 1 after
         an update, step after a roll back alone. keep: the gradient stays wanted after the pass (an update beside the
         backward, which the step's settling may roll back)."""
         t0 = time.perf_counter()
@@ -222,8 +222,8 @@ class AdamWShard:
                                             [steps] * len(piece.params), lr=lr, beta1=beta1, beta2=beta2,
                                             weight_decay=weight_decay, eps=self.optim.eps, amsgrad=False,
                                             maximize=False)
-                    if piece.shadow:
-                        torch._foreach_copy_(piece.shadow, piece.params)  # round to nearest even, as a GPU cast would
+                    if piece.bf16_copy:
+                        torch._foreach_copy_(piece.bf16_copy, piece.params)  # round to nearest even, as a GPU cast does
             if part.key is not None:  # written behind, and the landed gradient's range with it
                 if leaves == "drop":
                     self.stager.drop(unit_index, part.key)

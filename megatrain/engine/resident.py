@@ -14,7 +14,7 @@ import torch
 from megatrain.config import OptimConfig
 from megatrain.engine.grad_egress import GradsOut
 from megatrain.engine.optimizer import PIECE_NUMEL, AdamWShard
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.memory.buffers import RESIDENT_COPY, dtype_name, has, resident_buffers
 from megatrain.model.layout import ALIGN, ModelLayout, Unit
 
@@ -34,9 +34,9 @@ class ResidentUnits:
         self.cast = cast and dtype != torch.float32 and bool(self.units)
         # the rows the memory plan sums (buffers.py): the fp32 state; what compute reads, rewritten by each update
         rows = resident_buffers(self.numel, dtype_name(dtype), cast)
-        names = ["grads", *STATE, *([SHADOW_SEGMENT] if has(rows, RESIDENT_COPY) else [])]
+        names = ["grads", *STATE, *([BF16_COPY_SEGMENT] if has(rows, RESIDENT_COPY) else [])]
         self.tensors = dict(zip(names, [t.zero_() for r in rows for t in r.allocate(device)], strict=True))
-        self.weights = self.tensors.get(SHADOW_SEGMENT, self.tensors["params"])
+        self.weights = self.tensors.get(BF16_COPY_SEGMENT, self.tensors["params"])
         self.layout = ModelLayout(layout.config, list(self.units), self.numel)  # the resident units alone
         self.version = 0
         self.in_arena = False  # the arena's ranges hold this state (since a load or write_back, before an update)
@@ -89,8 +89,8 @@ class ResidentUnits:
         offsets), holding update number `version`."""
         for name in STATE:
             self.tensors[name].copy_(arena[name][: self.numel])
-        if SHADOW_SEGMENT in self.tensors:
-            self.tensors[SHADOW_SEGMENT].copy_(self.tensors["params"])  # round to nearest even, as the pass writes it
+        if BF16_COPY_SEGMENT in self.tensors:
+            self.tensors[BF16_COPY_SEGMENT].copy_(self.tensors["params"])  # round to nearest even, as the pass does
         self.tensors["grads"].zero_()
         self.version, self.in_arena = version, True
         self._synchronize()
@@ -104,8 +104,8 @@ class ResidentUnits:
             return self.version
         for name in STATE:
             arena[name][: self.numel].copy_(self.tensors[name])
-        if SHADOW_SEGMENT in arena and self.units:
-            arena[SHADOW_SEGMENT][: self.numel].copy_(self.tensors["params"])
+        if BF16_COPY_SEGMENT in arena and self.units:
+            arena[BF16_COPY_SEGMENT][: self.numel].copy_(self.tensors["params"])
         self._synchronize()
         self.in_arena = True
         return self.version

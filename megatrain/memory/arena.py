@@ -28,7 +28,7 @@ PREFIX = "megatrain"
 FP32_SEGMENTS = ("params", "grads", "exp_avg", "exp_avg_sq")
 # bf16 runs: the weights rounded to bf16, written by the optimizer beside each update, so that the GPU
 # loads 2 B/param instead of 4
-SHADOW_SEGMENT = "params_bf16"
+BF16_COPY_SEGMENT = "params_bf16"
 # a LoRA run: the frozen base (ModelLayout.frozen), in the precision it is stored in (bf16 or fp32), read by the
 # executor and never written after loading; params, grads and the moments then hold the adapters alone
 FROZEN_SEGMENT = "frozen"

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.memory.arena import FP32_SEGMENTS, FROZEN_SEGMENT, REFERENCE_SEGMENT, SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT, FP32_SEGMENTS, FROZEN_SEGMENT, REFERENCE_SEGMENT
 from megatrain.memory.residency import RESIDENT_SEGMENT
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, GradLayout, ModelLayout, aligned_split
 
 ARENA, DEVICE, PINNED = "arena", "device", "pinned"
 H2D, D2H = "h2d", "d2h"  # not places: what crosses between them a step, `count` times (megatrain/memory/crossings.py)
 # arena segments that hold the run's state (what the plan's arena bytes count); the others are its bookkeeping
-STATE_SEGMENTS = (*FP32_SEGMENTS, SHADOW_SEGMENT, FROZEN_SEGMENT, REFERENCE_SEGMENT)
+STATE_SEGMENTS = (*FP32_SEGMENTS, BF16_COPY_SEGMENT, FROZEN_SEGMENT, REFERENCE_SEGMENT)
 WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST = "weight buffers", "weight staging", "head", "head cast"
 DEVICE_CHECKPOINTS, CHECKPOINT_TRANSFER = "device checkpoints", "checkpoint transfer"
 OFFLOADED_CHECKPOINTS = "offloaded checkpoints"
@@ -57,7 +57,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def arena_segments(numel: int, grads_numel: int, moments_numel: int, *, units: int, columns: int, shadow: bool,
+def arena_segments(numel: int, grads_numel: int, moments_numel: int, *, units: int, columns: int, bf16_copy: bool,
                    frozen_numel: int = 0, frozen_dtype: str = "bfloat16", staging: tuple[Buffer, ...] = (),
                    reference: str | None = None) -> tuple[Buffer, ...]:
     """The arena's segments: fp32 weights (`numel`: what trains, a LoRA run's adapters), gradients and this node's Adam
@@ -68,14 +68,14 @@ def arena_segments(numel: int, grads_numel: int, moments_numel: int, *, units: i
     rows = [Buffer(name, ARENA, sizes[name], "float32") for name in FP32_SEGMENTS]
     rows += [Buffer("versions", ARENA, units * columns, "int64"), Buffer("issued", ARENA, units, "int64"),
              Buffer(RESIDENT_SEGMENT, ARENA, units, "int64")]
-    rows += [Buffer(SHADOW_SEGMENT, ARENA, numel, "bfloat16")] if shadow else []
+    rows += [Buffer(BF16_COPY_SEGMENT, ARENA, numel, "bfloat16")] if bf16_copy else []
     rows += list(staging)
     rows += [Buffer(FROZEN_SEGMENT, ARENA, frozen_numel, frozen_dtype)] if frozen_numel else []
     rows += [Buffer(REFERENCE_SEGMENT, ARENA, numel, reference)] if reference is not None else []
     return tuple(rows)
 
 
-def planned_arena(layout: ModelLayout, num_layers: int, grads: str, workers: int, nodes: int, shadow: bool
+def planned_arena(layout: ModelLayout, num_layers: int, grads: str, workers: int, nodes: int, bf16_copy: bool
                   ) -> tuple[Buffer, ...]:
     """The arena_segments of a model planned from `layout` (a planning layout: one layer where `num_layers` are
     alike): every unit's gradient ("arena") or a ring's the layers share, this node's part of the moments."""
@@ -83,7 +83,7 @@ def planned_arena(layout: ModelLayout, num_layers: int, grads: str, workers: int
     grads_numel = numel if grads == "arena" else GradLayout.ring_numel(layout, num_layers)
     units = len(layout.units) + num_layers - len(layout.layers)
     return arena_segments(numel, grads_numel, node_moments(planned_units(layout, num_layers), nodes), units=units,
-                          columns=workers + (nodes > 1), shadow=shadow)
+                          columns=workers + (nodes > 1), bf16_copy=bf16_copy)
 
 
 def node_moments(units: list[tuple[int, int]], nodes: int) -> int:

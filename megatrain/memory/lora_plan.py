@@ -84,7 +84,7 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     offloaded = plan.host_checkpoints * passes  # checkpoints out and back in, as the whole model's plan counts them
     units = row(plan.buffers, "issued").numel
     segments = arena_segments(adapters, adapters, node_moments([(n, 1) for n in numels], plan.nodes), units=units,
-                              shadow=False, columns=row(plan.buffers, "versions").numel // units,
+                              bf16_copy=False, columns=row(plan.buffers, "versions").numel // units,
                               frozen_numel=plan.arena_numel, frozen_dtype=BASE_DTYPES[base_dtype])
     process = plan.process_bytes
     if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
@@ -98,7 +98,8 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
                Buffer(WORKING_SET, DEVICE, gpu_working, "uint8"),
                *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name not in replaced))
     return replace(plan, arena_bytes=total(segments, *STATE_SEGMENTS), grads="arena",
-                   grads_bytes=total(segments, "grads"), shadow_bytes=0, frozen_bytes=total(segments, FROZEN_SEGMENT),
+                   grads_bytes=total(segments, "grads"), bf16_copy_bytes=0,
+                   frozen_bytes=total(segments, FROZEN_SEGMENT),
                    frozen_dtype=base_dtype, adapter_params=params, buffers=buffers,
                    adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
                    step=StepShape(0), h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded,

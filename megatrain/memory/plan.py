@@ -24,7 +24,7 @@ from megatrain.config import (
     check_choice,
 )
 from megatrain.memory import buffers as bufs
-from megatrain.memory.arena import SHADOW_SEGMENT
+from megatrain.memory.arena import BF16_COPY_SEGMENT
 from megatrain.memory.copy_rule import BF16_COPY_RULE, pcie_bound
 from megatrain.memory.crossings import StepShape, crossings
 from megatrain.memory.kept_activations import KeptLayers
@@ -67,7 +67,7 @@ class MemoryPlan:
     arena_bytes: int
     grads: str  # where gradients wait (GRAD_PLACEMENTS, "auto" resolved)
     grads_bytes: int  # the arena's gradient segment, part of arena_bytes
-    shadow_bytes: int  # bf16 runs: the bf16 copy of the weights, part of arena_bytes
+    bf16_copy_bytes: int  # bf16 runs: the bf16 copy of the weights, part of arena_bytes
     process_bytes: int
     gpu_weights: int
     gpu_grads: int
@@ -203,22 +203,22 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
     precision, on_gpu, grads, tile_tokens, checkpoint_budget = (o.precision, o.on_gpu, o.grads, o.tile_tokens,
                                                                  o.checkpoint_budget)
     executors, nodes, schedule, host_free, k = o.executors, o.nodes, o.schedule, o.host_free, o.micro_batches
-    shadow = precision == "bf16" if o.shadow is None else o.shadow
+    bf16_copy = precision == "bf16" if o.bf16_copy is None else o.bf16_copy
     check_choice("grads", grads, GRAD_PLACEMENTS)
     grads = "arena" if grads == "auto" else grads
     layout = planning_layout(config)  # one layer's where layers are alike: a config may claim 10^9 of them
     # the arena's gradients: every unit's, or the embedding's and the head's and a ring the layers share
-    segments = bufs.planned_arena(layout, config.num_layers, grads, o.optimizer_workers, nodes, shadow)
+    segments = bufs.planned_arena(layout, config.num_layers, grads, o.optimizer_workers, nodes, bf16_copy)
     arena_numel = bufs.row(segments, "params").numel
     h, v = config.hidden_size, config.vocab_size
     tokens = batch * seq  # of one micro-batch
     together = k if schedule == "layer-major" else 1  # micro-batches whose activations exist at once
     layer = layout.max_layer_numel()
     head = layout.head.numel + (layout.embed.numel if config.tie_embeddings else 0)
-    # bf16 runs load the optimizer's bf16 shadow of the weights (2 B/param more on the host), or without one
+    # bf16 runs load the optimizer's bf16 copy of the weights (2 B/param more on the host), or without one
     # cast fp32 weights on the GPU (a fp32 staging buffer beside each bf16 buffer)
     compute = "bfloat16" if precision == "bf16" else "float32"
-    streamed = "bfloat16" if precision == "bf16" and shadow else "float32"
+    streamed = "bfloat16" if precision == "bf16" and bf16_copy else "float32"
     device_weights = bufs.weight_buffers(layer, head, compute, streamed)
     # gradients: a few layers' in flight, or every one until the step ends (grads = device); the embedding's rows
     made = bufs.step_buffers(layout, config.num_layers, min(v, k * tokens) * h, compute, streamed,
@@ -239,9 +239,9 @@ def plan_memory(config: ModelConfig, batch: int, seq: int, settings: MemorySetti
         processes += executors * (weights + gpu_grads + bufs.total(checkpoints, place=bufs.DEVICE) + working + loss)
     shm_free = shm_available(o.shm_dir) if Path(o.shm_dir).is_dir() else 0
     plan = MemoryPlan(
-        model=o.name, params=config.num_params(), arena_numel=arena_numel,
+        model=o.name, params=config.num_params(), arena_numel=arena_numel, nodes=nodes,
         arena_bytes=bufs.total(segments, *bufs.STATE_SEGMENTS), grads=grads, grads_bytes=bufs.total(segments, "grads"),
-        nodes=nodes, network_bytes=network_bytes(nodes, arena_numel), shadow_bytes=bufs.total(segments, SHADOW_SEGMENT),
+        network_bytes=network_bytes(nodes, arena_numel), bf16_copy_bytes=bufs.total(segments, BF16_COPY_SEGMENT),
         process_bytes=int(processes), gpu_weights=weights, gpu_grads=gpu_grads, on_gpu=on_gpu,
         gpu_checkpoints=bufs.total(checkpoints, bufs.DEVICE_CHECKPOINTS),
         gpu_transfer=bufs.total(checkpoints, bufs.CHECKPOINT_TRANSFER), gpu_working=working, gpu_loss=loss,
@@ -292,7 +292,7 @@ def plan_run(config: ModelConfig, batch: int, seq: int, settings: RunSettings | 
         return plan_one(config, batch, seq, s)
     if s.bf16_copy != AUTO:
         plan = plan_one(config, batch, seq, s)
-        where = "in the arena" if plan.shadow_bytes else "none"
+        where = "in the arena" if plan.bf16_copy_bytes else "none"
         return replace(plan, bf16_copy_note=f"bf16 copy of the weights {where}: bf16_copy = {s.bf16_copy}")
     kept, dropped = (plan_one(config, batch, seq, replace(s, bf16_copy=c)) for c in ("keep", "none"))
     fits = [not (p.host_problem() or p.gpu_problem()) for p in (kept, dropped)]
@@ -327,7 +327,7 @@ def plan_one(config: ModelConfig, batch: int, seq: int, s: RunSettings) -> Memor
                   loss_chunk_tokens=s.loss_chunk_tokens, gpu_free=s.gpu_free, host_free=s.host_free,
                   micro_batches=s.micro_batches, schedule="layer-major" if s.schedule == AUTO else s.schedule,
                   nodes=s.nodes, executors=s.executors, lora=s.lora, lora_base_dtype=s.lora_base_dtype,
-                  shadow=s.precision == "bf16" and s.bf16_copy != "none")
+                  bf16_copy=s.precision == "bf16" and s.bf16_copy != "none")
     grads = s.grads if s.lora is None else "arena"  # a LoRA run's gradients are its adapters': small, in the arena
     if kwargs["schedule"] == "per-micro-batch" and s.micro_batches > 1:
         if grads not in (AUTO, "arena"):
@@ -338,8 +338,8 @@ def plan_one(config: ModelConfig, batch: int, seq: int, s: RunSettings) -> Memor
     device_plan = _plan_sequence(config, batch, seq, "device", *tiles, kwargs) if s.on_gpu else None
     placement = resolve_grads(grads, clipping=s.clipping, device_plan=device_plan)
     plan = _plan_sequence(config, batch, seq, placement, *tiles, kwargs)
-    if plan.shadow_bytes and s.bf16_copy == AUTO and plan.host_problem() is not None:
-        plan = _plan_sequence(config, batch, seq, placement, *tiles, {**kwargs, "shadow": False})
+    if plan.bf16_copy_bytes and s.bf16_copy == AUTO and plan.host_problem() is not None:
+        plan = _plan_sequence(config, batch, seq, placement, *tiles, {**kwargs, "bf16_copy": False})
     if s.schedule == AUTO and s.micro_batches > 1 and grads in (AUTO, "arena") and (
             plan.host_problem() or plan.gpu_problem()):
         fallback = plan_one(config, batch, seq, replace(s, grads="arena", find_longest=False,
@@ -406,11 +406,11 @@ def longest_seq(config: ModelConfig, batch: int, *, grads: str, tile_tokens: int
                 placed: Callable[[MemoryPlan], MemoryPlan] = lambda plan: plan, **kwargs: Any) -> int:
     """The longest sequence (a multiple of 1024 tokens, or of 128 below that) whose plan fits host and GPU; 0 if none
     does. placed: what the run does to each plan before it is checked (its NVMe tier's states out of the host)."""
-    def fits(seq: int, shadow: bool = True) -> bool:
+    def fits(seq: int, bf16_copy: bool = True) -> bool:
         plan = placed(_plan_sequence(config, batch, seq, grads, tile_tokens, checkpoint_budget,
-                                     kwargs if shadow else {**kwargs, "shadow": False}))
-        if shadow and plan.shadow_bytes and plan.host_problem() is not None:
-            return fits(seq, shadow=False)
+                                     kwargs if bf16_copy else {**kwargs, "bf16_copy": False}))
+        if bf16_copy and plan.bf16_copy_bytes and plan.host_problem() is not None:
+            return fits(seq, bf16_copy=False)
         return plan.host_problem() is None and plan.gpu_problem() is None
 
     if not fits(128):

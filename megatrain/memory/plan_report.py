@@ -23,10 +23,10 @@ def report(plan: MemoryPlan) -> str:
         lines += [row(f"arena: frozen base ({plan.frozen_dtype}, no grads or Adam)", plan.frozen_bytes)]
     trained = "params" if not plan.frozen_bytes else f"{plan.adapter_params / 1e6:.1f} M adapters"
     lines += [row(f"arena: {trained} + {moments} (fp32)",
-                  plan.arena_bytes - plan.grads_bytes - plan.shadow_bytes - plan.frozen_bytes
+                  plan.arena_bytes - plan.grads_bytes - plan.bf16_copy_bytes - plan.frozen_bytes
                   - plan.reference_bytes)]
-    if plan.shadow_bytes:
-        lines.append(row("arena: bf16 copy of the weights", plan.shadow_bytes))
+    if plan.bf16_copy_bytes:
+        lines.append(row("arena: bf16 copy of the weights", plan.bf16_copy_bytes))
     if plan.reference_bytes:
         lines.append(row("arena: initial weights (the KL reference)", plan.reference_bytes))
     lines += [row(f"arena: gradients (grads = {plan.grads})", plan.grads_bytes)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.errors import ConfigError
 from megatrain.lora.config import LoraConfig
 from megatrain.memory.on_device import StepTime
 
@@ -24,7 +25,7 @@ class MemorySettings:
     shm_dir: str | Path = "/dev/shm"
     gpu_free: int | None = None  # None: not known (planning never creates a CUDA context; plan.gpu_free_here)
     grads: str = "arena"  # as placed ("auto" is planned as "arena", the most host memory)
-    shadow: bool | None = None  # a bf16 copy of the weights in the arena (None: for bf16 runs)
+    bf16_copy: bool | None = None  # a bf16 copy of the weights in the arena (None: for bf16 runs)
     tile_tokens: int | None = None
     checkpoint_budget: int | None = None
     host_free: int | None = None  # the host memory, /dev/shm too, to plan for (None: what this machine has)
@@ -36,6 +37,11 @@ class MemorySettings:
     executors: int = 1  # per node, each on `batch` rows
     lora: LoraConfig | None = None
     lora_base_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.bf16_copy not in (None, True, False):  # "keep" would read as True: the setting's words are plan_run's
+            raise ConfigError(f"plan_memory's bf16_copy is True, False or None (made or not), not {self.bf16_copy!r}; "
+                              "bf16_copy = keep | none | auto is plan_run's setting.")
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,8 @@ def tier_options(plan: MemoryPlan, copied: MemoryPlan | None, config: ModelConfi
         sets = [tier_names(states)]
     options = []
     for names in sets:
-        base = copied if "master" in names and copied is not None and not plan.shadow_bytes else plan
-        if states == "auto" and "master" in names and not base.shadow_bytes:
+        base = copied if "master" in names and copied is not None and not plan.bf16_copy_bytes else plan
+        if states == "auto" and "master" in names and not base.bf16_copy_bytes:
             continue
         streamed = base.arena_numel - base.resident_params
         grads = base.grads_bytes // 4 if base.grads == "arena" else 0

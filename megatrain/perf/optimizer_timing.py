@@ -24,7 +24,7 @@ import torch
 
 from megatrain.config import MegatrainError, ModelConfig, OptimConfig
 from megatrain.engine.optimizer import AdamWShard
-from megatrain.memory.arena import SHADOW_SEGMENT, Arena
+from megatrain.memory.arena import BF16_COPY_SEGMENT, Arena
 from megatrain.model.layout import ModelLayout
 
 SIMULATED_PCIE_GBPS = 2 * 55.0  # host memory traffic of a registered arena's H2D and D2H at once (DESIGN.md facts)
@@ -107,12 +107,12 @@ class CopyLoad:
 def time_optimizer(device: str, config: ModelConfig, cores: int, precision: str, max_workers: int,
                    repeats: int = 2) -> dict[str, Any]:
     """Calibration's optimizer fields (megatrain/perf/calibrate.py, Calibration): the pool of 1 .. max_workers
-    workers over an arena laid out like `config` (the pass of a `precision` run: bf16 ones write the shadow), alone,
+    workers over an arena laid out like `config` (the pass of a `precision` run: bf16 ones write the bf16 copy), alone,
     beside the copies and its rollback; on a GPU the device's fused AdamW. The copies' buffers are the size of the
     arena's weights, at most 256 MiB each."""
     copies = CopyLoad(device, min(256 * 2**20, 4 * ModelLayout.build(config).numel))
     rates = pool_rates(config, OptimConfig(), tuple(range(1, max_workers + 1)), repeats, copies, cores,
-                       shadow=precision == "bf16")
+                       bf16_copy=precision == "bf16")
     gparams = {name: {str(w): getattr(r, name) for w, r in rates.items()} for name in ("alone", "beside", "rollback")}
     return {"adamw_gparams": gparams["alone"], "adamw_beside_copies_gparams": gparams["beside"],
             "rollback_gparams": gparams["rollback"], "copies_gbps": min(r.copies_gbps for r in rates.values()),
@@ -138,12 +138,12 @@ def device_adamw_gparams(device: str, config: ModelConfig, repeats: int = 3) -> 
 
 
 def pool_rates(config: ModelConfig, optim: OptimConfig, workers: tuple[int, ...], repeats: int, copies: CopyLoad,
-               cores: int, shadow: bool = False) -> dict[int, PoolRate]:
-    """Each pool size's rates over an arena laid out like `config` (with a bf16 shadow where `shadow`: the pass of a
+               cores: int, bf16_copy: bool = False) -> dict[int, PoolRate]:
+    """Each pool size's rates over an arena laid out like `config` (with a bf16 copy where `bf16_copy`: the pass of a
     bf16 run), each worker with cores // N threads, as the engine's workers have. A round's time is the pool's: from
     the first worker told to start to the last one done, as a step waits for the last."""
     layout = ModelLayout.build(config)
-    extra = ((SHADOW_SEGMENT, "bfloat16", layout.numel),) if shadow else ()
+    extra = ((BF16_COPY_SEGMENT, "bfloat16", layout.numel),) if bf16_copy else ()
     arena = Arena.create(layout.numel, extra_segments=extra)
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -14,6 +14,7 @@ import torch
 from megatrain.config import ModelConfig
 from megatrain.engine.executor import Executor
 from megatrain.lora.config import LoraConfig
+from megatrain.lora.layout import training_layout
 from megatrain.memory.arena import BF16_COPY_SEGMENT, FROZEN_SEGMENT
 from megatrain.memory.buffers import (
     ARENA,
@@ -44,7 +45,7 @@ from megatrain.memory.buffers import (
 from megatrain.memory.crossings import LAYER_IN, LAYER_OUT, crossing_bytes
 from megatrain.memory.plan import CUDA_CONTEXT, plan_run
 from megatrain.memory.post_plan import reference_dtype, with_reference
-from megatrain.model.layout import GradLayout, ModelLayout
+from megatrain.model.layout import GradLayout
 from megatrain.perf.calibrate import Calibration
 from megatrain.perf.predict import pipeline, predict, update_times
 from megatrain.run_plan import StorePlan
@@ -143,6 +144,10 @@ CROSSING = {
     "per-micro-batch, 3 passes": dict(precision="fp32", grads="arena", micro_batches=3, schedule="per-micro-batch",
                                       layers=5),
     "2 resident units, tied, padding": dict(precision="fp32", grads="arena", resident=2, layers=4, tied=True),
+    "lora, bf16 base, per-micro-batch": dict(precision="fp32", lora=LORA, lora_base_dtype="bf16", layers=4,
+                                             micro_batches=2, schedule="per-micro-batch"),
+    "lora, 2 resident adapters, padding": dict(precision="bf16", lora=LORA, lora_base_dtype="bf16", layers=3,
+                                               resident=2),
     "resident embedding, per-micro-batch, padding": dict(precision="bf16", bf16_copy="keep", grads="arena", resident=1,
                                                          layers=3, micro_batches=2, schedule="per-micro-batch"),
 }
@@ -160,15 +165,16 @@ def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any
     k = s.get("micro_batches", 1)
     plan = plan_run(config, BATCH, SEQ, optimizer_workers=WORKERS, on_gpu=False, find_longest=False,
                     tile_tokens=None, **{"checkpoint_budget": None, **s})
-    layout = ModelLayout.build(config)
+    layout = training_layout(config, s.get("lora"))  # a LoRA run's: its adapters, beside the frozen base
     grad_layout = GradLayout.build(layout, plan.grads)
     params = torch.randn(layout.numel) * 0.02
     bf16_copy = params.bfloat16() if plan.bf16_copy_bytes else None
+    frozen = None if layout.frozen is None else (torch.randn(layout.frozen.numel) * 0.02).bfloat16()
     executor = Executor(config, layout, params, torch.zeros(grad_layout.numel), "cpu-async:1", s["precision"],
                         grad_layout=grad_layout, bf16_copy=bf16_copy, resident_units=plan.resident_units,
-                        checkpoint_budget=plan.checkpoint_budget)
-    try:
-        moved, made = traced(executor), made_by(executor)
+                        checkpoint_budget=plan.checkpoint_budget, frozen=frozen)
+    try:  # (a LoRA run's device rows: its own plan's, lora_plan.py; the crossings alone here)
+        moved, made = traced(executor), made_by(executor) if frozen is None else {}
         ids = torch.randperm(config.vocab_size)[: BATCH * k * SEQ].reshape(BATCH * k, SEQ)  # every token distinct
         out = executor.run(ids, micro_batches=k, schedule=plan.schedule, hold_grads=plan.grads == "device",
                            loss_ready=lambda loss: True)

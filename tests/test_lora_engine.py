@@ -358,7 +358,8 @@ def test_plan_of_a_lora_run_for_the_32b_and_70b_shapes() -> None:
         assert plan.frozen_bytes == 2 * plan.arena_numel and plan.arena_numel >= config.num_params()
         assert plan.arena_bytes == plan.frozen_bytes + 16 * sum(plan.adapter_numels) and plan.bf16_copy_bytes == 0
         assert plan.resident_units == config.num_layers + 2 and plan.gpu_resident == 16 * sum(plan.adapter_numels)
-        assert plan.gpu_problem() is None and plan.d2h_bytes == 0  # the adapters' gradients never leave the GPU
+        # the adapters' gradients never leave the GPU: only the loss (4 B, read each step) does
+        assert plan.gpu_problem() is None and plan.d2h_bytes == 4
         fp32 = plan_run(config, 1, 4096, host_free=125 * GiB, lora_base_dtype="fp32", **gpu)
         assert fp32.frozen_bytes == 2 * plan.frozen_bytes
         if name == "32b":

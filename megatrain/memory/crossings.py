@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.config import ModelConfig
+from megatrain.lora.config import LoraConfig
+from megatrain.lora.layout import lora_layout
 from megatrain.memory.buffers import D2H, H2D, Buffer, element_size
 from megatrain.model.layout import ModelLayout, aligned_split
 
 LAYER_IN, HEAD_IN, ROWS_IN, IDS_IN = "layer weights in", "head weights in", "embedding rows in", "token ids in"
-SUM_IN, CHECKPOINTS_IN = "gradient sums in", "offloaded checkpoints in"
+SUM_IN, CHECKPOINTS_IN, ADAPTERS_IN = "gradient sums in", "offloaded checkpoints in", "adapters in"
 LAYER_OUT, HEAD_OUT, EMBED_OUT = "layer gradients out", "head gradients out", "embedding gradients out"
 NORMS_OUT, LOSS_OUT, CHECKPOINTS_OUT = "gradient norms out", "loss out", "offloaded checkpoints out"
 
@@ -21,7 +23,8 @@ NORMS_OUT, LOSS_OUT, CHECKPOINTS_OUT = "gradient norms out", "loss out", "offloa
 class StepShape:
     """What of a step decides its crossings besides the model: one micro-batch's tokens, the step's micro-batches and
     the passes over the layers they make (per-micro-batch: one each), the dtype the weights stream in, the executors
-    on every node (each sends its shard of a summed gradient), the offloaded checkpoints of a pass."""
+    on every node (each sends its shard of a summed gradient), the offloaded checkpoints of a pass; a LoRA run's
+    adapters, which train beside the frozen base (which then streams in `streamed`, its dtype)."""
 
     tokens: int
     micro_batches: int = 1
@@ -29,6 +32,7 @@ class StepShape:
     streamed: str = "float32"
     world: int = 1
     offloaded: Buffer | None = None
+    lora: LoraConfig | None = None
 
 
 def layer_fetches(num_layers: int, resident: int, cast: bool, passes: int) -> list[int]:
@@ -63,7 +67,11 @@ def layer_copies(num_layers: int, resident: int, cast: bool, passes: int) -> int
 def crossings(config: ModelConfig, layout: ModelLayout, step: StepShape, resident: int = 0, cast: bool = False
               ) -> tuple[Buffer, ...]:
     """The step's crossings for a model planned from `layout` (planning_layout: one layer where they are alike) with
-    the first `resident` units (forward order) on the device (megatrain/engine/resident.py)."""
+    the first `resident` units (forward order) on the device (megatrain/engine/resident.py); a LoRA run's: the first
+    `resident` units' adapters (its base streams whole)."""
+    trains = layout if step.lora is None else lora_layout(layout.config, step.lora)
+    if step.lora is not None:
+        resident, cast, base = 0, False, resident
     layers, h, p, tied = config.num_layers, config.hidden_size, step.passes, config.tie_embeddings
     embed_on, head_on = resident >= 1, resident >= layers + 2
     rows = min(config.vocab_size, step.micro_batches * step.tokens)  # at most: the step's distinct tokens
@@ -72,18 +80,23 @@ def crossings(config: ModelConfig, layout: ModelLayout, step: StepShape, residen
     fetches = (layer_fetches(layers, max(resident - 1, 0), cast, p) if every_layer else
                [layer_copies(layers, max(resident - 1, 0), cast, p)])
     out = [Buffer(LAYER_IN, H2D, u.numel, step.streamed, n) for u, n in zip(layout.layers, fetches, strict=True) if n]
+    if step.lora is not None:  # each layer's adapters bound beside its base weights, in its forward and its backward
+        streamed = [(u, int(u.index >= base)) if every_layer else (u, layers - min(max(base - 1, 0), layers))
+                    for u in trains.layers if u.slots]
+        out += [Buffer(ADAPTERS_IN, H2D, u.numel, "float32", 2 * p * n) for u, n in streamed if n]
     head = [u for u in (layout.head, layout.embed if tied else None) if u is not None]
     out += [Buffer(HEAD_IN, H2D, u.numel, step.streamed, p) for u in head if not (embed_on if u is layout.embed
                                                                                    else head_on)]
     # the rows the tokens use, gathered on the host (on the device where the embedding is resident, from their ids)
     out += [Buffer(ROWS_IN, H2D, rows * h, step.streamed)] if not embed_on else [Buffer(IDS_IN, H2D, rows, "int64")]
     out += [Buffer(IDS_IN, H2D, tokens, "int64", 2)]  # each token's row among them, its target
-    if config.pad_token_id is not None:  # the padding row's gradient masked, each pass
+    if config.pad_token_id is not None and trains.embed.slots:  # the padding row's gradient masked, each pass
         out += [Buffer(IDS_IN, H2D, rows, "bool", p)]
-    whole_table = tied or step.world > 1  # the embedding's gradient made whole on the device (of every token's)
+    # the embedding's gradient made whole on the device (of every token's)
+    whole_table = (tied or step.world > 1) and bool(trains.embed.slots)
     if whole_table:
         out += [Buffer(IDS_IN, H2D, rows, "int64", p)]
-    out += _gradients(config, layout, step, resident, whole_table, rows * h)
+    out += _gradients(config, trains, step, resident if step.lora is None else base, whole_table, rows * h)
     if step.offloaded is not None:  # out once and back once a pass
         out += [Buffer(CHECKPOINTS_OUT, D2H, step.offloaded.numel, step.offloaded.dtype, p * step.offloaded.count),
                 Buffer(CHECKPOINTS_IN, H2D, step.offloaded.numel, step.offloaded.dtype, p * step.offloaded.count)]
@@ -106,19 +119,20 @@ def _gradients(config: ModelConfig, layout: ModelLayout, step: StepShape, reside
             n = int(resident < layers + 2)
         else:
             n = int(unit.layer >= on_device) if every_layer else layers - on_device
-        if unit.kind == "embed" and not n and not whole_table:  # Executor._embed_grads, EmbeddingRows.to_arena
+        if unit.kind == "embed" and not n and not whole_table and unit.slots:  # Executor._embed_grads, to_arena
             out += [Buffer(IDS_IN, H2D, rows, "int64", 2 * p - 1)]
         if not n:
             continue
         if step.world > 1:  # this executor's shard of the unit's range, summed over the executors
             numel = max(b - a for a, b in (aligned_split(unit.numel, r, step.world) for r in range(step.world)))
-        elif unit.kind == "embed":
+        elif unit.kind == "embed" and unit.slots:
             numel = unit.numel if whole_table else row_numel
-        else:
+        else:  # what has a gradient (a LoRA run's frozen units: none, but their norm goes)
             numel = sum(s.numel for s in unit.slots)
         name = {"embed": EMBED_OUT, "head": HEAD_OUT}.get(unit.kind, LAYER_OUT)
-        out += [Buffer(name, D2H, numel, "float32", n * p), Buffer(NORMS_OUT, D2H, 1, "float64", n * p)]
-        out += [Buffer(SUM_IN, H2D, numel, "float32", n * (p - 1))] if p > 1 else []
+        out += [Buffer(name, D2H, numel, "float32", n * p)] if numel else []
+        out += [Buffer(NORMS_OUT, D2H, 1, "float64", n * p)]
+        out += [Buffer(SUM_IN, H2D, numel, "float32", n * (p - 1))] if p > 1 and numel else []
     return out
 
 

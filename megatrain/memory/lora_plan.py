@@ -30,11 +30,12 @@ from megatrain.memory.buffers import (
     Buffer,
     arena_segments,
     node_moments,
+    resident_buffers,
     row,
     total,
     weight_buffers,
 )
-from megatrain.memory.crossings import StepShape
+from megatrain.memory.crossings import crossings
 from megatrain.memory.residency import MARGIN_BYTES, MARGIN_FRACTION, GiB
 from megatrain.model.layout import GRAD_SETS_IN_FLIGHT, planning_layout
 
@@ -65,7 +66,7 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     adapters, layer_adapters = sum(numels), max(numels)
     one = lora_layout(replace(config, num_layers=1) if config.family.uniform_layers else config, lora)
     params = one.adapter_numel() * (config.num_layers if config.family.uniform_layers else 1)
-    base_bytes, compute = (2 if base_dtype == "bf16" else 4), (2 if precision == "bf16" else 4)
+    compute = 2 if precision == "bf16" else 4
     # the base's layers cross in its dtype; cast to the compute dtype on the device (on a GPU through a staging
     # buffer in the base's dtype, megatrain/engine/weight_slots.py)
     layer = layout.max_layer_numel()
@@ -77,11 +78,9 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     gpu_grads = GRAD_SETS_IN_FLIGHT * layer_adapters * 4  # no base gradient; the head's and embedding's: none
     # the weights' fp32 gradient sums: the adapters' only; and the adapters' activations in one layer's recompute
     gpu_working = plan.gpu_working - (layer - layer_adapters) * 4 + adapter_activations(one, plan, compute)
-    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
-    layers_numel = plan.arena_numel - layout.embed.numel - layout.head.numel
-    h2d = (passes * ((2 * layers_numel - min(2, config.num_layers) * layer + head) * base_bytes + 2 * adapters * 4)
-           + rows * base_bytes + (passes - 1) * adapters * 4)
-    offloaded = plan.host_checkpoints * passes  # checkpoints out and back in, as the whole model's plan counts them
+    # what crosses: the base in its dtype, each layer's adapters beside it, their gradients (crossings.py)
+    step = replace(plan.step, streamed=BASE_DTYPES[base_dtype], lora=lora)
+    pcie = crossings(config, layout, step)
     units = row(plan.buffers, "issued").numel
     segments = arena_segments(adapters, adapters, node_moments([(n, 1) for n in numels], plan.nodes), units=units,
                               bf16_copy=False, columns=row(plan.buffers, "versions").numel // units,
@@ -90,20 +89,19 @@ def lora_memory(plan: MemoryPlan, config: ModelConfig, lora: LoraConfig, base_dt
     if not plan.on_gpu:  # the CPU path computes in host memory, each executor its own
         process += executors * (gpu_weights + gpu_grads + gpu_working - plan.gpu_weights - plan.gpu_grads
                                 - plan.gpu_working)
-    # the whole model's rows but for its weights' and gradients', and its crossings (h2d_bytes below, not rows)
+    # the whole model's rows but for its weights', gradients' and crossings
     replaced = (WEIGHT_BUFFERS, WEIGHT_STAGING, HEAD, HEAD_CAST, GRADIENT_BUFFERS, HEAD_GRADS, EMBED_GRAD_ROWS,
                 WORKING_SET)
     buffers = (*segments, *device_weights, Buffer(GRADIENT_BUFFERS, DEVICE, layer_adapters, "float32",
                                                   GRAD_SETS_IN_FLIGHT),
                Buffer(WORKING_SET, DEVICE, gpu_working, "uint8"),
-               *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name not in replaced))
+               *(b for b in plan.buffers if b.place not in (ARENA, H2D, D2H) and b.name not in replaced), *pcie)
     return replace(plan, arena_bytes=total(segments, *STATE_SEGMENTS), grads="arena",
                    grads_bytes=total(segments, "grads"), bf16_copy_bytes=0,
                    frozen_bytes=total(segments, FROZEN_SEGMENT),
                    frozen_dtype=base_dtype, adapter_params=params, buffers=buffers,
                    adapter_numels=numels, gpu_weights=gpu_weights, gpu_grads=gpu_grads, gpu_working=gpu_working,
-                   step=StepShape(0), h2d_bytes=h2d + offloaded, d2h_bytes=passes * adapters * 4 + offloaded,
-                   process_bytes=process,
+                   step=step, h2d_bytes=total(pcie, place=H2D), d2h_bytes=total(pcie, place=D2H), process_bytes=process,
                    network_bytes=int(3 * (plan.nodes - 1) / plan.nodes * adapters * 4))
 
 
@@ -122,7 +120,7 @@ def adapter_activations(one: LoraLayout, plan: MemoryPlan, compute: int) -> int:
     return piece * max(per_layer.values(), default=0)
 
 
-def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryPlan:
+def lora_resident(plan: MemoryPlan, config: ModelConfig, requested: int | str, world: int) -> MemoryPlan:
     """The plan with the adapters of the first units resident on the device with their Adam state and updated there:
     "auto" all of them on a GPU whose free memory holds them (none on the CPU path, where the pool updates them in
     the arena), or a count; none with several executors (each would hold its own copy)."""
@@ -149,11 +147,14 @@ def lora_resident(plan: MemoryPlan, requested: int | str, world: int) -> MemoryP
     if not count:
         return replace(plan, resident_note=f"resident adapters: none ({why})")
     held = sum(numels[:count])
-    passes = plan.micro_batches if plan.schedule == "per-micro-batch" else 1
+    # their adapters and gradients no longer cross (crossings.py)
+    state = resident_buffers(held, "float32", False)  # fp32 adapters: no copy (megatrain/engine/resident.py)
+    rows = (*(b for b in plan.buffers if b.place not in (H2D, D2H)),
+            *crossings(config, planning_layout(config), plan.step, count), *state)
+    pcie = dict(buffers=rows, h2d_bytes=total(rows, place=H2D), d2h_bytes=total(rows, place=D2H))
     note = (f"resident adapters: {'all units' if count == len(numels) else f'the first {count} units'} "
             f"({held * ADAPTER_BYTES / GiB:.3f} GiB with their Adam state): updated on the device, no PCIe, no CPU "
             f"pool; {why}")
-    return replace(plan, resident_units=count, resident_params=held, gpu_resident=held * ADAPTER_BYTES,
-                   resident_note=note, h2d_bytes=max(0, plan.h2d_bytes - (3 * passes - 1) * held * 4),
-                   d2h_bytes=max(0, plan.d2h_bytes - passes * held * 4),
+    return replace(plan, resident_units=count, resident_params=held, gpu_resident=total(state),
+                   resident_note=note, **pcie,
                    process_bytes=plan.process_bytes + (0 if plan.on_gpu else held * ADAPTER_BYTES))

@@ -69,7 +69,7 @@ def place_on_device(plan: MemoryPlan, config: ModelConfig, *, resident: int | st
     resident_weights: "copy", "cast" or "auto" (EngineConfig.resident_weights). A LoRA run's resident units are its
     adapters' (lora_resident), and its layers keep no activations."""
     if plan.adapter_numels:
-        plan = lora_resident(plan, resident, world)
+        plan = lora_resident(plan, config, resident, world)
         return _with_kept(plan, plan_kept(plan, config, keep_activations, precision, None))
     both = (resident_weights == AUTO and precision == "bf16" and step_time is not None and resident == AUTO
             and spare_budget(plan) is not None)

@@ -92,4 +92,4 @@ class ParameterStoreActor:
         """Removes the arena's files, the mappings staying valid: before a recovery kills this store, which may be
         stuck in the weight exchange with a dead peer (so `close` could wait for it)."""
         if self.store is not None:
-            self.store.arena.unlink()
+            self.store.unlink()

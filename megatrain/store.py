@@ -329,6 +329,13 @@ class ParameterStore:
         self.set_version(int(state.get("updates_applied", 0)))
         return state
 
+    def unlink(self) -> None:
+        """The arena's files and the NVMe tier's state directory removed, the mappings and open files staying valid:
+        before a recovery kills this store, which may be stuck in the weight exchange (so `close` could wait)."""
+        self.arena.unlink()
+        if self.tier is not None:
+            self.tier.files.unlink()
+
     def close(self) -> None:
         if getattr(self, "tier", None) is not None:
             self.tier.close()

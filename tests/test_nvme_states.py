@@ -179,6 +179,25 @@ def test_on_several_nodes_a_tiered_units_version_comes_once_its_masters_are_on_d
             st.close()
 
 
+def test_a_store_unlinked_before_a_recovery_kills_it_leaves_no_state_directory(nvme_dir: Path) -> None:
+    """Several nodes replace every actor where a worker died (pipelines/recovery.py), unlinking each store first: its
+    NVMe state directory goes then, with its arena's files (a killed store's stayed until the next run's start)."""
+    from megatrain.config import ModelConfig
+    from megatrain.memory.nvme import TierSpec, list_state_dirs
+    from megatrain.store import ParameterStore
+
+    spec = TierSpec(str(nvme_dir), ("master", "moments"), ("params", "exp_avg", "exp_avg_sq"))
+    store = ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, nodes=2, verify=False,
+                           check_memory=False, tier=spec)
+    try:
+        paths = [store.handle.path(k) for k in spec.kinds]
+        assert len(list_state_dirs(nvme_dir)) == 1 and all(p.exists() for p in paths)
+        store.unlink()
+        assert list_state_dirs(nvme_dir) == [] and not any(p.exists() for p in paths)
+    finally:
+        store.close()
+
+
 EXCHANGE = """
 import sys, torch
 from megatrain.config import ModelConfig
@@ -412,9 +431,10 @@ def test_two_nodes_with_states_on_nvme_train_recover_and_resume_bit_for_bit(tmp_
     for d in shm:
         d.mkdir()
     with private_ray_env() as env:
+        # seven Engines on the two nodes: ~150 s on 2 idle cores, past TIMEOUT under load
         proc = subprocess.run([sys.executable, "-c", TWO_NODES, *map(str, shm), str(nvme_dir), str(tmp_path)],
                               cwd=tmp_path, env={**env, "MEGATRAIN_SHM_DIR": str(shm[0])}, capture_output=True,
-                              text=True, timeout=TIMEOUT, start_new_session=True)
+                              text=True, timeout=3 * TIMEOUT, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["nvme"] == result["host"] and result["bf16-nvme"] == result["bf16-host"][:3]

@@ -187,7 +187,7 @@ def test_a_store_unlinked_before_a_recovery_kills_it_leaves_no_state_directory(n
     from megatrain.store import ParameterStore
 
     spec = TierSpec(str(nvme_dir), ("master", "moments"), ("params", "exp_avg", "exp_avg_sq"))
-    store = ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, shadow=True, nodes=2, verify=False,
+    store = ParameterStore(ModelConfig.from_name("tiny"), num_workers=1, bf16_copy=True, nodes=2, verify=False,
                            check_memory=False, tier=spec)
     try:
         paths = [store.handle.path(k) for k in spec.kinds]

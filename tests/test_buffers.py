@@ -153,11 +153,10 @@ CROSSING = {
 }
 
 
-@pytest.mark.parametrize("settings", list(CROSSING.values()), ids=list(CROSSING))
-def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any]) -> None:
-    """Exact: every byte the executor's streams copy in a step is a row's (the step's distinct tokens as many as the
-    plan's bound, min(vocab, tokens)). Not on the streams, so not here: the step's results read at its end (a float64
-    norm per unit, the loss) and the rotary tables."""
+def crossing_case(settings: dict[str, Any], device: str) -> tuple[Any, Executor, torch.Tensor | None, int,
+                                                                   torch.Tensor, torch.Tensor]:
+    """(plan, executor on `device`, the frozen base or None, micro-batches, the batch, the gradients' arena) of a
+    CROSSING setting, seeded: two devices' cases hold the same weights and tokens (tests/test_gpu.py compares them)."""
     s = dict(settings)
     base = ModelConfig.from_name("tiny")
     config = replace(base, num_layers=s.pop("layers"), tie_embeddings=s.pop("tied", False),
@@ -167,15 +166,29 @@ def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any
                     tile_tokens=None, **{"checkpoint_budget": None, **s})
     layout = training_layout(config, s.get("lora"))  # a LoRA run's: its adapters, beside the frozen base
     grad_layout = GradLayout.build(layout, plan.grads)
-    params = torch.randn(layout.numel) * 0.02
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(layout.numel, generator=gen) * 0.02
     bf16_copy = params.bfloat16() if plan.bf16_copy_bytes else None
-    frozen = None if layout.frozen is None else (torch.randn(layout.frozen.numel) * 0.02).bfloat16()
-    executor = Executor(config, layout, params, torch.zeros(grad_layout.numel), "cpu-async:1", s["precision"],
-                        grad_layout=grad_layout, bf16_copy=bf16_copy, resident_units=plan.resident_units,
+    frozen = None if layout.frozen is None else (torch.randn(layout.frozen.numel, generator=gen) * 0.02).bfloat16()
+    grads = torch.zeros(grad_layout.numel)
+    executor = Executor(config, layout, params, grads, device, s["precision"], grad_layout=grad_layout,
+                        bf16_copy=bf16_copy, resident_units=plan.resident_units,
                         checkpoint_budget=plan.checkpoint_budget, frozen=frozen)
+    if len(executor.resident):  # their weights from the arena, as the executor's actor loads them
+        executor.resident.load({"params": params, "exp_avg": torch.zeros_like(params),
+                                "exp_avg_sq": torch.zeros_like(params)}, 0)
+    ids = torch.randperm(config.vocab_size, generator=gen)[: BATCH * k * SEQ].reshape(BATCH * k, SEQ)  # distinct
+    return plan, executor, frozen, k, ids, grads
+
+
+@pytest.mark.parametrize("settings", list(CROSSING.values()), ids=list(CROSSING))
+def test_the_bytes_a_step_copies_are_the_plans_crossings(settings: dict[str, Any]) -> None:
+    """Exact: every byte the executor's streams copy in a step is a row's (the step's distinct tokens as many as the
+    plan's bound, min(vocab, tokens)). Not on the streams, so not here: the step's results read at its end (a float64
+    norm per unit, the loss) and the rotary tables."""
+    plan, executor, frozen, k, ids, _ = crossing_case(settings, "cpu-async:1")
     try:  # (a LoRA run's device rows: its own plan's, lora_plan.py; the crossings alone here)
         moved, made = traced(executor), made_by(executor) if frozen is None else {}
-        ids = torch.randperm(config.vocab_size)[: BATCH * k * SEQ].reshape(BATCH * k, SEQ)  # every token distinct
         out = executor.run(ids, micro_batches=k, schedule=plan.schedule, hold_grads=plan.grads == "device",
                            loss_ready=lambda loss: True)
         if out.held:  # every layer's, beside the head's and the embedding's

@@ -640,3 +640,36 @@ def test_the_generic_paths_layers_compile_on_cuda(tmp_path: Path) -> None:
         assert ((got_grads - want_grads).abs().max() / want_grads.abs().max()).item() <= 1e-5
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("name", ["bf16 no copy, device", "per-micro-batch, 3 passes",
+                                  "2 resident units, tied, padding", "resident embedding, per-micro-batch, padding"])
+def test_the_buffers_tables_cases_on_cuda_match_the_cpu_within_the_plan(name: str) -> None:
+    """tests/test_buffers.py's crossing cases (copies traced under cpu-async equal the plan's rows) on this GPU: the
+    same weights and batch give the CPU's loss and gradients (held on the device, several passes, resident units and
+    a resident embedding, whose rows' gradient the executor reads on the device), and the peak stays within the
+    plan's device rows as test_engine_gpu_peak_memory_within_plan allows."""
+    from test_buffers import CROSSING, crossing_case
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        plan, executor, _, k, ids, grads = crossing_case(CROSSING[name], device)
+        try:
+            out = executor.run(ids, micro_batches=k, schedule=plan.schedule, hold_grads=plan.grads == "device",
+                               loss_ready=lambda loss: True)
+            executor.send_held(out.held)
+            executor.streams.synchronize()
+            runs[device] = out.loss, torch.cat([grads, executor.resident.tensors["grads"].cpu()])  # resident: there
+        finally:
+            executor.close()
+        peak = torch.cuda.max_memory_allocated() - before
+    planned = plan.gpu_total - int(CUDA_CONTEXT)
+    print(f"\n{name}: peak {peak / MiB:.1f} MiB, plan {planned / MiB:.1f} MiB")
+    assert peak <= planned * (1 + PLAN_SLACK) + UNPLANNED_GPU_BYTES
+    (want_loss, want_grads), (loss, got) = runs["cpu"], runs["cuda"]
+    tolerance = 1e-5 if CROSSING[name]["precision"] == "fp32" else 1e-2
+    assert abs(loss - want_loss) <= tolerance * abs(want_loss), (loss, want_loss)
+    assert ((got - want_grads).norm() / want_grads.norm()).item() <= tolerance

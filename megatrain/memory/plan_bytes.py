@@ -1,5 +1,5 @@
 """The byte counts of the memory plan (megatrain/memory/plan.py: plan_memory) that follow the executor's schedule:
-one layer's recompute working set, the PCIe traffic of a step, the processes' resident memory."""
+one layer's recompute working set and the processes' resident memory (what crosses PCIe: crossings.py)."""
 
 from __future__ import annotations
 

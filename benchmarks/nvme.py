@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatrain.memory.nvme import StateFiles, _aligned_buffer, _bytes, check_directory  # noqa: E402
+from megatrain.memory.nvme import StateFiles, _bytes, aligned_buffer, check_directory  # noqa: E402
 from megatrain.memory.staging import UnitStager, unit_extents  # noqa: E402
 
 RAW_BLOCK = 64 << 20
@@ -43,7 +43,7 @@ UNIT_BYTES = 64 << 20  # one staged unit's share: a 7B layer's moments per worke
 def raw_rates(directory: Path, nbytes: int) -> tuple[float, float]:
     """(write, read) GB/s of one thread's sequential O_DIRECT requests of RAW_BLOCK bytes."""
     path = directory / f".megatrain-raw-{uuid.uuid4().hex[:6]}"
-    buf = _aligned_buffer(RAW_BLOCK)
+    buf = aligned_buffer(RAW_BLOCK)
     buf.random_(0, 255)
     view = _bytes(buf)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)

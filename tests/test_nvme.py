@@ -135,7 +135,7 @@ def test_a_unit_larger_than_a_slot_is_staged_in_parts(tmp_path: Path, shm_segmen
     extents = {p: [Extent(k, p * 4096, (p + 1) * 4096) for k in ("grads", "exp_avg")] for p in range(8)}
     tensors = {"grads": seg, STAGE_PREFIX + "exp_avg": torch.zeros(SLOTS * 1024),
                STAGE_PREFIX + "grads": torch.zeros(SLOTS * 1024)}
-    tensors = {k: v if k == "grads" else nvme._aligned_buffer(v.numel() * 4).view(torch.float32).zero_()
+    tensors = {k: v if k == "grads" else nvme.aligned_buffer(v.numel() * 4).view(torch.float32)[: v.numel()].zero_()
                for k, v in tensors.items()}
     stager = UnitStager(files, tensors, {"grads": path}, extents, slot_numel=1024, landing=("grads",), parts=parts)
     published = []
@@ -182,7 +182,7 @@ def test_tier_reads_ahead_in_order_and_waits_for_what_it_left(tmp_path: Path, mo
     files = StateFiles.create(tmp_path, {"exp_avg": NUMEL * 4})
     seg = torch.arange(NUMEL, dtype=torch.float32)
     try:
-        files.write("exp_avg", 0, nvme._aligned_buffer(NUMEL * 4).view(torch.float32).copy_(seg)).result()
+        files.write("exp_avg", 0, nvme.aligned_buffer(NUMEL * 4).view(torch.float32)[:NUMEL].copy_(seg)).result()
         reader = staging.TierReader(files, {"exp_avg": torch.zeros(NUMEL)}, ("exp_avg",), {"exp_avg": 1024})
         arena = reader.tensors["exp_avg"]
         views = [arena[a : a + n] for a, n in ((0, 1024), (1024, 3072), (4096, 100), (5120, 1024), (6144, 2048))]

@@ -20,7 +20,7 @@ import test_nvme
 import torch
 from test_nvme import ENGINE, NUMEL, allocated, assert_resumes_across_tiers, assert_same, checkpoint_state, train
 
-from megatrain.memory.nvme import StateFiles, _aligned_buffer
+from megatrain.memory.nvme import StateFiles, aligned_buffer
 from megatrain.memory.staging import SLOTS, STAGE_PREFIX, UnitStager, unit_extents
 
 # tests/test_nvme.py's fixtures: the state files' directory (checked empty after), a sparse /dev/shm segment
@@ -40,7 +40,7 @@ def test_landed_gradients_are_stowed_from_their_range_and_staged_back_into_a_slo
     path, seg = shm_segment
     half = NUMEL // 2  # four units of 1024 elements: their gradients' ranges; the slots after
     tensors = {"grads": seg[:half], STAGE_PREFIX + "grads": seg[half : half + SLOTS * 1024],
-               STAGE_PREFIX + "exp_avg": _aligned_buffer(SLOTS * 1024 * 4).view(torch.float32)}
+               STAGE_PREFIX + "exp_avg": aligned_buffer(SLOTS * 1024 * 4).view(torch.float32)}
     files = StateFiles.create(tmp_path, {"grads": half * 4, "exp_avg": half * 4})
     units = {u: (u * 1024, (u + 1) * 1024) for u in range(4)}
     stager = UnitStager(files, tensors, {"grads": path}, unit_extents(units, ("grads", "exp_avg")), slot_numel=1024,
@@ -202,7 +202,7 @@ EXCHANGE = """
 import sys, torch
 from megatrain.config import ModelConfig
 from megatrain.distributed import node_exchange
-from megatrain.memory.nvme import StateFiles, _aligned_buffer
+from megatrain.memory.nvme import StateFiles, aligned_buffer
 from megatrain.model.layout import ALIGN, ModelLayout, NodeShard
 
 node_exchange.PART_NUMEL = 3 * ALIGN  # a part crosses in several pieces, the last one short
@@ -213,7 +213,7 @@ group = node_exchange.NodeGroup.join(shard, address, timeout_s=60)
 files = StateFiles.create(root, {"params": layout.numel * 4}, run_id=f"node{rank}")
 try:
     want = torch.arange(layout.numel, dtype=torch.float32)  # each element its own value: a part misplaced shows
-    masters = _aligned_buffer(layout.numel * 4).view(torch.float32)
+    masters = aligned_buffer(layout.numel * 4).view(torch.float32)[: layout.numel]
     masters.fill_(-1.0)  # the other node's parts, stale
     for unit in layout.units:
         lo, hi = shard.bounds[unit.index]

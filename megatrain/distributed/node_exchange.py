@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatrain.config import MegatrainError
 from megatrain.distributed.process_group import join_process_group, leave_process_group
-from megatrain.memory.nvme import MAX_ALIGN, StateFiles
+from megatrain.memory.nvme import StateFiles, aligned_buffer
 from megatrain.memory.versions import VersionTable
 from megatrain.model.layout import ALIGN, ModelLayout, NodeShard, aligned_split
 
@@ -35,7 +35,7 @@ class MasterParts:
         """first: the element of the params segment the units on NVMe start at (the resident units' are in the arena);
         largest: elements of the largest unit (the buffers need no more)."""
         self.files, self.first = files, first
-        self.buffers = [_aligned(min(PART_NUMEL, largest)) for _ in range(4)]  # 0, 1 read into; 2, 3 written from
+        self.buffers = [_floats(min(PART_NUMEL, largest)) for _ in range(4)]  # 0, 1 read into; 2, 3 written from
         self.pending: list[Future | None] = [None] * 4
         self.turns = [0, 0]  # the read buffer and the written one used last
 
@@ -76,12 +76,6 @@ class MasterParts:
         pending, self.pending[i] = self.pending[i], None
         if pending is not None:
             pending.result()
-
-
-def _aligned(numel: int) -> torch.Tensor:
-    raw = torch.empty(numel + MAX_ALIGN // 4, dtype=torch.float32)
-    at = (-raw.data_ptr()) % MAX_ALIGN // 4
-    return raw[at : at + numel]
 
 
 @dataclass
@@ -152,3 +146,7 @@ class NodeGroup:
 
     def close(self) -> None:
         leave_process_group()
+
+
+def _floats(numel: int) -> torch.Tensor:
+    return aligned_buffer(numel * 4).view(torch.float32)[:numel]

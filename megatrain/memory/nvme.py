@@ -100,12 +100,11 @@ def check_directory(path: str | Path, need_bytes: int = 0) -> DiskCheck:
 def _probe_direct_io(path: Path) -> tuple[int, int]:
     """Opens a scratch file with O_DIRECT and writes 4 KiB: where that fails the directory takes no direct I/O."""
     probe = path / f".{PREFIX}-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    buf = torch.zeros(MAX_ALIGN * 2, dtype=torch.uint8)
-    at = (-buf.data_ptr()) % MAX_ALIGN
+    buf = aligned_buffer(MAX_ALIGN, zeroed=True)
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         try:
-            os.pwritev(fd, [_bytes(buf[at:at + MAX_ALIGN])], 0)
+            os.pwritev(fd, [_bytes(buf)], 0)
         finally:
             os.close(fd)
     except OSError as e:
@@ -342,7 +341,7 @@ def measure_rates(root: str | Path, nbytes: int, threads: int = 4) -> tuple[floa
     nbytes = max(MAX_ALIGN, nbytes // MAX_ALIGN * MAX_ALIGN)
     files = StateFiles.create(root, {"probe": nbytes}, run_id="rate", threads=threads)
     try:
-        buf = _aligned_buffer(min(nbytes, 256 << 20))
+        buf = aligned_buffer(min(nbytes, 256 << 20))
         torch.randint(0, 255, (buf.numel(),), dtype=torch.uint8, out=buf)
         rates = []
         for io in (files.write, files.read):
@@ -356,10 +355,12 @@ def measure_rates(root: str | Path, nbytes: int, threads: int = 4) -> tuple[floa
         files.destroy()
 
 
-def _aligned_buffer(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + MAX_ALIGN, dtype=torch.uint8)
+def aligned_buffer(nbytes: int, zeroed: bool = False) -> torch.Tensor:
+    """A byte buffer (`zeroed`) of `nbytes` rounded up to the direct I/O alignment, at an aligned address."""
+    size = -(-nbytes // MAX_ALIGN) * MAX_ALIGN
+    raw = (torch.zeros if zeroed else torch.empty)(size + MAX_ALIGN, dtype=torch.uint8)
     at = (-raw.data_ptr()) % MAX_ALIGN
-    return raw[at:at + nbytes]
+    return raw[at : at + size]
 
 
 def wait_all(futures: Iterable[Future]) -> None:

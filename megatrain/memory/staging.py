@@ -16,7 +16,7 @@ import torch
 
 from megatrain.io.slot_io import SlotIO
 from megatrain.memory.arena import Arena
-from megatrain.memory.nvme import MAX_ALIGN, StateFiles, TierHandle, TierSpec, all_of, punch_out
+from megatrain.memory.nvme import StateFiles, TierHandle, TierSpec, aligned_buffer, all_of, punch_out
 from megatrain.model.layout import ALIGN, ModelLayout
 
 AHEAD = 1  # units read ahead of the one taken: each holds its share of RAM while it waits
@@ -368,7 +368,7 @@ class TierReader:
         if where is None:
             return view, None
         nbytes = view.numel() * view.element_size()
-        buf = _aligned(nbytes, zeroed=False)  # the read fills it, padding included
+        buf = aligned_buffer(nbytes)  # the read fills it, padding included
         return buf[:nbytes].view(view.dtype).view(view.shape), self.files.read(where[0], where[1], buf)
 
     def fill(self, view: torch.Tensor, write: Callable[[torch.Tensor], None]) -> None:
@@ -376,17 +376,10 @@ class TierReader:
         if where is None:
             write(view)
             return
-        buf = _aligned(view.numel() * view.element_size())  # zeros past the view: the alignment padding between slots
+        # zeros past the view: the alignment padding between slots
+        buf = aligned_buffer(view.numel() * view.element_size(), zeroed=True)
         write(buf[: view.numel() * view.element_size()].view(view.dtype).view(view.shape))
         self.files.write(where[0], where[1], buf).result()
 
     def slot_io(self) -> SlotIO:
         return SlotIO(self.read, self.fill, self.read_ahead)
-
-
-def _aligned(nbytes: int, zeroed: bool = True) -> torch.Tensor:
-    """A byte buffer (`zeroed`) of `nbytes` rounded up to the direct I/O alignment, at an aligned address."""
-    size = -(-nbytes // MAX_ALIGN) * MAX_ALIGN
-    raw = (torch.zeros if zeroed else torch.empty)(size + MAX_ALIGN, dtype=torch.uint8)
-    at = (-raw.data_ptr()) % MAX_ALIGN
-    return raw[at : at + size]

@@ -155,4 +155,6 @@ def hf_config_object(hf: dict[str, Any]) -> Any:
     try:
         return transformers.AutoConfig.for_model(hf["model_type"], **fields)
     except Exception as e:  # transformers' own refusal of a config, whatever its type (strict dataclass checks too)
-        raise ConfigError(f"transformers refuses this {hf['model_type']} config.json ({e}); fix config.json.") from None
+        detail = " ".join(str(e).split())  # its validation errors run over several lines: one sentence here
+        raise ConfigError(f"transformers refuses this {hf['model_type']} config.json ({detail}); fix config.json."
+                          ) from None
